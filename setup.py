@@ -45,7 +45,8 @@ def _extensions():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     march = os.environ.get("ZEROKERN_MARCH", "native")
-    cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    # The language standard is left to torch (C++17 for torch 2.11, C++20 from 2.13 on).
+    cxx = ["-O3", "-fopenmp"]
     if march:
         cxx.append(f"-march={march}")
     cpu_sources = [
@@ -61,8 +62,7 @@ def _extensions():
         os.environ.setdefault("CUDA_HOME", str(Path(nvcc).resolve().parent.parent))
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         _say(
-            f"building CPU + CUDA kernels (nvcc {nvcc}, "
-            f"archs {os.environ['TORCH_CUDA_ARCH_LIST']})"
+            f"building CPU + CUDA kernels (nvcc {nvcc}, archs {os.environ['TORCH_CUDA_ARCH_LIST']})"
         )
         ext = CUDAExtension(
             "zerokern._C",
@@ -71,7 +71,7 @@ def _extensions():
             define_macros=[("ZK_WITH_CUDA", "1")],
             extra_compile_args={
                 "cxx": cxx,
-                "nvcc": ["-O3", "-lineinfo", "-std=c++17"],
+                "nvcc": ["-O3", "-lineinfo"],
             },
             extra_link_args=["-fopenmp"],
         )

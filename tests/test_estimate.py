@@ -1,0 +1,407 @@
+"""Tests for ``python -m zerokern estimate`` (zerokern/cli/estimate.py).
+
+Reference numbers come from the ZeRO paper (Rajbhandari et al., arXiv:1910.02054v3) as quoted
+in the annotated copy in the project's seeds: §3.1-3.2, §5.1-5.4 and Table 1, §6.1, §7, §10-11.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerokern.cli import estimate as est
+
+REPO = Path(__file__).resolve().parents[1]
+GB = 1e9
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-m", "zerokern", "estimate", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _main(argv):
+    from zerokern.__main__ import main
+
+    return main(argv)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory formulas (§5.1-5.4)
+# --------------------------------------------------------------------------------------------
+
+
+def test_tiny_model_bytes():
+    # §1 / §5: Psi = 8 parameters on 4 GPUs -> 128, 56, 44, 32 bytes per GPU.
+    got = [est.model_state_bytes(s, 8, 4) for s in est.STAGES]
+    assert got == [128, 56, 44, 32]
+    assert est.mem_dp(8, 4) == 128
+    assert est.mem_os(8, 4) == 56
+    assert est.mem_os_g(8, 4) == 44
+    assert est.mem_os_g_p(8, 4) == 32
+
+
+def test_paper_model_on_64_gpus():
+    # Figure 1 / Table 1: 7.5B parameters on 64 GPUs -> 120, 31.4, 16.6, 1.88 GB.
+    psi, n = 7.5e9, 64
+    got = [est.model_state_bytes(s, psi, n) / GB for s in est.STAGES]
+    assert got == pytest.approx([120, 31.40625, 16.640625, 1.875])
+    assert [est.fmt_gb(est.model_state_bytes(s, psi, n)) for s in est.STAGES] == [
+        "120",
+        "31.4",
+        "16.6",
+        "1.88",
+    ]
+
+
+# Table 1 of the paper: GB per GPU for stages 1, 2, 3 (DP is 16 Psi in every row).
+# Cells quoted in the seeds: 7.5B at N=4 (52.5, 41.3, 30) and N=64 (31.4, 16.6, 1.88),
+# 128B at N=64 stage 3 (32, "fits"), 1T at N=1024 stage 3 (15.6). The other cells are the
+# paper's printed values, some truncated rather than rounded (4187 for 4187.5), so each cell is
+# checked to within one unit of its last printed digit.
+TABLE1 = {
+    7.5e9: {
+        1: ("120", "120", "120"),
+        4: ("52.5", "41.3", "30"),
+        16: ("35.6", "21.6", "7.5"),
+        64: ("31.4", "16.6", "1.88"),
+        256: ("30.4", "15.4", "0.47"),
+        1024: ("30.1", "15.1", "0.12"),
+    },
+    128e9: {
+        1: ("2048", "2048", "2048"),
+        4: ("896", "704", "512"),
+        16: ("608", "368", "128"),
+        64: ("536", "284", "32"),
+        256: ("518", "263", "8"),
+        1024: ("513", "257", "2"),
+    },
+    1e12: {
+        1: ("16000", "16000", "16000"),
+        4: ("7000", "5500", "4000"),
+        16: ("4750", "2875", "1000"),
+        64: ("4187", "2218", "250"),
+        256: ("4046", "2054", "62.5"),
+        1024: ("4011", "2013", "15.6"),
+    },
+}
+
+
+@pytest.mark.parametrize("psi", sorted(TABLE1))
+def test_table1(psi):
+    for n, cells in TABLE1[psi].items():
+        assert est.mem_dp(psi, n) / GB == pytest.approx(16 * psi / GB)
+        for stage, printed in zip((1, 2, 3), cells, strict=True):
+            got = est.model_state_bytes(stage, psi, n) / GB
+            unit = 10.0 ** -(len(printed.split(".")[1]) if "." in printed else 0)
+            assert abs(got - float(printed)) < unit, (psi, n, stage, got, printed)
+
+
+def test_table1_formatting_rounds_half_up():
+    # 41.25 GB is printed 41.3 in the paper (round half up, not half to even).
+    assert est.fmt_gb(est.mem_os_g(7.5e9, 4)) == "41.3"
+    assert est.fmt_gb(est.mem_os(7.5e9, 4)) == "52.5"
+    assert est.fmt_gb(est.mem_os_g_p(1e12, 1024)) == "15.6"
+
+
+def test_other_paper_numbers():
+    # §3.1: GPT-2 1.5B needs 24 GB of model states; §10.4: 1.4B under DP = 22.4 GB.
+    assert est.mem_dp(1.5e9) / GB == pytest.approx(24.0)
+    assert est.mem_dp(1.4e9) / GB == pytest.approx(22.4)
+    # §10.4: 13B with stage 2 on 128 GPUs -> 27.4 GB.
+    assert round(est.mem_os_g(13e9, 128) / GB, 1) == 27.4
+    # §10.3: 60B with 16-way MP = 3.75B per slice; stage 2 on N_d = 4 and 25 -> 20.6, 9.6 GB.
+    assert round(est.mem_os_g(3.75e9, 4) / GB, 1) == 20.6
+    assert round(est.mem_os_g(3.75e9, 25) / GB, 1) == 9.6
+    # §11: bytes per parameter at N_d = 25: stage 2 2.56, stage 3 0.64.
+    assert est.mem_os_g(1, 25) == pytest.approx(2.56)
+    assert est.mem_os_g_p(1, 25) == pytest.approx(0.64)
+    # §5.4: a 32 GB GPU holds 2B parameters under DP; stage 3 on 64 GPUs holds 128B.
+    assert est.mem_dp(2e9) == pytest.approx(32 * GB)
+    assert est.mem_os_g_p(128e9, 64) == pytest.approx(32 * GB)
+
+
+def test_k_is_a_parameter():
+    assert est.mem_dp(10, 1, k=8) == 120
+    assert est.mem_os(10, 2, k=8) == 40 + 40
+    assert est.mem_os_g(10, 2, k=8) == 20 + 50
+    assert est.mem_os_g_p(10, 2, k=8) == 60
+
+
+def test_bad_inputs_to_functions():
+    with pytest.raises(ValueError):
+        est.mem_os(-1, 4)
+    with pytest.raises(ValueError):
+        est.mem_os(8, 0)
+    with pytest.raises(ValueError):
+        est.model_state_bytes(4, 8, 4)
+
+
+def test_min_gpus_to_fit():
+    cap = 32 * GB
+    got = [est.min_gpus_to_fit(s, 7.5e9, cap) for s in est.STAGES]
+    # DP needs 120 GB whatever N; stage 1: 30 + 90/N <= 32 -> N >= 45; stage 2: 15 + 105/N
+    # <= 32 -> N >= 7; stage 3: 120/N <= 32 -> N >= 4.
+    assert got == [None, 45, 7, 4]
+    # exact tie: 128B on 64 GPUs is exactly 32 GB (Table 1 marks it as fitting)
+    assert est.min_gpus_to_fit(3, 128e9, cap) == 64
+    # §5.4: for 1T only stage 3 ever fits; Table 1's columns jump from 256 GPUs (62.5 GB) to
+    # 1,024 (15.6 GB), and the exact threshold is 16e12 / 32e9 = 500 GPUs
+    assert est.min_gpus_to_fit(1, 1e12, cap) is None
+    assert est.min_gpus_to_fit(2, 1e12, cap) is None
+    assert est.min_gpus_to_fit(3, 1e12, cap) == 500
+    for s in (1, 2, 3):
+        for psi in (1e9, 3.3e9, 7.5e9):
+            n = est.min_gpus_to_fit(s, psi, cap)
+            if n is not None:
+                assert est.model_state_bytes(s, psi, n) <= cap
+                assert n == 1 or est.model_state_bytes(s, psi, n - 1) > cap
+
+
+# --------------------------------------------------------------------------------------------
+# Communication (§7), model size, activations (§3.2, §6.1)
+# --------------------------------------------------------------------------------------------
+
+
+def test_comm_volumes():
+    psi = 7.5e9
+    assert [est.comm_elements(psi, s) for s in est.STAGES] == [2 * psi] * 3 + [3 * psi]
+    # §7: 15 billion vs 22.5 billion numbers per step for the 7.5B model: 1.5x
+    assert est.comm_elements(psi, 0) == 15e9
+    assert est.comm_elements(psi, 3) == 22.5e9
+    assert est.comm_bytes(psi, 3) == 45e9  # 2 bytes per fp16/bf16 element
+    assert est.comm_seconds(psi, 0, 100) == pytest.approx(0.3)
+    assert est.comm_seconds(psi, 3, 100) == pytest.approx(0.45)
+    assert est.comm_elements(8, 0) == 16 and est.comm_elements(8, 3) == 24
+
+
+def test_gpt_param_count():
+    # §10.1: 125 layers of width 8192 -> about 100.7B parameters.
+    assert est.gpt_params(125, 8192) == 12 * 125 * 8192**2
+    assert round(est.gpt_params(125, 8192) / 1e9, 1) == 100.7
+    # GPT-2 1.5B: h = 1600, L = 48 -> 1.47B by the 12 L H^2 rule
+    assert est.gpt_params(48, 1600) == 1_474_560_000
+
+
+def test_activations():
+    # §3.2 footnote: 12 * h * b * s * L values; toy h=2, b=1, s=3, L=1 -> 72 values, 144 bytes
+    assert est.activation_values(2, 1, 3, 1) == 72
+    assert est.activation_bytes(2, 1, 3, 1) == 144
+    # GPT-2 1.5B at b=32, s=1024: 30.2e9 values, "about 60 GB" (60.4) in fp16
+    assert round(est.activation_values(1600, 32, 1024, 48) / 1e9, 1) == 30.2
+    assert round(est.activation_bytes(1600, 32, 1024, 48) / GB, 1) == 60.4
+    # §6.1: checkpoints of the 100B model (L=125, h=8192, b=32, s=1024): 33.6e9 values
+    assert round(est.checkpoint_values(8192, 32, 1024, 125) / 1e9, 1) == 33.6
+    assert est.checkpoint_bytes(8192, 32, 1024, 125) == 2 * 8192 * 32 * 1024 * 125
+
+
+def test_activations_count_against_gpu_mem():
+    r = est.estimate(1.5e9, gpus=[1], gpu_mem_gb=32, layers=48, hidden=1600, batch=32, seq=1024)
+    assert r["activations"]["counted_in_fit_bytes"] == est.activation_bytes(1600, 32, 1024, 48)
+    assert r["rows"][0]["fits"] == {f"stage{s}": False for s in est.STAGES}
+    r = est.estimate(
+        1.5e9,
+        gpus=[1],
+        gpu_mem_gb=32,
+        layers=48,
+        hidden=1600,
+        batch=32,
+        seq=1024,
+        checkpointing=True,
+    )
+    assert r["rows"][0]["fits"]["stage0"] is True  # 24 GB + 5.03 GB checkpoints <= 32 GB
+
+
+# --------------------------------------------------------------------------------------------
+# The CLI
+# --------------------------------------------------------------------------------------------
+
+
+def test_module_does_not_import_torch():
+    # Load estimate.py on its own (not through the zerokern package, whose __init__ may import
+    # torch) and check that it pulls in neither torch nor matplotlib.
+    path = REPO / "zerokern" / "cli" / "estimate.py"
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('zk_estimate', {str(path)!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules\n"
+        "print(m.mem_os_g_p(8, 4))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "32.0"
+
+
+def test_cli_json_subprocess():
+    p = _run_cli(
+        "--params", "7.5e9", "--gpus", "1", "4", "64", "--gpu-mem", "32", "--bandwidth", "100",
+        "--json",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["params"] == 7.5e9 and r["k"] == 12 and r["gpus"] == [1, 4, 64]
+    rows = {row["gpus"]: row for row in r["rows"]}
+    assert [rows[64]["gb"][f"stage{s}"] for s in est.STAGES] == pytest.approx(
+        [120, 31.40625, 16.640625, 1.875]
+    )
+    assert [rows[4]["gb"][f"stage{s}"] for s in est.STAGES] == pytest.approx([120, 52.5, 41.25, 30])
+    assert rows[64]["bytes"]["stage3"] == est.mem_os_g_p(7.5e9, 64)
+    assert rows[64]["fits"] == {"stage0": False, "stage1": True, "stage2": True, "stage3": True}
+    assert rows[4]["fits"] == {"stage0": False, "stage1": False, "stage2": False, "stage3": True}
+    assert r["min_gpus_to_fit"] == {"stage0": None, "stage1": 45, "stage2": 7, "stage3": 4}
+    comm = r["communication"]["stages"]
+    assert [comm[f"stage{s}"]["elements"] for s in est.STAGES] == [15e9, 15e9, 15e9, 22.5e9]
+    assert comm["stage3"]["bytes"] == 45e9
+    assert comm["stage0"]["seconds"] == pytest.approx(0.3)
+    assert comm["stage3"]["seconds"] == pytest.approx(0.45)
+    assert "ring" in r["communication"]["counting"]
+
+
+def test_cli_table_subprocess():
+    p = _run_cli(
+        "--params", "7.5e9", "--gpus", "1", "4", "16", "64", "256", "1024",
+        "--gpu-mem", "32", "--bandwidth", "100",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    row64 = next(line for line in out.splitlines() if line.split()[:1] == ["64"])
+    assert row64.split() == ["64", "120", "31.4", "*", "16.6", "*", "1.88", "*"]
+    row4 = next(line for line in out.splitlines() if line.split()[:1] == ["4"])
+    assert row4.split() == ["4", "120", "52.5", "41.3", "30.0", "*"]
+    assert "fewest GPUs that fit: DP never, P_os 45, P_os+g 7, P_os+g+p 4" in out
+    assert "300.0 ms" in out and "450.0 ms" in out
+    assert "§7" in out and "ring" in out
+    assert all(line == line.rstrip() for line in out.splitlines())
+
+
+def test_cli_layers_hidden_in_process(capsys):
+    assert _main(["estimate", "--layers", "125", "--hidden", "8192", "--gpus", "64", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["params"] == est.gpt_params(125, 8192)
+    assert r["param_source"] == "layers_hidden"
+    assert r["rows"][0]["bytes"]["stage3"] == pytest.approx(16 * est.gpt_params(125, 8192) / 64)
+
+
+def test_cli_activations_in_process(capsys):
+    argv = ["estimate", "--params", "1.5B", "--layers", "48", "--hidden", "1600"]
+    argv += ["--batch", "32", "--seq", "1024", "--gpus", "1", "--gpu-mem", "32"]
+    assert _main(argv) == 0
+    out = capsys.readouterr().out
+    assert "60.4 GB" in out and "5.03 GB" in out
+    assert _main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["params"] == 1.5e9
+    assert r["activations"]["no_checkpointing_gb"] == pytest.approx(60.3979776)
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--params", "-1"], "--params"),
+        (["--params=-7.5e9"], "--params"),
+        (["--params", "-7.5e9"], "--params"),
+        (["--params", "0"], "--params"),
+        (["--params", "lots"], "--params"),
+        (["--params", "7.5e9", "--gpus", "0"], "--gpus"),
+        (["--params", "7.5e9", "--gpus", "4", "-3"], "--gpus"),
+        (["--params", "7.5e9", "--gpu-mem", "0"], "--gpu-mem"),
+        (["--params", "7.5e9", "--bandwidth", "-5"], "--bandwidth"),
+        (["--params", "7.5e9", "--k", "-1"], "--k"),
+        (["--layers", "0", "--hidden", "10"], "--layers"),
+    ],
+)
+def test_bad_arguments(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _main(["estimate", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        ([], "--params"),
+        (["--layers", "12"], "--hidden"),
+        (["--params", "1e9", "--batch", "4"], "--seq"),
+        (["--params", "1e9", "--batch", "4", "--seq", "128"], "--layers"),
+    ],
+)
+def test_missing_arguments(argv, needle, capsys):
+    assert _main(["estimate", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "error" in captured.err and needle in captured.err
+
+
+def test_bad_arguments_subprocess():
+    p = _run_cli("--params", "7.5e9", "--gpus", "0")
+    assert p.returncode == 2
+    assert "argument --gpus" in p.stderr and p.stdout == ""
+
+
+def test_dispatcher_skips_missing_command_module(monkeypatch, capsys):
+    import zerokern.__main__ as zmain
+
+    monkeypatch.setattr(
+        zmain,
+        "COMMANDS",
+        [*zmain.COMMANDS, ("demo", "zerokern.cli._no_such_demo_module", "not written yet")],
+    )
+    assert zmain.main(["estimate", "--params", "8", "--gpus", "4", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["rows"][0]["bytes"] == {"stage0": 128, "stage1": 56, "stage2": 44, "stage3": 32}
+    with pytest.raises(SystemExit) as exc:
+        zmain.main(["demo"])
+    assert exc.value.code == 2
+    assert "not available" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# --plot
+# --------------------------------------------------------------------------------------------
+
+
+def test_plot_writes_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "mem.png"
+    argv = ["estimate", "--params", "7.5e9", "--gpu-mem", "32", "--plot", str(out)]
+    assert _main(argv) == 0
+    data = out.read_bytes()
+    assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mem.png"]  # no temp file left
+    assert "plot written to" in capsys.readouterr().out
+
+
+def test_plot_bad_directory(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "missing-dir" / "mem.png"
+    assert _main(["estimate", "--params", "7.5e9", "--plot", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "could not write" in captured.err
+    assert not out.exists()
+
+
+def test_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
+    # Make "import matplotlib" fail in-process, as if it were not installed.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "mem.png"
+    assert _main(["estimate", "--params", "7.5e9", "--plot", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing half-done: no table printed
+    assert "pip install matplotlib" in captured.err
+    assert not out.exists()

@@ -1,0 +1,8 @@
+"""zerokern: ZeRO stages 1-3 for PyTorch with fused mixed-precision AdamW kernels."""
+
+from . import ops
+from ._native import has_cuda_kernels, has_native
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "has_cuda_kernels", "has_native", "ops"]

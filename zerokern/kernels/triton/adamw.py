@@ -1,0 +1,223 @@
+"""Fused AdamW step over a flat fp32 shard, as a Triton kernel.
+
+Per element, in fp32, exactly the formula of csrc/kernels.h:
+
+    g = grad * inv_grad_scale
+    p = p * decay
+    m = lerp(m, g, w)        w < 0.5 ? m + w*(g-m) : g - (g-m)*(1-w)     (w = 1 - beta1)
+    v = v * beta2 + ((1 - beta2) * g) * g
+    p = p - (step_size * m) / (sqrt(v) / bc2_sqrt + eps)
+    param_lp = round_to_nearest_even(p)   (optional, bf16 or fp16)
+
+Every scalar is rounded to fp32 on the host (and 1 - w is computed there in fp32, as
+torch's lerp does), so the kernel sees the same fp32 operands as the other backends.
+sqrt and the divisions are the IEEE-rounded ones (sqrt_rn / div_rn), and the kernel is
+compiled with enable_fp_fusion=False so ptxas cannot contract a mul + add into an FMA:
+the result is then bit-identical to a plain sequence of fp32 ops (torch's CPU/CUDA math).
+
+Layout: one program per BLOCK elements. Full blocks take an unmasked path (so the JIT's
+16-byte alignment specialisation of the pointers gives 128-bit vector accesses even when
+n is odd); only the last, partial block is masked. Offsets are int32 unless n >= 2**31.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from zerokern.ops._scalars import AdamScalars
+
+BLOCK = 1024
+NUM_WARPS = 8
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+# Under TRITON_INTERPRET=1 the decorator returns an InterpretedFunction (decided when this
+# module is imported); the kernel then takes its bf16 rounding from integer ops.
+_INTERPRETED = False
+
+
+def _f32(x: float) -> float:
+    """Round a Python float to the nearest fp32 value (returned as a Python float)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+@triton.jit
+def _round_lp(p, LP_DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """fp32 -> bf16/fp16, round to nearest even (what torch's .to(dtype) does)."""
+    if SOFT_BF16 and LP_DTYPE == tl.bfloat16:
+        # Integer RNE, used under TRITON_INTERPRET: the interpreter's own fp32->bf16
+        # conversion rounds ties away from zero and drops the carry into the exponent.
+        # NaN becomes 0x7FC0 like torch's CPU conversion.
+        bits = p.to(tl.uint32, bitcast=True)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        rounded = tl.where(p != p, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        # cvt.rn.bf16.f32 / cvt.rn.f16.f32 on the GPU.
+        return p.to(LP_DTYPE, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _adamw_block(
+    offs,
+    mask,
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    lp_ptr,
+    decay,
+    w,
+    one_minus_w,
+    beta2,
+    one_minus_beta2,
+    step_size,
+    bc2_sqrt,
+    eps,
+    inv_grad_scale,
+    MASKED: tl.constexpr,
+    HAS_LP: tl.constexpr,
+    LERP_LOW: tl.constexpr,
+    APPLY_SCALE: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+):
+    if MASKED:
+        p = tl.load(param_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    else:
+        p = tl.load(param_ptr + offs)
+        g = tl.load(grad_ptr + offs)
+        m = tl.load(exp_avg_ptr + offs)
+        v = tl.load(exp_avg_sq_ptr + offs)
+
+    g = g.to(tl.float32)
+    if APPLY_SCALE:
+        g = g * inv_grad_scale
+    p = p * decay
+    diff = g - m
+    if LERP_LOW:
+        m = m + w * diff
+    else:
+        m = g - diff * one_minus_w
+    v = v * beta2 + (one_minus_beta2 * g) * g
+    # div_rn does not broadcast its operands: splat the scalar divisor first.
+    denom = tl.div_rn(tl.sqrt_rn(v), tl.full(v.shape, bc2_sqrt, tl.float32)) + eps
+    p = p - tl.div_rn(step_size * m, denom)
+    if HAS_LP:
+        p_lp = _round_lp(p, lp_ptr.dtype.element_ty, SOFT_BF16)
+
+    if MASKED:
+        tl.store(param_ptr + offs, p, mask=mask)
+        tl.store(exp_avg_ptr + offs, m, mask=mask)
+        tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+        if HAS_LP:
+            tl.store(lp_ptr + offs, p_lp, mask=mask)
+    else:
+        tl.store(param_ptr + offs, p)
+        tl.store(exp_avg_ptr + offs, m)
+        tl.store(exp_avg_sq_ptr + offs, v)
+        if HAS_LP:
+            tl.store(lp_ptr + offs, p_lp)
+
+
+@triton.jit
+def adamw_kernel(
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    lp_ptr,
+    n,
+    decay,
+    w,
+    one_minus_w,
+    beta2,
+    one_minus_beta2,
+    step_size,
+    bc2_sqrt,
+    eps,
+    inv_grad_scale,
+    BLOCK: tl.constexpr,
+    HAS_LP: tl.constexpr,
+    LERP_LOW: tl.constexpr,
+    APPLY_SCALE: tl.constexpr,
+    USE_INT64: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if USE_INT64:
+        start = pid.to(tl.int64) * BLOCK
+    else:
+        start = pid * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    if pid < n // BLOCK:
+        _adamw_block(offs, None, param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, lp_ptr,
+                     decay, w, one_minus_w, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
+                     inv_grad_scale, False, HAS_LP, LERP_LOW, APPLY_SCALE, SOFT_BF16)
+    else:
+        _adamw_block(offs, offs < n, param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, lp_ptr,
+                     decay, w, one_minus_w, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
+                     inv_grad_scale, True, HAS_LP, LERP_LOW, APPLY_SCALE, SOFT_BF16)
+
+
+def kernel_scalars(s: AdamScalars) -> dict:
+    """The fp32-rounded runtime scalars and scalar-derived constexprs of one step."""
+    w = _f32(s.one_minus_beta1)
+    # 1 - w as fp32 arithmetic computes it (torch's lerp uses the fp32 opmath type): for
+    # w >= 2**-29 the double difference is exact and rounds once; below, both give 1.0.
+    one_minus_w = _f32(1.0 - w)
+    inv = _f32(s.inv_grad_scale)
+    return dict(
+        decay=_f32(s.decay),
+        w=w,
+        one_minus_w=one_minus_w,
+        beta2=_f32(s.beta2),
+        one_minus_beta2=_f32(s.one_minus_beta2),
+        step_size=_f32(s.step_size),
+        bc2_sqrt=_f32(s.bc2_sqrt),
+        eps=_f32(s.eps),
+        inv_grad_scale=inv,
+        LERP_LOW=bool(w < 0.5),
+        APPLY_SCALE=bool(inv != 1.0),
+    )
+
+
+def adamw_triton_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    param_lp: torch.Tensor | None,
+    s: AdamScalars,
+) -> None:
+    """In-place AdamW step over flat shards (inputs validated by the caller)."""
+    n = param.numel()
+    if n == 0:
+        return
+    has_lp = param_lp is not None
+    grid = (triton.cdiv(n, BLOCK),)
+    adamw_kernel[grid](
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        param_lp if has_lp else param,  # dummy pointer when there is no low-precision copy
+        n,
+        BLOCK=BLOCK,
+        HAS_LP=has_lp,
+        USE_INT64=n >= 2**31 - BLOCK,
+        SOFT_BF16=_INTERPRETED,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,
+        **kernel_scalars(s),
+    )
+
+
+_INTERPRETED = type(adamw_kernel).__name__ == "InterpretedFunction"

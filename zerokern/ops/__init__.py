@@ -1,0 +1,16 @@
+"""Public functional ops. Each is a torch.library custom op (usable under torch.compile) with
+backends "cuda", "triton", "cpu" and "torch" (the pure-PyTorch reference)."""
+
+from ._backend import available_backends, resolve_backend
+from .adamw import fused_adamw_
+from .flatten import flatten_into_, unflatten_from_
+from .sq_norm import sq_norm
+
+__all__ = [
+    "available_backends",
+    "flatten_into_",
+    "fused_adamw_",
+    "resolve_backend",
+    "sq_norm",
+    "unflatten_from_",
+]
