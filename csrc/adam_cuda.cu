@@ -8,11 +8,12 @@
 // elements are handled by the first threads of the grid. Arrays whose phases cannot all be
 // reconciled use the scalar kernel. Indices are int64_t throughout (shards > 2^31 elements).
 //
-// Per-element arithmetic: the formula of kernels.h with each step rounded exactly as the CPU
-// backend (adam_cpu.cpp) and torch.optim.AdamW(foreach=False) on CUDA do it: the lerp, the
-// addcmul and the final addcdiv are single fused multiply-adds, everything else is one IEEE
-// rounding per operation (true division, correctly rounded sqrt). Written with __f*_rn
-// intrinsics so that nvcc cannot contract or reassociate differently.
+// Per-element arithmetic: the formula of kernels.h, rounded step by step as the CPU backend's
+// AVX2 path (adam_cpu.cpp) does it: the lerp, the addcmul and the final addcdiv are single
+// fused multiply-adds (as nvcc compiles torch's own lerp_/addcmul_/addcdiv_ CUDA kernels),
+// every other operation is one IEEE rounding (true division, correctly rounded sqrt).
+// torch.optim.AdamW on CUDA differs in one place: it divides sqrt(v) by bc2_sqrt as a multiply
+// by an fp32 reciprocal. Written with __f*_rn intrinsics so nvcc cannot contract differently.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

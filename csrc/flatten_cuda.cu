@@ -53,6 +53,9 @@ __global__ void __launch_bounds__(kThreads)
     copy_chunks_kernel(const CopySegment* __restrict__ chunks, int64_t nchunks) {
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const CopySegment seg = chunks[c];
+    // Device allocations are global memory; saying so turns generic LD/ST into LDG/STG.
+    __builtin_assume(__isGlobal(seg.src));
+    __builtin_assume(__isGlobal(seg.dst));
     const int bytes = int(seg.bytes);  // <= kCopyChunkBytes
     const uintptr_t phase = reinterpret_cast<uintptr_t>(seg.src) ^
                             reinterpret_cast<uintptr_t>(seg.dst);

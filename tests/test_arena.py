@@ -463,9 +463,11 @@ def test_bound_parameters_follow_defragment(core_cls):
     ids = [id(p) for p in params]
     blocks, junk = [], []
     for p in params:  # interleave junk so that freeing it leaves holes below every param
-        junk.append(arena.alloc(rng_numel := 37, torch.float32))
-        junk[-1].tensor.fill_(float(rng_numel))
-        blocks.append(arena.alloc(p.numel(), p.dtype).bind(p) and arena.blocks()[-1])
+        junk.append(arena.alloc(37, torch.float32))
+        junk[-1].tensor.fill_(-1.0)
+        b = arena.alloc(p.numel(), p.dtype)
+        assert b.bind(p) is p
+        blocks.append(b)
     for b, p in zip(blocks, params, strict=True):
         assert b.bound == [p]
         assert p.data_ptr() == b.tensor.data_ptr()
@@ -638,20 +640,22 @@ def test_paper_6_3_fragmentation_scenario(core_cls):
     fragment memory; a large contiguous request (e.g. a gradient bucket) then fails although
     enough bytes are free in total, and succeeds after defragmentation."""
     kib = 1024
-    arena = Arena(1024 * kib, alignment=256, core_cls=core_cls)
+    arena = Arena(896 * kib, alignment=256, core_cls=core_cls)
     gen = torch.Generator().manual_seed(3)
     checkpoints: list[tuple[Block, torch.Tensor]] = []
+    activations: list[Block] = []
     for _layer in range(8):
-        # Forward of one layer: a large short-lived activation, then a small checkpoint kept
-        # for the backward pass, allocated after it so it sits above the activation.
-        activation = arena.alloc(24 * kib, torch.float32)  # 96 KiB
+        # Forward of one layer: a large activation (alive until the forward pass ends) and a
+        # small checkpoint kept for the backward pass, allocated right after it.
+        activations.append(arena.alloc(24 * kib, torch.float32))  # 96 KiB
         ckpt = arena.alloc(4 * kib, torch.bfloat16)  # 8 KiB
         checkpoints.append((ckpt, _fill(ckpt, gen)))
-        arena.free(activation)  # leaves a 96 KiB hole below the checkpoint
+    for act in activations:  # end of forward: the activations die, the checkpoints stay
+        arena.free(act)
 
     s = arena.stats()
     bucket_bytes = 256 * kib
-    assert s["free_bytes"] >= 3 * bucket_bytes  # plenty of memory in total ...
+    assert s["free_bytes"] == 832 * kib >= 3 * bucket_bytes  # plenty of memory in total ...
     assert s["largest_free"] < bucket_bytes  # ... but no contiguous run for the bucket
     assert s["fragmentation"] > 0.5
     with pytest.raises(ArenaOutOfMemory, match="defragment"):
@@ -659,7 +663,7 @@ def test_paper_6_3_fragmentation_scenario(core_cls):
     assert arena.stats() == s
 
     moved = arena.defragment()
-    assert moved == 8 * 8 * kib  # only the checkpoints move
+    assert moved == 8 * 8 * kib  # only the checkpoints move (8 KiB each)
     after = arena.stats()
     assert after["fragmentation"] == 0.0 and after["largest_free"] == s["free_bytes"]
     bucket = arena.alloc(bucket_bytes // 4, torch.float32)

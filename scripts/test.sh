@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run the whole test suite on this machine: CPU kernels,
+# Triton under the interpreter, multi-rank gloo tests; GPU tests run when a GPU is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+ruff check .
+python -m pytest -q "$@"
