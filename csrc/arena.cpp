@@ -194,9 +194,12 @@ namespace py = pybind11;
 void bind_arena(py::module_& m) {
   // MemoryError subclass so `except MemoryError` catches it; the Python Arena re-raises it
   // as zerokern.memory.ArenaOutOfMemory with a suggestion to defragment.
-  auto oom = py::register_exception<ArenaOOM>(m, "ArenaOOMError", PyExc_MemoryError);
+  // Module-local registration (here and for the class): nothing outside this module passes
+  // ArenaCore around in C++, and a second module binding the same source (a standalone test
+  // build loaded next to zerokern._C) must not clash with this one in pybind11's registry.
+  auto oom = py::register_local_exception<ArenaOOM>(m, "ArenaOOMError", PyExc_MemoryError);
 
-  auto cls = py::class_<ArenaCore>(m, "ArenaCore", R"doc(
+  auto cls = py::class_<ArenaCore>(m, "ArenaCore", py::module_local(), R"doc(
 Offset bookkeeping of one contiguous arena (best-fit free list with coalescing and
 compaction planning). Sizes and offsets are in bytes; it never touches memory.
 

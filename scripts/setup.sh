@@ -26,5 +26,5 @@ if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null 2>&1; then
 fi
 export MAX_JOBS=${MAX_JOBS:-2}
 echo "setup: building zerokern._C (CUDA_HOME=${CUDA_HOME:-none})"
-python -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^\s*$" || true
+python -m pip install -q --no-build-isolation --no-deps -e .
 python -c "import zerokern as z; print('setup: zerokern', z.__version__, '| native:', z.has_native(), '| cuda kernels:', z.has_cuda_kernels())"

@@ -505,6 +505,16 @@ def test_bound_parameters_follow_defragment(core_cls):
         assert p.data_ptr() == arena.buffer.data_ptr() + b.offset
         torch.testing.assert_close(p.detach(), q.detach())
 
+    # Re-binding a tensor to another block moves it there; the old block forgets it.
+    spare = arena.alloc(params[1].numel(), params[1].dtype)
+    spare.bind(params[1])
+    assert blocks[1].bound == [] and spare.bound == [params[1]]
+    torch.testing.assert_close(params[1].detach(), list(ref.parameters())[1].detach())
+    arena.free(blocks[2])
+    arena.defragment()
+    assert params[1].data_ptr() == spare.tensor.data_ptr()
+    torch.testing.assert_close(params[1].detach(), list(ref.parameters())[1].detach())
+
     with pytest.raises(ValueError, match="elements"):
         blocks[1].bind(torch.nn.Parameter(torch.zeros(3)))
     with pytest.raises(ValueError, match="bind a torch.float64"):

@@ -2,7 +2,18 @@
 
 from . import ops
 from ._native import has_cuda_kernels, has_native
+from .memory import Arena, ArenaOutOfMemory, Block
+from .zero import ZeroAdamW
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "has_cuda_kernels", "has_native", "ops"]
+__all__ = [
+    "Arena",
+    "ArenaOutOfMemory",
+    "Block",
+    "ZeroAdamW",
+    "__version__",
+    "has_cuda_kernels",
+    "has_native",
+    "ops",
+]

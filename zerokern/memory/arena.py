@@ -154,9 +154,10 @@ class Block:
         The tensor object itself is unchanged (an ``nn.Parameter`` stays the same leaf with
         the same ``requires_grad``, so optimizers and autograd keep working), only its storage
         moves into the arena. With ``copy`` its current values are copied in first. The block
-        remembers the tensor and re-points it after every ``defragment()``. Freeing the block
-        does not unbind it: the tensor then aliases memory the arena may hand out again, so it
-        must not be used afterwards.
+        remembers the tensor and re-points it after every ``defragment()``; binding it to
+        another block of the same arena later moves that duty to the new block. Freeing the
+        block does not unbind it: the tensor then aliases memory the arena may hand out again,
+        so it must not be used afterwards.
         """
         self._check_live()
         if tensor.numel() != self._numel:
@@ -170,8 +171,10 @@ class Block:
             if copy:
                 view.copy_(tensor.detach())
             tensor.data = view
-            if not any(r() is tensor for r in self._bound):
-                self._bound.append(weakref.ref(tensor))
+            # One owner per tensor, or a later defragment would re-point it to a stale block.
+            for other in self._arena._live.values():
+                other._bound = [r for r in other._bound if r() is not tensor]
+            self._bound.append(weakref.ref(tensor))
         return tensor
 
     def _check_live(self) -> None:

@@ -30,15 +30,13 @@ import triton.language as tl
 
 from zerokern.ops._scalars import AdamScalars
 
+# 1024 elements over 8 warps = 4 per thread: every tensor (fp32 or 16-bit) then gets the
+# same register layout, so the 16-bit grad / param_lp accesses need no shared-memory layout
+# conversion (with 8 per thread Triton converts the fp32 stores through shared memory).
 BLOCK = 1024
 NUM_WARPS = 8
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-# Under TRITON_INTERPRET=1 the decorator returns an InterpretedFunction (decided when this
-# module is imported); the kernel then takes its bf16 rounding from integer ops.
-_INTERPRETED = False
+# Launch options; the compile tests use the same. fp fusion off: no mul+add -> FMA.
+COMPILE_OPTIONS = dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 def _f32(x: float) -> float:
@@ -158,13 +156,58 @@ def adamw_kernel(
         start = pid * BLOCK
     offs = start + tl.arange(0, BLOCK)
     if pid < n // BLOCK:
-        _adamw_block(offs, None, param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, lp_ptr,
-                     decay, w, one_minus_w, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
-                     inv_grad_scale, False, HAS_LP, LERP_LOW, APPLY_SCALE, SOFT_BF16)
+        _adamw_block(
+            offs,
+            None,
+            param_ptr,
+            grad_ptr,
+            exp_avg_ptr,
+            exp_avg_sq_ptr,
+            lp_ptr,
+            decay,
+            w,
+            one_minus_w,
+            beta2,
+            one_minus_beta2,
+            step_size,
+            bc2_sqrt,
+            eps,
+            inv_grad_scale,
+            False,
+            HAS_LP,
+            LERP_LOW,
+            APPLY_SCALE,
+            SOFT_BF16,
+        )
     else:
-        _adamw_block(offs, offs < n, param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, lp_ptr,
-                     decay, w, one_minus_w, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
-                     inv_grad_scale, True, HAS_LP, LERP_LOW, APPLY_SCALE, SOFT_BF16)
+        _adamw_block(
+            offs,
+            offs < n,
+            param_ptr,
+            grad_ptr,
+            exp_avg_ptr,
+            exp_avg_sq_ptr,
+            lp_ptr,
+            decay,
+            w,
+            one_minus_w,
+            beta2,
+            one_minus_beta2,
+            step_size,
+            bc2_sqrt,
+            eps,
+            inv_grad_scale,
+            True,
+            HAS_LP,
+            LERP_LOW,
+            APPLY_SCALE,
+            SOFT_BF16,
+        )
+
+
+# Under TRITON_INTERPRET=1 (read when triton.jit runs, i.e. at import of this module) the
+# decorator returns an InterpretedFunction; the kernel then rounds to bf16 with integer ops.
+_INTERPRETED = type(adamw_kernel).__name__ == "InterpretedFunction"
 
 
 def kernel_scalars(s: AdamScalars) -> dict:
@@ -214,10 +257,6 @@ def adamw_triton_(
         HAS_LP=has_lp,
         USE_INT64=n >= 2**31 - BLOCK,
         SOFT_BF16=_INTERPRETED,
-        num_warps=NUM_WARPS,
-        enable_fp_fusion=False,
+        **COMPILE_OPTIONS,
         **kernel_scalars(s),
     )
-
-
-_INTERPRETED = type(adamw_kernel).__name__ == "InterpretedFunction"

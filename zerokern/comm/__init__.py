@@ -1,0 +1,3 @@
+from .collectives import Comm, CommStats
+
+__all__ = ["Comm", "CommStats"]

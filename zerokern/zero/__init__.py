@@ -1,0 +1,3 @@
+from .optimizer import ZeroAdamW
+
+__all__ = ["ZeroAdamW"]

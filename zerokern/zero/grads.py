@@ -1,0 +1,200 @@
+"""Gradient path of stages 0-2: copy each gradient into its bucket as autograd produces it,
+and reduce buckets strictly in index order so that every rank issues the same collectives in
+the same order (a bucket that completes early waits for the ones before it; at step() the
+remaining buckets are flushed with zeros for gradients this rank never produced).
+
+stage 0: buckets are slices of a persistent full-size flat gradient, all-reduced in place.
+stage 1: same flat gradient (full-size); each bucket reduce-scattered into this rank's
+         gradient shard (which it replaces: the flat gradient keeps accumulating locally).
+stage 2: buckets are a small pool of constant-size buffers; a gradient is copied in and
+         freed at once (param.grad = None), a full bucket is reduce-scattered and *added* to
+         the gradient shard, then the buffer is reused. Memory: the shard plus the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .. import ops
+from ..comm import Comm
+from .layout import Bucket, Layout
+
+
+class GradReducer:
+    def __init__(
+        self,
+        layout: Layout,
+        params: list[torch.nn.Parameter],
+        comm: Comm,
+        *,
+        flat_grad: torch.Tensor | None,
+        grad_shard: torch.Tensor | None,
+        alloc_bucket: Callable[[], torch.Tensor],
+        overlap: bool,
+        backend: str | None,
+    ) -> None:
+        self.layout, self.params, self.comm = layout, params, comm
+        self.stage = layout.stage
+        self.flat_grad, self.grad_shard = flat_grad, grad_shard
+        self.alloc_bucket, self.backend = alloc_bucket, backend
+        self.overlap = overlap and comm.backend == "nccl"
+        # Fragments of every parameter: (bucket, offset in bucket, param offset, numel).
+        self.frags: list[list[tuple[int, int, int, int]]] = [[] for _ in params]
+        self.bucket_frag_count = [0] * len(layout.buckets)
+        bstart = 0
+        for g, plan in enumerate(layout.plans):
+            order = layout.orders[g]
+            for f in plan.fragments:
+                b = bstart + f.bucket_index
+                self.frags[order[f.param_index]].append((b, f.bucket_offset, f.param_offset,
+                                                         f.numel))
+                self.bucket_frag_count[b] += 1
+            bstart += plan.num_buckets
+        self.sync = True
+        self.pool: list[torch.Tensor] = []
+        self.reset()
+
+    # -- per-step state ----------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget everything about the current step (after step() or zero_grad())."""
+        nb = len(self.layout.buckets)
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.reduced_once = [False] * nb  # stage 2: later reductions add to the shard
+        self.got_grad = [False] * len(self.params)
+        self.inflight: list[tuple[object, torch.Tensor, Bucket]] = []
+        self._new_round()
+
+    def _new_round(self) -> None:
+        """A backward pass starts filling buckets from scratch (several per step when
+        gradients are accumulated without no_sync)."""
+        self.pending = list(self.bucket_frag_count)
+        self.filled: list[set[int]] = [set() for _ in self.layout.buckets]
+        self.next_bucket = 0
+
+    # -- hooks ------------------------------------------------------------------------------
+    def on_grad_ready(self, index: int) -> None:
+        if not self.sync:
+            return  # no_sync: autograd keeps accumulating into param.grad
+        frags = self.frags[index]
+        if self.next_bucket >= len(self.layout.buckets) or (
+            frags and index in self.filled[frags[0][0]]
+        ):
+            # This parameter was already delivered in this round: a new backward pass began.
+            # Finish the old round first (same collective order on every rank).
+            self._flush_round()
+            self._new_round()
+        p = self.params[index]
+        grad = p.grad
+        if grad is None:
+            return
+        self.got_grad[index] = True
+        flat_g = grad.detach().reshape(-1)
+        if not flat_g.is_contiguous():
+            flat_g = flat_g.contiguous()
+        for b, boff, poff, n in frags:
+            dst = self._bucket_tensor(b)
+            same = dst.data_ptr() + boff * dst.element_size() == (
+                flat_g.data_ptr() + poff * flat_g.element_size()
+            )
+            if not same:  # stage 0/1 after the first round: autograd wrote in place already
+                ops.flatten_into_([flat_g], dst, [boff], ranges=[(poff, n)], backend=self.backend)
+            self.filled[b].add(index)
+            self.pending[b] -= 1
+        if self.stage == 2:
+            p.grad = None  # the bucket holds it now: full-size gradients never accumulate
+        elif self.flat_grad is not None:
+            # stage 0/1: from now on autograd accumulates straight into the flat buffer
+            off = self.layout.param_flat_offset[index]
+            p.grad = self.flat_grad.narrow(0, off, p.numel()).view_as(p)
+        self._reduce_ready()
+
+    # -- buckets ----------------------------------------------------------------------------
+    def _bucket_tensor(self, b: int) -> torch.Tensor:
+        bk = self.layout.buckets[b]
+        if self.stage in (0, 1):
+            return self.flat_grad.narrow(0, bk.flat_start, bk.numel)
+        buf = self.buffers.get(b)
+        if buf is None:
+            buf = self._take_buffer()
+            plan = self.layout.plans[bk.group]
+            if bk.local_index == plan.num_buckets - 1 and plan.padding:
+                buf[bk.numel - plan.padding:].zero_()
+            self.buffers[b] = buf
+        return buf
+
+    def _take_buffer(self) -> torch.Tensor:
+        if not self.pool and self.inflight:
+            self._wait_oldest()
+        return self.pool.pop() if self.pool else self.alloc_bucket()
+
+    def _wait_oldest(self) -> None:
+        work, buf, bk = self.inflight.pop(0)
+        work.wait()
+        self._finish(buf, bk)
+
+    def _reduce_ready(self) -> None:
+        while self.next_bucket < len(self.layout.buckets) and self.pending[self.next_bucket] == 0:
+            self._reduce(self.next_bucket)
+            self.next_bucket += 1
+
+    def _reduce(self, b: int) -> None:
+        bk = self.layout.buckets[b]
+        src = self._bucket_tensor(b)
+        label = f"bucket {b} (group {bk.group}, {bk.numel} elements)"
+        if self.stage == 0:
+            self.comm.all_reduce(src, label)
+            src.div_(self.comm.world_size)
+            return
+        shard = self.grad_shard.narrow(0, bk.shard_start, bk.shard_numel)
+        accumulate = self.stage == 2 and self.reduced_once[b]
+        self.reduced_once[b] = True
+        out = torch.empty_like(shard) if accumulate else shard
+        work = self.comm.reduce_scatter(out, src, label, async_op=self.overlap)
+        if work is not None and not accumulate:
+            self.inflight.append((work, src, bk))
+            return
+        if work is not None:
+            work.wait()
+        out.div_(self.comm.world_size)
+        if accumulate:
+            shard.add_(out)
+        self._release(b, src)
+
+    def _finish(self, buf: torch.Tensor, bk: Bucket) -> None:
+        self.grad_shard.narrow(0, bk.shard_start, bk.shard_numel).div_(self.comm.world_size)
+        self._release(bk.index, buf)
+
+    def _release(self, b: int, buf: torch.Tensor) -> None:
+        if self.stage == 2:
+            self.buffers.pop(b, None)
+            self.pool.append(buf)
+
+    def flush(self) -> None:
+        """Before the optimizer step: reduce every bucket not yet reduced, in order, with
+        zeros where this rank produced no gradient; then wait for in-flight collectives."""
+        if self.sync:
+            self._flush_round()
+        while self.inflight:
+            self._wait_oldest()
+
+    def _flush_round(self) -> None:
+        if self.next_bucket < len(self.layout.buckets):
+            for b in range(self.next_bucket, len(self.layout.buckets)):
+                if self.pending[b]:
+                    dst = self._bucket_tensor(b)
+                    for i in self._missing(b):
+                        if self.stage != 2 and self.got_grad[i]:
+                            continue  # stage 0/1: the flat slot holds an earlier round's sum
+                        for fb, boff, _, n in self.frags[i]:
+                            if fb == b:
+                                dst.narrow(0, boff, n).zero_()
+                    self.pending[b] = 0
+            self._reduce_ready()
+
+    def _missing(self, b: int) -> list[int]:
+        bk = self.layout.buckets[b]
+        order = self.layout.orders[bk.group]
+        frags = self.layout.plans[bk.group].bucket_fragments(bk.local_index)
+        return [order[f.param_index] for f in frags if order[f.param_index] not in self.filled[b]]

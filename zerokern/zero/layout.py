@@ -1,0 +1,124 @@
+"""Pure layout of a ZeroAdamW instance: every param group's bucket plan placed one after the
+other in one flat parameter space and in one local (per-rank) state space.
+
+Flat space: group g occupies [flat_start_g, flat_start_g + padded_numel_g); parameters are
+packed in gradient-ready order (reverse of registration: backward produces the last layer's
+gradients first), and buckets never mix groups, so one fused launch covers a group's shard.
+Local space: this rank's shards, group after group, bucket after bucket. Stage 0 keeps the
+whole flat space locally (local == flat).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .plan import BucketPlan, plan_buckets, round_bucket_numel
+
+# Shard boundaries fall on multiples of this many elements: 64 bytes of bf16, 128 of fp32,
+# so every shard starts aligned for 16-byte vector loads and on a cache line.
+ALIGN_ELEMS = 32
+DEFAULT_BUCKET_NUMEL = 1 << 23
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int  # global bucket index (issue order of its collective)
+    group: int
+    local_index: int  # bucket index inside its group's plan
+    flat_start: int
+    numel: int  # capacity C of the group
+    shard_start: int  # where this rank's shard of the bucket lives in local space (stage 1-2)
+    shard_numel: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous run of one parameter held in this rank's local state."""
+
+    param: int  # global managed-parameter index
+    param_offset: int
+    local_start: int
+    numel: int
+    group: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    stage: int
+    world_size: int
+    rank: int
+    plans: tuple[BucketPlan, ...]
+    orders: tuple[tuple[int, ...], ...]  # per group: global param indices in plan order
+    group_flat_start: tuple[int, ...]
+    group_local_start: tuple[int, ...]
+    flat_numel: int
+    local_numel: int
+    buckets: tuple[Bucket, ...]
+    param_flat_offset: tuple[int, ...]  # by global param index
+    pieces: tuple[Piece, ...]  # this rank's pieces in local order
+
+    def group_local_range(self, g: int) -> tuple[int, int]:
+        start = self.group_local_start[g]
+        plan = self.plans[g]
+        size = plan.padded_numel if self.stage == 0 else plan.local_numel
+        return start, start + size
+
+
+def build_layout(
+    group_param_numels: Sequence[Sequence[int]],
+    *,
+    stage: int,
+    world_size: int,
+    rank: int,
+    bucket_numel: int | None,
+    alignment: int = ALIGN_ELEMS,
+) -> Layout:
+    """group_param_numels[g][j]: numel of the j-th managed param of group g (registration
+    order). Global param index = running position over groups in that order."""
+    plans, orders, fstarts, lstarts, buckets = [], [], [], [], []
+    param_flat = [0] * sum(len(g) for g in group_param_numels)
+    pieces: list[Piece] = []
+    first = 0
+    flat = local = 0
+    for g, numels in enumerate(group_param_numels):
+        order = tuple(range(first + len(numels) - 1, first - 1, -1))  # ready order
+        ready = [numels[i - first] for i in order]
+        total = sum(ready)
+        unit = world_size * alignment
+        cap = round_bucket_numel(bucket_numel or DEFAULT_BUCKET_NUMEL, world_size, alignment)
+        cap = min(cap, max(unit, -(-total // unit) * unit))  # a small group: one exact bucket
+        plan = plan_buckets(ready, world_size, cap, alignment)
+        plans.append(plan)
+        orders.append(order)
+        fstarts.append(flat)
+        lstarts.append(local)
+        for j, gi in enumerate(order):
+            param_flat[gi] = flat + plan.param_offsets[j]
+        for b in range(plan.num_buckets):
+            buckets.append(
+                Bucket(
+                    index=len(buckets), group=g, local_index=b, flat_start=flat + b * cap,
+                    numel=cap, shard_start=local + b * plan.shard_numel,
+                    shard_numel=plan.shard_numel,
+                )
+            )
+        if stage == 0:
+            for f in plan.fragments:
+                pieces.append(Piece(order[f.param_index], f.param_offset,
+                                    flat + f.flat_offset, f.numel, g))
+            local += plan.padded_numel
+        else:
+            for p in plan.rank_pieces(rank):
+                pieces.append(Piece(order[p.param_index], p.param_offset,
+                                    local + p.local_offset, p.numel, g))
+            local += plan.local_numel
+        flat += plan.padded_numel
+        first += len(numels)
+    pieces.sort(key=lambda p: p.local_start)
+    return Layout(
+        stage=stage, world_size=world_size, rank=rank, plans=tuple(plans),
+        orders=tuple(orders), group_flat_start=tuple(fstarts), group_local_start=tuple(lstarts),
+        flat_numel=flat, local_numel=local, buckets=tuple(buckets),
+        param_flat_offset=tuple(param_flat), pieces=tuple(pieces),
+    )

@@ -1,0 +1,452 @@
+"""ZeroAdamW: ZeRO stages 0-2 as a drop-in replacement for DDP + torch.optim.AdamW.
+
+This file only sequences: the layout is planned in layout.py (pure), gradients are bucketed
+and reduced by grads.py, collectives go through comm/, the update is ops.fused_adamw_.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..comm import Comm
+from ..memory import Arena
+from .grads import GradReducer
+from .layout import Layout, Piece, build_layout
+from .scaler import LossScaler
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                   where: str = "") -> None:
+    if not (isinstance(lr, (int, float)) or torch.is_tensor(lr)) or float(lr) < 0:
+        raise ValueError(f"lr{where} must be a number >= 0, got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas{where} must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= float(b) < 1.0:
+            raise ValueError(f"betas[{i}]{where} must be in [0, 1), got {b!r}")
+    if float(eps) < 0:
+        raise ValueError(f"eps{where} must be >= 0, got {eps!r}")
+    if float(weight_decay) < 0:
+        raise ValueError(f"weight_decay{where} must be >= 0, got {weight_decay!r}")
+
+
+class ZeroAdamW(torch.optim.Optimizer):
+    """AdamW with ZeRO partitioning across the ranks of ``process_group``.
+
+    stage 0: DDP equivalent (bucketed all-reduce, fused step over everything);
+    stage 1: optimizer state (fp32 master for 16-bit params, both moments) sharded 1/N;
+    stage 2: gradients sharded as well, through constant-size buckets.
+    Stage 3 is ``shard_model`` + ``stage=3``. Without an initialised process group it runs
+    as world size 1. Gradients are averaged over the group by the optimizer itself: do not
+    wrap the model in DDP.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        stage: int = 2,
+        process_group: Any = None,
+        bucket_numel: int | None = None,
+        max_grad_norm: float | None = None,
+        loss_scale: float | str | None = None,
+        overlap_comm: bool = True,
+        backend: str | None = None,
+    ) -> None:
+        _check_hparams(lr, betas, eps, weight_decay)
+        if stage not in (0, 1, 2):
+            raise ValueError(
+                f"stage must be 0, 1 or 2 here (got {stage!r}); stage 3 needs "
+                "zerokern.shard_model(model) first"
+            )
+        if bucket_numel is not None and (isinstance(bucket_numel, bool)
+                                         or not isinstance(bucket_numel, int)
+                                         or bucket_numel < 1):
+            raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
+        if max_grad_norm is not None and not float(max_grad_norm) > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        for gi, g in enumerate(self.param_groups):
+            _check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"],
+                           f" (param group {gi})")
+        self.stage = stage
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.scaler = LossScaler.from_arg(loss_scale)
+        self.backend = backend
+        self.last_grad_norm: float | None = None
+        self.comm = Comm(process_group)
+
+        managed = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
+        self._params: list[torch.nn.Parameter] = [p for ps in managed for p in ps]
+        if not self._params:
+            raise ValueError("params: no parameter requires grad; nothing to optimize")
+        self.dtype, self.device = self._common_dtype_device()
+        self._check_same_on_all_ranks(bucket_numel)
+        self.layout: Layout = build_layout(
+            [[p.numel() for p in ps] for ps in managed], stage=stage,
+            world_size=self.comm.world_size, rank=self.comm.rank, bucket_numel=bucket_numel,
+        )
+        self._group_pieces: list[list[Piece]] = [[] for _ in self.param_groups]
+        for pc in self.layout.pieces:
+            self._group_pieces[pc.group].append(pc)
+        self._allocate()
+        self._reducer = GradReducer(
+            self.layout, self._params, self.comm, flat_grad=self.flat_grad,
+            grad_shard=self.grad_shard, alloc_bucket=self._alloc_bucket,
+            overlap=overlap_comm, backend=backend,
+        )
+        self._steps = [0] * len(self._params)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self._reducer.on_grad_ready(i))
+            for i, p in enumerate(self._params)
+        ]
+        self._last_comm = self.comm.reset_stats()
+
+    # -- construction -----------------------------------------------------------------------
+    def _common_dtype_device(self) -> tuple[torch.dtype, torch.device]:
+        p0 = self._params[0]
+        for i, p in enumerate(self._params):
+            if p.dtype not in _DTYPES:
+                raise TypeError(f"params: parameter {i} has dtype {p.dtype}; supported: "
+                                "float32, bfloat16, float16")
+            if p.dtype != p0.dtype or p.device != p0.device:
+                raise ValueError(
+                    f"params: all trainable parameters must share one dtype and device; "
+                    f"parameter 0 is {p0.dtype} on {p0.device}, parameter {i} is {p.dtype} "
+                    f"on {p.device}"
+                )
+        if p0.dtype == torch.float16 and self.scaler is None:
+            pass  # allowed (a static scale of 1); fp16 users normally pass loss_scale
+        return p0.dtype, p0.device
+
+    def _check_same_on_all_ranks(self, bucket_numel: int | None) -> None:
+        sig = {
+            "stage": self.stage, "bucket_numel": bucket_numel,
+            "groups": [len([p for p in g["params"] if p.requires_grad])
+                       for g in self.param_groups],
+            "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
+        }
+        sigs = self.comm.all_gather_object(sig)
+        ref = sigs[0]
+        for r, s in enumerate(sigs):
+            if s == ref:
+                continue
+            for key in ("stage", "bucket_numel", "groups"):
+                if s[key] != ref[key]:
+                    raise ValueError(f"ZeroAdamW arguments differ across ranks: {key} is "
+                                     f"{ref[key]} on rank 0 but {s[key]} on rank {r}")
+            if len(s["params"]) != len(ref["params"]):
+                raise ValueError(f"parameter lists differ across ranks: rank 0 has "
+                                 f"{len(ref['params'])} trainable parameters, rank {r} has "
+                                 f"{len(s['params'])}")
+            for i, (a, b) in enumerate(zip(ref["params"], s["params"])):
+                if a != b:
+                    raise ValueError(f"parameter lists differ across ranks: parameter {i} is "
+                                     f"{a[0]} {a[1]} on rank 0 but {b[0]} {b[1]} on rank {r}")
+
+    def _allocate(self) -> None:
+        L, st, pdt = self.layout, self.stage, self.dtype
+        esz = torch.tensor([], dtype=pdt).element_size()
+        max_bucket = max((b.numel for b in L.buckets), default=0)
+        self._pool_reserve = 2 if st == 2 else 0  # double-buffered constant buckets
+        need = [L.flat_numel * esz]
+        if st in (0, 1):
+            need.append(L.flat_numel * esz)
+        if st in (1, 2):
+            need.append(L.local_numel * esz)
+        self._has_master = pdt != torch.float32 or st in (1, 2)
+        need += [L.local_numel * 4] * (3 if self._has_master else 2)
+        need += [max_bucket * esz] * self._pool_reserve
+        align = 256
+        cap = sum(-(-n // align) * align for n in need) + align
+        self.arena = Arena(cap, self.device, alignment=align)
+        self._blocks: dict[str, Any] = {}
+
+        def alloc(kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+            blk = self.arena.alloc(numel, dtype)
+            self._blocks[kind] = blk
+            t = blk.tensor
+            t.zero_()
+            return t
+
+        with torch.no_grad():
+            self.flat_param = alloc("params", L.flat_numel, pdt)
+            for i, p in enumerate(self._params):
+                off = L.param_flat_offset[i]
+                view = self.flat_param.narrow(0, off, p.numel())
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+                p.grad = None
+            self.comm.broadcast(self.flat_param, 0, "initial parameters")
+            self.flat_grad = alloc("grads", L.flat_numel, pdt) if st in (0, 1) else None
+            self.grad_shard = alloc("grads", L.local_numel, pdt) if st in (1, 2) else None
+            self.master = alloc("master", L.local_numel, torch.float32) if self._has_master \
+                else None
+            self.exp_avg = alloc("exp_avg", L.local_numel, torch.float32)
+            self.exp_avg_sq = alloc("exp_avg_sq", L.local_numel, torch.float32)
+            if self.master is not None:
+                if st == 0:
+                    self.master.copy_(self.flat_param)
+                else:
+                    for bk in L.buckets:
+                        lo = bk.flat_start + self.comm.rank * bk.shard_numel
+                        self.master.narrow(0, bk.shard_start, bk.shard_numel).copy_(
+                            self.flat_param.narrow(0, lo, bk.shard_numel))
+        self._bucket_blocks: list[Any] = []
+        self._overflow_bucket_bytes = 0
+
+    def _alloc_bucket(self) -> torch.Tensor:
+        numel = max(b.numel for b in self.layout.buckets)
+        if len(self._bucket_blocks) < self._pool_reserve:
+            blk = self.arena.alloc(numel, self.dtype)
+            self._bucket_blocks.append(blk)
+            return blk.tensor
+        # Buckets completing out of order can need more than two at once: counted, not hidden.
+        t = torch.empty(numel, dtype=self.dtype, device=self.device)
+        self._overflow_bucket_bytes += t.numel() * t.element_size()
+        return t
+
+    # -- training-loop API ------------------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) for all but the last micro-batch."""
+        prev = self._reducer.sync
+        self._reducer.sync = False
+        try:
+            yield
+        finally:
+            self._reducer.sync = prev
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for i, p in enumerate(self._params):
+            if set_to_none or self.flat_grad is None:
+                p.grad = None
+            else:
+                off = self.layout.param_flat_offset[i]
+                p.grad = self.flat_grad.narrow(0, off, p.numel()).view_as(p)
+        if not set_to_none and self.flat_grad is not None:
+            self.flat_grad.zero_()
+        self._reducer.reset()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._reducer.flush()
+        grad_src = self.flat_grad if self.stage == 0 else self.grad_shard
+        need_norm = self.max_grad_norm is not None or self.scaler is not None
+        # One small all-reduce (and one host sync) per step: the squared-norm partial and
+        # which parameters got a gradient on any rank (the others are left untouched).
+        flags = torch.tensor([float(x) for x in self._reducer.got_grad], dtype=torch.float32)
+        vec = torch.cat([torch.zeros(1), flags]).to(self.device)
+        if need_norm and self.stage != 0:
+            vec[0] = ops.sq_norm(grad_src, backend=self.backend)
+        self.comm.all_reduce(vec, "grad norm and grad flags", count=False)
+        if need_norm and self.stage == 0:  # already reduced: every rank holds the full grad
+            vec[0] = ops.sq_norm(grad_src, backend=self.backend)
+        vals = vec.tolist()
+        active = [v > 0 for v in vals[1:]]
+        scale = self.loss_scale
+        if need_norm:
+            self.last_grad_norm = math.sqrt(vals[0]) / scale
+        if self.scaler is not None and not math.isfinite(vals[0]):
+            self.scaler.update(True)  # every rank saw the same sum: all skip together
+            self._end_step()
+            return loss
+        clip = 1.0
+        if self.max_grad_norm is not None:
+            clip = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
+        for g, s, e, step in self._runs(active):
+            self._fused(g, s, e, step, scale / clip)
+        for i, a in enumerate(active):
+            if a:
+                self._steps[i] += 1
+        if self.stage in (1, 2):
+            self._gather_params(active)
+        if self.scaler is not None:
+            self.scaler.update(False)
+        self._end_step()
+        return loss
+
+    def _end_step(self) -> None:
+        self._reducer.reset()
+        self._last_comm = self.comm.reset_stats()
+
+    def _runs(self, active: list[bool]) -> list[tuple[int, int, int, int]]:
+        """(group, local start, local stop, 1-based step) ranges for the fused kernel: one per
+        group normally; split only around parameters without gradients or with another
+        step count (torch's AdamW keeps a step per parameter)."""
+        runs = []
+        for g, pieces in enumerate(self._group_pieces):
+            steps = {self._steps[pc.param] for pc in pieces}
+            if all(active[pc.param] for pc in pieces) and len(steps) == 1:
+                lo, hi = self.layout.group_local_range(g)
+                if pieces:
+                    runs.append((g, lo, hi, steps.pop() + 1))
+                continue
+            cur: list[int] | None = None
+            for pc in pieces:
+                st = self._steps[pc.param] + 1
+                if not active[pc.param]:
+                    cur = None
+                    continue
+                if cur is not None and cur[3] == st:
+                    cur[2] = pc.local_start + pc.numel
+                else:
+                    cur = [g, pc.local_start, pc.local_start + pc.numel, st]
+                    runs.append(cur)  # type: ignore[arg-type]
+        return [tuple(r) for r in runs]  # type: ignore[misc]
+
+    def _fused(self, g: int, s: int, e: int, step: int, grad_scale: float) -> None:
+        grp = self.param_groups[g]
+        n = e - s
+        lowp = self.dtype != torch.float32
+        if self.stage == 0:
+            grad = self.flat_grad.narrow(0, s, n)
+            param = self.master.narrow(0, s, n) if lowp else self.flat_param.narrow(0, s, n)
+            lp = self.flat_param.narrow(0, s, n) if lowp else None
+        else:
+            grad = self.grad_shard.narrow(0, s, n)
+            param = self.master.narrow(0, s, n)
+            # The new 16-bit shard overwrites the gradient it was computed from, element by
+            # element in the same pass: no extra Ψ/N buffer for the all-gather source.
+            lp = grad if lowp else None
+        lr = float(grp["lr"])
+        ops.fused_adamw_(
+            param, grad, self.exp_avg.narrow(0, s, n), self.exp_avg_sq.narrow(0, s, n),
+            lr=lr, beta1=float(grp["betas"][0]), beta2=float(grp["betas"][1]),
+            eps=float(grp["eps"]), weight_decay=float(grp["weight_decay"]), step=step,
+            grad_scale=grad_scale, param_lp=lp, backend=self.backend,
+        )
+
+    def _gather_params(self, active: list[bool]) -> None:
+        lowp = self.dtype != torch.float32
+        src = self.grad_shard if lowp else self.master
+        if lowp:
+            for pc in self.layout.pieces:  # pieces the kernel skipped: their current value
+                if not active[pc.param]:
+                    src.narrow(0, pc.local_start, pc.numel).copy_(
+                        self.master.narrow(0, pc.local_start, pc.numel))
+        works = []
+        for bk in self.layout.buckets:
+            w = self.comm.all_gather(
+                self.flat_param.narrow(0, bk.flat_start, bk.numel),
+                src.narrow(0, bk.shard_start, bk.shard_numel),
+                f"parameters of bucket {bk.index}", async_op=self._reducer.overlap,
+            )
+            if w is not None:
+                works.append(w)
+        for w in works:
+            w.wait()
+
+    # -- introspection ----------------------------------------------------------------------
+    def comm_stats(self) -> dict[str, Any]:
+        """Collectives of the last completed step, counted as the paper counts (§7)."""
+        d = self._last_comm.as_dict()
+        paper = sum(v["elements"] for k, v in d.items()
+                    if k in ("reduce_scatter", "all_gather", "all_reduce"))
+        return {"per_kind": d, "elements": paper,
+                "bytes": sum(v["bytes"] for k, v in d.items()
+                             if k in ("reduce_scatter", "all_gather", "all_reduce")),
+                "numel": sum(p.numel() for p in self._params)}
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds for model states, by kind, from the arena's accounting.
+        Padding (bucket/shard rounding) is reported on its own, not hidden in the kinds."""
+        L = self.layout
+        esz = self.flat_param.element_size()
+        psi = sum(p.numel() for p in self._params)
+        local_real = sum(pc.numel for pc in L.pieces)
+        out = {"params": psi * esz, "grads": 0, "master": 0, "exp_avg": local_real * 4,
+               "exp_avg_sq": local_real * 4, "buckets": 0, "padding": 0}
+        out["padding"] += (L.flat_numel - psi) * esz
+        if self.flat_grad is not None:
+            out["grads"] += psi * esz
+            out["padding"] += (L.flat_numel - psi) * esz
+        if self.grad_shard is not None:
+            out["grads"] += local_real * esz
+            out["padding"] += (L.local_numel - local_real) * esz
+        nstate = 3 if self.master is not None else 2
+        if self.master is not None:
+            out["master"] = local_real * 4
+        out["padding"] += (L.local_numel - local_real) * 4 * nstate
+        out["buckets"] = sum(b.nbytes for b in self._bucket_blocks) + self._overflow_bucket_bytes
+        a = self.arena.stats()
+        out["arena_in_use"] = int(a["in_use"])
+        out["arena_capacity"] = int(a["capacity"])
+        out["other"] = int(a["in_use"]) - sum(
+            out[k] for k in ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding")
+        ) - sum(b.nbytes for b in self._bucket_blocks)
+        out["total"] = int(a["in_use"]) + self._overflow_bucket_bytes
+        return out
+
+    # -- checkpointing ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        groups = []
+        idx = 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": list(range(idx, idx + n))})
+            idx += n
+        state = {
+            "exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone(),
+            "master": None if self.master is None else self.master.clone(),
+            "steps": torch.tensor(self._steps, dtype=torch.int64),
+        }
+        return {
+            "state": state, "param_groups": groups,
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "zerokern": {"stage": self.stage, "world_size": self.comm.world_size,
+                         "rank": self.comm.rank, "local_numel": self.layout.local_numel,
+                         "flat_numel": self.layout.flat_numel},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        meta = state_dict.get("zerokern")
+        if meta is None:
+            raise ValueError("state_dict: not a ZeroAdamW state dict (no 'zerokern' entry)")
+        mine = self.state_dict()["zerokern"]
+        for k in ("stage", "world_size", "rank", "local_numel", "flat_numel"):
+            if meta[k] != mine[k]:
+                raise ValueError(
+                    f"state_dict was saved with {k}={meta[k]}, this optimizer has {k}="
+                    f"{mine[k]}; use zerokern.load_checkpoint to change world size or stage"
+                )
+        st = state_dict["state"]
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError("state_dict: number of param groups differs")
+        with torch.no_grad():
+            self.exp_avg.copy_(st["exp_avg"])
+            self.exp_avg_sq.copy_(st["exp_avg_sq"])
+            if self.master is not None:
+                self.master.copy_(st["master"])
+        self._steps = [int(x) for x in st["steps"].tolist()]
+        for g, sg in zip(self.param_groups, state_dict["param_groups"]):
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = v
+        if self.scaler is not None and state_dict.get("scaler") is not None:
+            self.scaler.load_state_dict(state_dict["scaler"])
