@@ -1,0 +1,46 @@
+"""Run a function on N CPU ranks over gloo (torch.multiprocessing), for the multi-rank tests.
+An exception on any rank fails the test with that rank's traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, args, errdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        try:
+            fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        Path(errdir, f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def run_ranks(world: int, fn, *args, tmp_path: Path) -> None:
+    errdir = tmp_path / "errors"
+    errdir.mkdir(exist_ok=True)
+    try:
+        mp.start_processes(_worker, args=(world, free_port(), fn, args, str(errdir)),
+                           nprocs=world, join=True, start_method="spawn")
+    except Exception as exc:
+        msgs = [p.read_text() for p in sorted(errdir.glob("rank*.txt"))]
+        raise AssertionError("a rank failed:\n" + "\n".join(msgs)) from exc
