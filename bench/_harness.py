@@ -22,8 +22,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 2,
-            repeats: int = 5, min_time_s: float = 0.0) -> dict[str, float]:
+def time_fn(
+    fn: Callable[[], object],
+    device: torch.device,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    min_time_s: float = 0.0,
+) -> dict[str, float]:
     """Median/min/max milliseconds of `fn` (CUDA events on GPU, perf_counter on CPU)."""
     for _ in range(warmup):
         fn()
@@ -44,8 +50,12 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 2,
             times.append((time.perf_counter() - t0) * 1e3)
         if len(times) >= 200:
             break
-    return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
-            "repeats": len(times)}
+    return {
+        "ms": statistics.median(times),
+        "ms_min": min(times),
+        "ms_max": max(times),
+        "repeats": len(times),
+    }
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 28) -> float:
@@ -80,8 +90,9 @@ def machine(device: torch.device) -> dict[str, str]:
     }
 
 
-def write_csv(rows: Sequence[dict[str, object]], name: str, out_dir: str | Path | None = None
-              ) -> Path:
+def write_csv(
+    rows: Sequence[dict[str, object]], name: str, out_dir: str | Path | None = None
+) -> Path:
     out = Path(out_dir or os.environ.get("ZEROKERN_BENCH_OUT") or RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     path = out / name

@@ -36,8 +36,9 @@ HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 def torch_opt_step(n: int, device: torch.device, mode: str):
     p = torch.nn.Parameter(torch.randn(n, device=device))
     p.grad = torch.randn(n, device=device)
-    kw = {"forloop": dict(foreach=False), "foreach": dict(foreach=True),
-          "fused": dict(fused=True)}[mode]
+    kw = {"forloop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[
+        mode
+    ]
     opt = torch.optim.AdamW([p], **HP, **kw)
     return opt.step
 
@@ -65,16 +66,27 @@ def zk_step(n: int, device: torch.device, backend: str):
 
     def step():
         state["step"] += 1
-        ops.fused_adamw_(master, g16, m, v, lr=HP["lr"], beta1=HP["betas"][0],
-                         beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"],
-                         step=state["step"], param_lp=p16, backend=backend)
+        ops.fused_adamw_(
+            master,
+            g16,
+            m,
+            v,
+            lr=HP["lr"],
+            beta1=HP["betas"][0],
+            beta2=HP["betas"][1],
+            eps=HP["eps"],
+            weight_decay=HP["weight_decay"],
+            step=state["step"],
+            param_lp=p16,
+            backend=backend,
+        )
 
     return step
 
 
 def providers(device: torch.device, quick: bool):
     out = {}
-    for mode in (["fused"] if quick else ["forloop", "foreach", "fused"]):
+    for mode in ["fused"] if quick else ["forloop", "foreach", "fused"]:
         out[f"torch_{mode}"] = lambda n, d, mode=mode: torch_opt_step(n, d, mode)
     out["torch_mixed"] = torch_mixed_step
     for b in available_backends(device):
@@ -87,7 +99,9 @@ def providers(device: torch.device, quick: bool):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--sizes", type=int, nargs="+", help="log2 sizes (default 20..26 CPU, ..28 GPU)")
+    ap.add_argument(
+        "--sizes", type=int, nargs="+", help="log2 sizes (default 20..26 CPU, ..28 GPU)"
+    )
     ap.add_argument("--quick", action="store_true", help="fewer providers and repeats")
     ap.add_argument("--out", help="folder for the CSV (default bench/results)")
     args = ap.parse_args(argv)
@@ -95,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes or list(range(20, 29 if device.type == "cuda" else 27))
     meta = H.machine(device)
     bw = H.copy_bandwidth_gbs(device)
-    print(f"# {meta['device']} | torch {meta['torch']} | {meta['date']} | copy bandwidth "
-          f"{bw:.1f} GB/s (read+write)")
+    print(
+        f"# {meta['device']} | torch {meta['torch']} | {meta['date']} | copy bandwidth "
+        f"{bw:.1f} GB/s (read+write)"
+    )
     rows = []
     provs = providers(device, args.quick)
     for lg in sizes:
@@ -105,15 +121,29 @@ def main(argv: list[str] | None = None) -> int:
         for name, make in provs.items():
             try:
                 fn = make(n, device)
-                t = H.time_fn(fn, device, warmup=1 if args.quick else 2,
-                              repeats=3 if args.quick else (5 if lg >= 24 else 15))
+                t = H.time_fn(
+                    fn,
+                    device,
+                    warmup=1 if args.quick else 2,
+                    repeats=3 if args.quick else (5 if lg >= 24 else 15),
+                )
             except torch.OutOfMemoryError:
                 rows.append({"log2_n": lg, "provider": name, "status": "oom", **meta})
                 continue
             gbs = n * BYTES_PER_ELEM / (t["ms"] * 1e-3) / 1e9
-            row = {"log2_n": lg, "provider": name, "ms": t["ms"], "ms_min": t["ms_min"],
-                   "ms_max": t["ms_max"], "gparam_s": n / (t["ms"] * 1e-3) / 1e9, "gb_s": gbs,
-                   "pct_bw": 100 * gbs / bw, "status": "ok", "copy_bw_gbs": bw, **meta}
+            row = {
+                "log2_n": lg,
+                "provider": name,
+                "ms": t["ms"],
+                "ms_min": t["ms_min"],
+                "ms_max": t["ms_max"],
+                "gparam_s": n / (t["ms"] * 1e-3) / 1e9,
+                "gb_s": gbs,
+                "pct_bw": 100 * gbs / bw,
+                "status": "ok",
+                "copy_bw_gbs": bw,
+                **meta,
+            }
             if name == "torch_mixed":
                 base = t["ms"]
             rows.append(row)

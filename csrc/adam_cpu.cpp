@@ -23,11 +23,11 @@ inline void adam_scalar(float* p, const G* g, float* m, float* v, LP* lp, int64_
   float pi = p[i] * s.decay;
   float mi = m[i];
   float d = gi - mi;
-  mi = lerp_low ? std::fma(s.one_minus_beta1, d, mi) : gi - d * (1.0f - s.one_minus_beta1);
-  float vi = v[i] * s.beta2;
-  vi = vi + s.one_minus_beta2 * gi * gi;
+  mi = lerp_low ? std::fma(s.one_minus_beta1, d, mi) : std::fma(-d, 1.0f - s.one_minus_beta1, gi);
+  // Same roundings as the AVX2 body (and the CUDA kernel): fma where it uses one.
+  float vi = std::fma(s.one_minus_beta2 * gi, gi, v[i] * s.beta2);
   float denom = std::sqrt(vi) / s.bc2_sqrt + s.eps;
-  pi = pi - s.step_size * (mi / denom);
+  pi = std::fma(-s.step_size, mi / denom, pi);
   p[i] = pi;
   m[i] = mi;
   v[i] = vi;

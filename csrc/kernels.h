@@ -15,7 +15,12 @@ enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 //   p  = p * decay                                   (decay = 1 - lr*wd)
 //   m  = lerp(m, g, w = 1-b1): w < 0.5 ? m + w*(g-m) : g - (g-m)*(1-w)   (torch's lerp_)
 //   v  = v * b2 + (1-b2) * g * g                     (torch's mul_ + addcmul_)
-//   p  = p - step_size * m / (sqrt(v) / bc2_sqrt + eps)
+//   p  = p - step_size * (m / (sqrt(v) / bc2_sqrt + eps))
+// Rounding contract (CPU, CUDA and Triton agree bit for bit where they follow it): the lerp,
+// the v update (fma((1-b2)*g, g, v*b2)) and the final p update (fma(-step_size, m/denom, p))
+// are single fused multiply-adds; every other operation, including sqrt and the two
+// divisions, is rounded on its own (IEEE, no fast math). torch's CPU AdamW also fuses its
+// vector lerp/addcmul, so we agree with it to about one ulp, not bitwise.
 struct AdamScalars {
   float decay;           // 1 - lr * weight_decay
   float one_minus_beta1; // 1 - beta1

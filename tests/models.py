@@ -30,3 +30,29 @@ def batch(step: int, rank: int, n: int = 6, seq: int = 5, vocab: int = 37, out: 
     x = torch.randint(0, vocab, (n, seq), generator=g)
     y = torch.randint(0, out, (n,), generator=g)
     return x, y
+
+
+class IntGradNet(nn.Module):
+    """Parameters of odd shapes whose loss is linear with small-integer coefficients, so every
+    gradient is a small integer: bf16 sums are exact in any order and the bf16 comparison
+    with an fp32-master reference is not blurred by reduction order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(37, 13))
+        self.b = nn.Parameter(torch.randn(29))
+        self.c = nn.Parameter(torch.randn(13, 29))
+        self.d = nn.Parameter(torch.randn(7))
+        self.unused = nn.Parameter(torch.randn(5, 3))
+        self.frozen = nn.Parameter(torch.randn(11), requires_grad=False)
+
+    def forward(self, step: int, rank: int, use_sometimes: bool = True) -> torch.Tensor:
+        g = torch.Generator().manual_seed(7919 * step + rank)
+        loss = torch.zeros((), dtype=torch.float32)
+        for name in ("a", "b", "c", "d"):
+            p = getattr(self, name)
+            if name == "d" and not use_sometimes:
+                continue
+            coef = torch.randint(-8, 9, p.shape, generator=g).to(p.dtype)
+            loss = loss + (p * coef).sum().float()
+        return loss

@@ -9,7 +9,8 @@
   subprocess without the interpreter (``python tests/test_triton_kernels.py compile``):
   no GPU is needed, only ptxas (shipped in triton/backends/nvidia/bin). The tests check
   that cubin/PTX were produced and inspect the AdamW PTX/SASS (128-bit vector accesses,
-  IEEE sqrt/div, no FMA contraction, no spills).
+  IEEE sqrt/div, exactly the three fma.rn.f32 per element of the rounding contract in
+  csrc/kernels.h and no other contraction, no spills).
 """
 
 from __future__ import annotations
@@ -44,8 +45,55 @@ def _reference64(p, g, m, v, *, lr, b1, b2, eps, wd, step, grad_scale):
     return p, m, v
 
 
-def _emulate_fp32(p, g, m, v, k):
-    """The kernel's op sequence in numpy fp32, one rounding per op (no FMA)."""
+def _fma32(a, b, c):
+    """fp32 fma(a, b, c) = a*b + c rounded once to nearest even, on numpy fp32 arrays.
+
+    Exact by construction (numpy has no fma; Python 3.11 has no math.fma):
+    * x = a*b + c is the exact value. a*b in float64 is exact: two 24-bit significands give
+      at most 48 bits, and fp32 exponents (products within 2**-298 .. 2**256) stay in
+      float64's normal range. So s = float64(a*b) + float64(c) is x rounded once to float64.
+    * Let RN32 be fp32 round-to-nearest-even. RN32 is constant between consecutive fp32
+      midpoints M (halfway between adjacent fp32 values, including the overflow threshold
+      2**128 - 2**103), and each M has at most 25 significant bits, so is a float64.
+      Rounding is monotonic and fixes representable values: x < M gives s <= M, x > M gives
+      s >= M. Hence if s is no midpoint, x and s lie strictly on the same side of every M,
+      and RN32(s) == RN32(x): numpy's float64 -> float32 cast (correctly rounded) is exact.
+    * Where s is a midpoint (rare: about 2**-29 of random inputs, so crafted cases test
+      it), x is computed exactly with fractions.Fraction and the fp32 neighbour of s on x's
+      side is taken; x == s is a true tie and the cast's even choice stands.
+    Non-finite s (inf/NaN inputs) is left to the cast, which is then exact too.
+    """
+    from fractions import Fraction
+
+    import numpy as np
+
+    a, b, c = (np.asarray(t, dtype=np.float32) for t in (a, b, c))
+    a, b, c = np.broadcast_arrays(a, b, c)
+    s = a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = s.astype(np.float32)
+        r64 = r.astype(np.float64)
+        # the other fp32 neighbour of s (r is the nearer one, or the even one on a tie);
+        # r = +-inf from a finite s: count it as +-2**128 for the midpoint test.
+        other = np.where(r64 < s, np.nextafter(r, np.float32(np.inf)), r)
+        other = np.where(r64 > s, np.nextafter(r, np.float32(-np.inf)), other)
+        r64 = np.where(np.isinf(r64) & np.isfinite(s), np.copysign(2.0**128, s), r64)
+        # adjacent fp32 values: their sum is exact in float64 and halving it is exact
+        mid = np.isfinite(s) & (r64 != s) & ((r64 + other.astype(np.float64)) / 2 == s)
+    out = r.copy()
+    for i in zip(*np.nonzero(mid)):
+        x = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
+        if x != Fraction(float(s[i])):
+            lo, hi = sorted((r[i], other[i]))
+            out[i] = hi if x > Fraction(float(s[i])) else lo
+    return out
+
+
+def _emulate_fp32(p, g, m, v, k, fused=True):
+    """The kernel's op sequence in numpy fp32: the contract of csrc/kernels.h (the lerp,
+    the v update and the p update as exact fma, every other op rounded on its own).
+    fused=False: the same formula with every op rounded on its own (the pre-contract
+    Triton kernel), used only to show the bitwise check can tell the two apart."""
     import numpy as np
 
     f = np.float32
@@ -55,10 +103,16 @@ def _emulate_fp32(p, g, m, v, k):
         g = g * f(k["inv_grad_scale"])
     p = p * f(k["decay"])
     d = g - m
-    m = m + f(k["w"]) * d if k["LERP_LOW"] else g - d * f(k["one_minus_w"])
-    v = v * f(k["beta2"]) + (f(k["one_minus_beta2"]) * g) * g
-    denom = np.sqrt(v) / f(k["bc2_sqrt"]) + f(k["eps"])
-    p = p - (f(k["step_size"]) * m) / denom
+    if fused:
+        m = _fma32(f(k["w"]), d, m) if k["LERP_LOW"] else _fma32(-d, f(k["one_minus_w"]), g)
+        v = _fma32(f(k["one_minus_beta2"]) * g, g, v * f(k["beta2"]))
+        denom = np.sqrt(v) / f(k["bc2_sqrt"]) + f(k["eps"])
+        p = _fma32(-f(k["step_size"]), m / denom, p)
+    else:
+        m = m + f(k["w"]) * d if k["LERP_LOW"] else g - d * f(k["one_minus_w"])
+        v = v * f(k["beta2"]) + (f(k["one_minus_beta2"]) * g) * g
+        denom = np.sqrt(v) / f(k["bc2_sqrt"]) + f(k["eps"])
+        p = p - (f(k["step_size"]) * m) / denom
     return p, m, v
 
 
@@ -129,6 +183,7 @@ def _interp_adamw(out):
     configs = [(n, gd, lp, hp) for n in (1, 7, 4099) for gd in gdtypes for lp in lps for hp in hps]
     configs += [(65539, gd, torch.bfloat16, hps[1]) for gd in gdtypes]
     configs += [(65539, torch.float32, None, hps[4])]
+    unfused_diffs = 0  # elements where the contract's FMAs change the emulated result
     for n, gdtype, lp, (b1, wd, step, gs) in configs:
         name = f"n={n} grad={gdtype} lp={lp} b1={b1} wd={wd} step={step} scale={gs}"
         gen = torch.Generator().manual_seed(n + step)
@@ -142,6 +197,8 @@ def _interp_adamw(out):
         )
         rp, rm, rv = _reference64(p, g, m, v, **hp)
         ep, em, ev = _emulate_fp32(p, g, m, v, ka.kernel_scalars(s))
+        up, um, uv = _emulate_fp32(p, g, m, v, ka.kernel_scalars(s), fused=False)
+        unfused_diffs += sum(int((x != y).sum()) for x, y in ((ep, up), (em, um), (ev, uv)))
         g0 = g.clone()
         param_lp = None if lp is None else torch.full((n,), 7.0, dtype=lp)
         ka.adamw_triton_(p, g, m, v, param_lp, s)
@@ -205,6 +262,194 @@ def _interp_adamw(out):
         emu.result(),
         lpg.result(),
     )
+    out["adamw_unfused_diffs"] = unfused_diffs
+
+
+def _fma_cases():
+    """(a, b, c) fp32 arrays: crafted cases where a*b + c rounded to float64 lands exactly
+    on an fp32 midpoint (double rounding through float64 would be wrong, or a true tie),
+    with their exact answers, plus random operands of mixed magnitudes."""
+    import numpy as np
+
+    f = np.float32
+    e = 2.0**-15
+    crafted = [  # (a, b, c, exact fp32 fma)
+        # x = 1 + 2**-24 + 2**-54: s = 1 + 2**-24 is a midpoint, x is above it
+        (-(1 + e), 2.0**-24 * (1 - e), 1 + 2.0**-23, 1 + 2.0**-23),
+        # x = 1 + 2**-24 - 2**-54: below the midpoint
+        (1 + e, 2.0**-24 * (1 - e), 1.0, 1.0),
+        # true ties: to even
+        (1.0, 2.0**-24, 1.0, 1.0),
+        (1.0, 2.0**-24, 1 + 2.0**-23, 1 + 2.0**-22),
+        # the same, mirrored in sign
+        ((1 + e), 2.0**-24 * (1 - e), -(1 + 2.0**-23), -(1 + 2.0**-23)),
+        (-(1 + e), 2.0**-24 * (1 - e), -1.0, -1.0),
+        (-1.0, 2.0**-24, -1.0, -1.0),
+        # fp32 subnormal results (float64 holds these x exactly): just above the midpoint
+        # 2**-150, and true ties to even
+        (2.0**-75, 2.0**-75 * (1 + 2.0**-23), 0.0, 2.0**-149),
+        (2.0**-75, 2.0**-75, 0.0, 0.0),
+        (2.0**-75, 2.0**-75, 2.0**-149, 2.0**-148),
+        # exact cancellation, and a plain product
+        (3.0, float(f(1 / 3)), -1.0, 2.0**-25),  # 3 * f32(1/3) = 1 + 2**-25
+        (0.5, 0.25, 0.0, 0.125),
+    ]
+    a, b, c, want = (np.array(col, dtype=np.float64) for col in zip(*crafted))
+    assert all((x.astype(f).astype(np.float64) == x).all() for x in (a, b, c, want))
+    gen = np.random.default_rng(0)
+    n = 4000
+    ra, rb, rc = (
+        gen.standard_normal(n).astype(f) * f(2.0) ** gen.integers(-30, 30, n).astype(f)
+        for _ in range(3)
+    )
+    rc[: n // 4] = -(ra[: n // 4] * rb[: n // 4])  # near-cancellation: fp32 product, exact c
+    return (a.astype(f), b.astype(f), c.astype(f), want.astype(f)), (ra, rb, rc)
+
+
+def _interp_fma(out):
+    """The numpy _fma32 against exact rational arithmetic, and the kernel's interpreter
+    FMA (adamw._fma with SOFT_FP) against _fma32, on crafted midpoint cases and random
+    operands."""
+    from fractions import Fraction
+
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+
+    from zerokern.kernels.triton import adamw as ka
+
+    grp = _Group()
+    (ca, cb, cc, want), (ra, rb, rc) = _fma_cases()
+
+    def exact_fp32(a, b, c):
+        """RN32 of the exact a*b + c, by bisection-free rational rounding (slow, few)."""
+        res = []
+        for x, y, z in zip(a.tolist(), b.tolist(), c.tolist()):
+            q = Fraction(x) * Fraction(y) + Fraction(z)
+            r = np.float32(float(q))  # float(Fraction) is correctly rounded to float64
+            cands = [r, np.nextafter(r, np.float32(-np.inf)), np.nextafter(r, np.float32(np.inf))]
+            dist = [abs(Fraction(float(t)) - q) for t in cands]
+            best = min(dist)
+            ties = [t for t, d in zip(cands, dist) if d == best]
+            ties.sort(key=lambda t: int(np.array(t, dtype=np.float32).view(np.int32)) & 1)
+            res.append(ties[0])  # nearest; on a tie the even significand
+        return np.array(res, dtype=np.float32)
+
+    def same_bits(got, ref, what):
+        bad = np.flatnonzero(got.view(np.int32) != ref.view(np.int32))
+        assert bad.size == 0, f"{what}: {bad.size} differ, first at {bad[:5]}: {got[bad[:5]]}"
+
+    grp.check("crafted: numpy _fma32 == known", lambda: same_bits(_fma32(ca, cb, cc), want, ""))
+    grp.check("crafted: exact_fp32 == known", lambda: same_bits(exact_fp32(ca, cb, cc), want, ""))
+    grp.check(
+        "crafted midpoints are midpoints",
+        lambda: _assert(
+            (ca.astype(np.float64) * cb + cc.astype(np.float64)).astype(np.float32)[:2].tolist()
+            == [1.0, 1.0],
+            "float64 double rounding is not exercised by the crafted cases",
+        ),
+    )
+    grp.check(
+        "random: numpy _fma32 == Fraction",
+        lambda: same_bits(_fma32(ra, rb, rc), exact_fp32(ra, rb, rc), "random"),
+    )
+
+    # The interpreter runs a kernel's source against its module globals (no closures).
+    global _adamw_fma
+    _adamw_fma = ka._fma
+
+    @triton.jit
+    def fma_kernel(a_ptr, b_ptr, c_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        a = tl.load(a_ptr + offs, mask=mask)
+        b = tl.load(b_ptr + offs, mask=mask)
+        c = tl.load(c_ptr + offs, mask=mask)
+        tl.store(out_ptr + offs, _adamw_fma(a, b, c, True), mask=mask)
+
+    def soft(a, b, c, ref, what):
+        ta, tb, tc = (torch.from_numpy(np.ascontiguousarray(x)) for x in (a, b, c))
+        o = torch.empty_like(ta)
+        fma_kernel[(triton.cdiv(ta.numel(), 1024),)](ta, tb, tc, o, ta.numel(), BLOCK=1024)
+        same_bits(o.numpy(), ref, what)
+
+    grp.check("crafted: kernel _fma == known", soft, ca, cb, cc, want, "crafted")
+    grp.check("random: kernel _fma == _fma32", soft, ra, rb, rc, _fma32(ra, rb, rc), "random")
+    out["fma"] = grp.result()
+
+
+_adamw_fma = None  # set by _interp_fma: adamw._fma, for its test kernel
+
+
+def _assert(cond, msg):
+    assert cond, msg
+
+
+def _interp_vs_cpu(out):
+    """Triton (interpreted) and the native CPU kernel follow the same rounding contract:
+    fused_adamw_ with backend="triton" and backend="cpu" agree bit for bit."""
+    import torch
+
+    from zerokern import _native
+    from zerokern.ops import fused_adamw_
+
+    if not _native.has_native():
+        out["adamw_vs_cpu"] = {"skip": "zerokern._C is not built"}
+        return
+    grp = _Group()
+    gdtypes = [torch.float32, torch.bfloat16, torch.float16]
+    hps = [  # (beta1, weight_decay, step, grad_scale)
+        (0.9, 0.1, 1000, 1024.0),
+        (0.9, 0.0, 1, 1.0),
+        (0.3, 0.1, 10, 1.0),  # w = 0.7: the other lerp branch
+    ]
+    # 7 and 4099: AVX2 body and scalar tail; 65539: the OpenMP split as well.
+    configs = [
+        (n, gd, lp, hp)
+        for n in (7, 4099)
+        for gd in gdtypes
+        for lp in (None, torch.bfloat16, torch.float16)
+        for hp in hps
+    ]
+    configs += [
+        (65539, gd, lp, hps[0])
+        for gd, lp in (
+            (torch.float32, None),
+            (torch.bfloat16, torch.bfloat16),
+            (torch.float16, torch.float16),
+        )
+    ]
+    configs += [(65539, torch.float32, torch.bfloat16, hps[2])]
+    for n, gdtype, lp, (b1, wd, step, gs) in configs:
+        name = f"n={n} grad={gdtype} lp={lp} b1={b1} wd={wd} step={step} scale={gs}"
+        gen = torch.Generator().manual_seed(3 * n + step)
+        p = torch.randn(n, generator=gen)
+        g = (torch.randn(n, generator=gen) * 3 * gs).to(gdtype)
+        m = torch.randn(n, generator=gen) * 0.1
+        v = torch.rand(n, generator=gen) * 0.01
+        lp_t = None if lp is None else torch.zeros(n, dtype=lp)
+        hp = dict(lr=1e-3, beta1=b1, beta2=0.999, eps=1e-8, weight_decay=wd, step=step)
+        res = {}
+        for backend in ("triton", "cpu"):
+            st = [p.clone(), m.clone(), v.clone(), None if lp_t is None else lp_t.clone()]
+            fused_adamw_(
+                st[0], g, st[1], st[2], grad_scale=gs, param_lp=st[3], backend=backend, **hp
+            )
+            res[backend] = st
+
+        def same(res=res):
+            for what, a, b in zip(("param", "exp_avg", "exp_avg_sq", "param_lp"), *res.values()):
+                if a is None:
+                    continue
+                bad = torch.nonzero(_bits(a) != _bits(b)).flatten()
+                assert torch.equal(_bits(a), _bits(b)), (
+                    f"{what}: {bad.numel()} elements differ, first at {bad[:5].tolist()}: "
+                    f"triton {a[bad[:5]].tolist()} cpu {b[bad[:5]].tolist()}"
+                )
+
+        grp.check(name, same)
+    out["adamw_vs_cpu"] = grp.result()
 
 
 def _interp_sq_norm(out):
@@ -370,6 +615,8 @@ def _script_interp():
     out, times = {}, {}
     for name, fn in (
         ("adamw", _interp_adamw),
+        ("fma", _interp_fma),
+        ("adamw_vs_cpu", _interp_vs_cpu),
         ("sq_norm", _interp_sq_norm),
         ("flatten", _interp_flatten),
     ):
@@ -395,6 +642,12 @@ PTX_PATTERNS = (
     "div.full",
     "div.approx",
     "fma.rn.f32",
+    "mul.rn.f32",
+    "add.rn.f32",
+    "sub.rn.f32",
+    "mul.f32",  # no rounding modifier: ptxas may contract these into an FMA
+    "add.f32",
+    "sub.f32",
     "cvt.rn.bf16.f32",
     "cvt.rn.f16.f32",
     ".ftz",
@@ -503,7 +756,7 @@ def _script_compile():
             "n": "i64" if i64 else "i32",
             **{s: "fp32" for s in scalars.split()},
             **{c: "constexpr" for c in ("BLOCK", "HAS_LP", "LERP_LOW", "APPLY_SCALE")},
-            **{c: "constexpr" for c in ("USE_INT64", "SOFT_BF16")},
+            **{c: "constexpr" for c in ("USE_INT64", "SOFT_FP")},
         }
         cx = dict(
             BLOCK=ka.BLOCK,
@@ -511,7 +764,7 @@ def _script_compile():
             LERP_LOW=lerp_low,
             APPLY_SCALE=scale,
             USE_INT64=i64,
-            SOFT_BF16=False,
+            SOFT_FP=False,
         )
         ptrs = adam_ptrs if aligned else ()
         return _compile_one(ka.adamw_kernel, sig, cx, dict(ka.COMPILE_OPTIONS), ptrs, sass=True)
@@ -554,6 +807,7 @@ def _script_compile():
         sass=True,
     )
     out["kernels"] = kernels
+    out["adamw_block"], out["adamw_num_warps"] = ka.BLOCK, ka.NUM_WARPS
     out["seconds"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(out))
 
@@ -613,6 +867,23 @@ def test_adamw_bitwise_vs_fp32_op_sequence(interp):
     _assert_group(interp, "adamw_emulation", 100)
 
 
+def test_adamw_fma_contract_matters(interp):
+    # The contract's FMAs change the result of some elements: the bitwise emulation check
+    # above could not pass with an unfused kernel.
+    assert interp["adamw_unfused_diffs"] > 0
+
+
+def test_fma_emulation_exact(interp):
+    _assert_group(interp, "fma", 6)
+
+
+def test_adamw_triton_vs_cpu_bitwise(interp):
+    res = interp["adamw_vs_cpu"]
+    if "skip" in res:
+        pytest.skip(res["skip"])
+    _assert_group(interp, "adamw_vs_cpu", 50)
+
+
 def test_adamw_param_lp_bitwise(interp):
     _assert_group(interp, "adamw_lp", 60)
 
@@ -642,6 +913,7 @@ def test_compile_sm90_all_kernels(compiled):
 
 
 def test_compile_sm90_adamw_codegen(compiled):
+    ka_block, ka_warps = compiled["adamw_block"], compiled["adamw_num_warps"]
     lines = [f"triton {compiled['triton']}, compile {compiled['seconds']} s"]
     for name, k in compiled["kernels"].items():
         ptx = {p: c for p, c in k["ptx"].items() if c}
@@ -649,11 +921,26 @@ def test_compile_sm90_adamw_codegen(compiled):
         lines.append(f"{name}: ptx {ptx} sass {sass} res {res} smem {k['shared']}")
         if not name.startswith("adamw"):
             continue
-        # IEEE sqrt and division, and no mul+add contracted into FMA (bitwise parity with
-        # the other backends' separately rounded fp32 ops).
-        assert ptx.get("sqrt.rn.f32") and ptx.get("div.rn.f32"), (name, ptx)
-        for bad in ("sqrt.approx", "div.full", "div.approx", "fma.rn.f32", ".ftz"):
+        # The rounding contract of csrc/kernels.h, per element: exactly three fma.rn.f32
+        # (lerp, v update, p update); the muls g*inv_scale (when scaled), p*decay,
+        # (1-b2)*g and v*b2, the sub g-m and the add +eps each rounded on their own (.rn:
+        # ptxas must not contract them); IEEE sqrt and both divisions. Each thread owns
+        # BLOCK / (32 * NUM_WARPS) elements, in the unmasked and in the masked path.
+        per = 2 * ka_block // (32 * ka_warps)
+        scaled = "unscaled" not in name
+        want = {
+            "fma.rn.f32": 3 * per,
+            "mul.rn.f32": (4 if scaled else 3) * per,
+            "sub.rn.f32": per,
+            "add.rn.f32": per,
+            "sqrt.rn.f32": per,
+            "div.rn.f32": 2 * per,
+        }
+        got = {op: ptx.get(op, 0) for op in want}
+        assert got == want, (name, got, want)
+        for bad in ("sqrt.approx", "div.full", "div.approx", ".ftz", "mul.f32", "add.f32"):
             assert bad not in ptx, (name, bad, ptx)
+        assert "sub.f32" not in ptx, (name, ptx)
         if "lp=bf16" in name:
             assert ptx.get("cvt.rn.bf16.f32"), (name, ptx)
         if "unaligned" not in name:

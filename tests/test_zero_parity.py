@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import zerokern
 from _tol import TRAIN_FP32
 from dist_utils import run_ranks
-from models import OddNet, batch
+from models import IntGradNet, OddNet, batch
+
+import zerokern
 
 STEPS = 10
 
@@ -47,9 +47,10 @@ def _groups(model, two_groups: bool, lr: float):
 
 
 def scenario(rank, world, *, stage, dtype=torch.float32, bucket_numel=61, two_groups=False,
-             sched=False, accum=1, no_sync=True, clip=None, sometimes=False, ddp=False):
+             sched=False, accum=1, no_sync=True, clip=None, sometimes=False, ddp=False,
+             intgrad=False):
     torch.manual_seed(0)
-    base = OddNet()
+    base = IntGradNet() if intgrad else OddNet()
     ours = copy.deepcopy(base).to(dtype)
     ref = copy.deepcopy(base).to(dtype)
     lr = 3e-3
@@ -79,9 +80,9 @@ def scenario(rank, world, *, stage, dtype=torch.float32, bucket_numel=61, two_gr
             last = mb == accum - 1
             ctx = opt.no_sync() if (not last and no_sync) else _null()
             with ctx:
-                loss = F.cross_entropy(ours(x, use).float(), y) / accum
+                loss = _loss(ours, x, y, use, intgrad, step * accum + mb, rank) / accum
                 loss.backward()
-            loss_r = F.cross_entropy(ref_model(x, use).float(), y) / accum
+            loss_r = _loss(ref_model, x, y, use, intgrad, step * accum + mb, rank) / accum
             loss_r.backward()
         if not ddp:
             _ref_average(ref, world)
@@ -111,8 +112,15 @@ def scenario(rank, world, *, stage, dtype=torch.float32, bucket_numel=61, two_gr
             else:
                 torch.testing.assert_close(a, b, rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1],
                                            msg=lambda m, n=name, s=step: f"{n} step {s}: {m}")
-    assert torch.equal(ours.unused.weight, base.unused.weight.to(dtype)), "unused param moved"
+    unused = (lambda m: m.unused) if intgrad else (lambda m: m.unused.weight)
+    assert torch.equal(unused(ours), unused(base).to(dtype)), "unused param moved"
     assert torch.equal(ours.frozen, base.frozen.to(dtype))
+
+
+def _loss(model, x, y, use, intgrad, step, rank):
+    if intgrad:
+        return model(step, rank, use)
+    return F.cross_entropy(model(x, use).float(), y)
 
 
 def _groups_like(ref, masters, two_groups, lr):
@@ -166,9 +174,10 @@ def test_accumulation_without_no_sync(stage, tmp_path):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_bf16_within_one_ulp_of_fp32_master_reference(world, stage, tmp_path):
-    _run(world, tmp_path, stage=stage, dtype=torch.bfloat16, bucket_numel=100)
+    _run(world, tmp_path, stage=stage, dtype=torch.bfloat16, bucket_numel=100, intgrad=True,
+         two_groups=True, sometimes=True, accum=2)
 
 
 def test_against_real_ddp(tmp_path):

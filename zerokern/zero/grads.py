@@ -102,6 +102,9 @@ class GradReducer:
                 ops.flatten_into_([flat_g], dst, [boff], ranges=[(poff, n)], backend=self.backend)
             self.filled[b].add(index)
             self.pending[b] -= 1
+            # Reduce (and free) each bucket as soon as it is complete, before taking the
+            # next one: a parameter larger than a bucket then streams through the pool.
+            self._reduce_ready()
         if self.stage == 2:
             p.grad = None  # the bucket holds it now: full-size gradients never accumulate
         elif self.flat_grad is not None:
@@ -119,10 +122,11 @@ class GradReducer:
         if buf is None:
             buf = self._take_buffer()
             plan = self.layout.plans[bk.group]
-            if bk.local_index == plan.num_buckets - 1 and plan.padding:
-                buf[bk.numel - plan.padding:].zero_()
             self.buffers[b] = buf
-        return buf
+            if bk.local_index == plan.num_buckets - 1 and plan.padding:
+                buf.narrow(0, bk.numel - plan.padding, plan.padding).zero_()
+        # Pool buffers fit the largest group's bucket; groups may use smaller ones.
+        return buf.narrow(0, 0, bk.numel)
 
     def _take_buffer(self) -> torch.Tensor:
         if not self.pool and self.inflight:
@@ -168,8 +172,7 @@ class GradReducer:
 
     def _release(self, b: int, buf: torch.Tensor) -> None:
         if self.stage == 2:
-            self.buffers.pop(b, None)
-            self.pool.append(buf)
+            self.pool.append(self.buffers.pop(b))
 
     def flush(self) -> None:
         """Before the optimizer step: reduce every bucket not yet reduced, in order, with

@@ -50,6 +50,7 @@ class Layout:
     rank: int
     plans: tuple[BucketPlan, ...]
     orders: tuple[tuple[int, ...], ...]  # per group: global param indices in plan order
+    ready_order: tuple[int, ...]  # all groups' plan orders, concatenated
     group_flat_start: tuple[int, ...]
     group_local_start: tuple[int, ...]
     flat_numel: int
@@ -73,16 +74,25 @@ def build_layout(
     rank: int,
     bucket_numel: int | None,
     alignment: int = ALIGN_ELEMS,
+    ready_order: Sequence[int] | None = None,
 ) -> Layout:
     """group_param_numels[g][j]: numel of the j-th managed param of group g (registration
-    order). Global param index = running position over groups in that order."""
+    order). Global param index = running position over groups in that order.
+
+    ready_order: global param indices in the order their gradients became ready (observed on
+    a first backward); parameters it omits go last. Default: reverse registration order."""
+    rank_of = {} if ready_order is None else {int(i): k for k, i in enumerate(ready_order)}
     plans, orders, fstarts, lstarts, buckets = [], [], [], [], []
     param_flat = [0] * sum(len(g) for g in group_param_numels)
     pieces: list[Piece] = []
     first = 0
     flat = local = 0
     for g, numels in enumerate(group_param_numels):
-        order = tuple(range(first + len(numels) - 1, first - 1, -1))  # ready order
+        order = tuple(range(first + len(numels) - 1, first - 1, -1))  # reverse registration
+        if rank_of:
+            # Observed order first; never-seen parameters after it (they would otherwise hold
+            # back every bucket behind them until step()).
+            order = tuple(sorted(order, key=lambda i: (rank_of.get(i, len(rank_of)), -i)))
         ready = [numels[i - first] for i in order]
         total = sum(ready)
         unit = world_size * alignment
@@ -118,7 +128,8 @@ def build_layout(
     pieces.sort(key=lambda p: p.local_start)
     return Layout(
         stage=stage, world_size=world_size, rank=rank, plans=tuple(plans),
-        orders=tuple(orders), group_flat_start=tuple(fstarts), group_local_start=tuple(lstarts),
+        orders=tuple(orders), ready_order=tuple(i for o in orders for i in o),
+        group_flat_start=tuple(fstarts), group_local_start=tuple(lstarts),
         flat_numel=flat, local_numel=local, buckets=tuple(buckets),
         param_flat_offset=tuple(param_flat), pieces=tuple(pieces),
     )

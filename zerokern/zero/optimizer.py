@@ -94,10 +94,50 @@ class ZeroAdamW(torch.optim.Optimizer):
         if not self._params:
             raise ValueError("params: no parameter requires grad; nothing to optimize")
         self.dtype, self.device = self._common_dtype_device()
+        self._bucket_numel = bucket_numel
+        self._overlap = overlap_comm
         self._check_same_on_all_ranks(bucket_numel)
-        self.layout: Layout = build_layout(
-            [[p.numel() for p in ps] for ps in managed], stage=stage,
-            world_size=self.comm.world_size, rank=self.comm.rank, bucket_numel=bucket_numel,
+        self._broadcast_params()
+        self._group_sizes = [[p.numel() for p in ps] for ps in managed]
+        self._steps = [0] * len(self._params)
+        # The flat layout is built at the first step() from the order in which the first
+        # backward produced gradients (as DDP rebuilds its buckets after one iteration), so
+        # buckets fill front to back and never wait on a late or unused parameter.
+        self.layout: Layout | None = None
+        self._reducer: GradReducer | None = None
+        self._sync = True
+        self._observed: list[int] = []
+        self._seen: set[int] = set()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad(i))
+            for i, p in enumerate(self._params)
+        ]
+        self._last_comm = self.comm.reset_stats()
+
+    def _on_grad(self, index: int) -> None:
+        if self._reducer is not None:
+            self._reducer.on_grad_ready(index)
+        elif index not in self._seen:  # before the layout exists: learn the ready order
+            self._seen.add(index)
+            self._observed.append(index)
+
+    def _broadcast_params(self) -> None:
+        if self.comm.world_size == 1:
+            return
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in self._params])
+            self.comm.broadcast(flat, 0, "initial parameters")
+            off = 0
+            for p in self._params:
+                p.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+
+    def _ensure_layout(self, ready_order: list[int] | None = None) -> Layout:
+        if self.layout is not None:
+            return self.layout
+        self.layout = build_layout(
+            self._group_sizes, stage=self.stage, world_size=self.comm.world_size,
+            rank=self.comm.rank, bucket_numel=self._bucket_numel, ready_order=ready_order,
         )
         self._group_pieces: list[list[Piece]] = [[] for _ in self.param_groups]
         for pc in self.layout.pieces:
@@ -106,14 +146,19 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._reducer = GradReducer(
             self.layout, self._params, self.comm, flat_grad=self.flat_grad,
             grad_shard=self.grad_shard, alloc_bucket=self._alloc_bucket,
-            overlap=overlap_comm, backend=backend,
+            overlap=self._overlap, backend=self.backend,
         )
-        self._steps = [0] * len(self._params)
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(lambda _p, i=i: self._reducer.on_grad_ready(i))
-            for i, p in enumerate(self._params)
-        ]
-        self._last_comm = self.comm.reset_stats()
+        self._reducer.sync = self._sync
+        return self.layout
+
+    def _first_step_layout(self) -> None:
+        """Agree on rank 0's observed order, lay everything out, then push the gradients the
+        first backward left on the parameters through the buckets in that order."""
+        order = self.comm.all_gather_object(self._observed)[0]
+        self._ensure_layout(order)
+        for i in self.layout.ready_order:
+            if self._params[i].grad is not None:
+                self._reducer.on_grad_ready(i)
 
     # -- construction -----------------------------------------------------------------------
     def _common_dtype_device(self) -> tuple[torch.dtype, torch.device]:
@@ -189,8 +234,6 @@ class ZeroAdamW(torch.optim.Optimizer):
                 view = self.flat_param.narrow(0, off, p.numel())
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view_as(p)
-                p.grad = None
-            self.comm.broadcast(self.flat_param, 0, "initial parameters")
             self.flat_grad = alloc("grads", L.flat_numel, pdt) if st in (0, 1) else None
             self.grad_shard = alloc("grads", L.local_numel, pdt) if st in (1, 2) else None
             self.master = alloc("master", L.local_numel, torch.float32) if self._has_master \
@@ -223,12 +266,17 @@ class ZeroAdamW(torch.optim.Optimizer):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (no communication) for all but the last micro-batch."""
-        prev = self._reducer.sync
-        self._reducer.sync = False
+        prev = self._sync
+        self._set_sync(False)
         try:
             yield
         finally:
-            self._reducer.sync = prev
+            self._set_sync(prev)
+
+    def _set_sync(self, value: bool) -> None:
+        self._sync = value
+        if self._reducer is not None:
+            self._reducer.sync = value
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scaler.scale if self.scaler is not None else loss
@@ -238,6 +286,13 @@ class ZeroAdamW(torch.optim.Optimizer):
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.layout is None:
+            for p in self._params:
+                if set_to_none or p.grad is None:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+            return
         for i, p in enumerate(self._params):
             if set_to_none or self.flat_grad is None:
                 p.grad = None
@@ -254,6 +309,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.layout is None:
+            self._first_step_layout()
         self._reducer.flush()
         grad_src = self.flat_grad if self.stage == 0 else self.grad_shard
         need_norm = self.max_grad_norm is not None or self.scaler is not None
@@ -374,8 +431,9 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds for model states, by kind, from the arena's accounting.
-        Padding (bucket/shard rounding) is reported on its own, not hidden in the kinds."""
-        L = self.layout
+        Padding (bucket/shard rounding) is reported on its own, not hidden in the kinds.
+        Before the first step() this lays buffers out in reverse registration order."""
+        L = self._ensure_layout()
         esz = self.flat_param.element_size()
         psi = sum(p.numel() for p in self._params)
         local_real = sum(pc.numel for pc in L.pieces)
@@ -404,6 +462,7 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        L = self._ensure_layout()
         groups = []
         idx = 0
         for g in self.param_groups:
@@ -420,16 +479,18 @@ class ZeroAdamW(torch.optim.Optimizer):
             "state": state, "param_groups": groups,
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "zerokern": {"stage": self.stage, "world_size": self.comm.world_size,
-                         "rank": self.comm.rank, "local_numel": self.layout.local_numel,
-                         "flat_numel": self.layout.flat_numel},
+                         "rank": self.comm.rank, "local_numel": L.local_numel,
+                         "flat_numel": L.flat_numel, "ready_order": list(L.ready_order)},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         meta = state_dict.get("zerokern")
         if meta is None:
             raise ValueError("state_dict: not a ZeroAdamW state dict (no 'zerokern' entry)")
+        if self.layout is None:
+            self._ensure_layout(list(meta.get("ready_order") or []) or None)
         mine = self.state_dict()["zerokern"]
-        for k in ("stage", "world_size", "rank", "local_numel", "flat_numel"):
+        for k in ("stage", "world_size", "rank", "local_numel", "flat_numel", "ready_order"):
             if meta[k] != mine[k]:
                 raise ValueError(
                     f"state_dict was saved with {k}={meta[k]}, this optimizer has {k}="

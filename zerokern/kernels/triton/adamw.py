@@ -1,19 +1,20 @@
 """Fused AdamW step over a flat fp32 shard, as a Triton kernel.
 
-Per element, in fp32, exactly the formula of csrc/kernels.h:
+Per element, in fp32, exactly the formula and rounding contract of csrc/kernels.h:
 
     g = grad * inv_grad_scale
     p = p * decay
-    m = lerp(m, g, w)        w < 0.5 ? m + w*(g-m) : g - (g-m)*(1-w)     (w = 1 - beta1)
-    v = v * beta2 + ((1 - beta2) * g) * g
-    p = p - (step_size * m) / (sqrt(v) / bc2_sqrt + eps)
+    m = lerp(m, g, w)     w < 0.5 ? fma(w, g-m, m) : fma(-(g-m), 1-w, g)     (w = 1 - beta1)
+    v = fma((1 - beta2) * g, g, v * beta2)
+    p = fma(-step_size, m / (sqrt(v) / bc2_sqrt + eps), p)
     param_lp = round_to_nearest_even(p)   (optional, bf16 or fp16)
 
+The three fma are single roundings (explicit tl.fma -> fma.rn.f32); every other operation
+is rounded on its own: sqrt and the divisions are the IEEE ones (sqrt_rn / div_rn), and the
+kernel is compiled with enable_fp_fusion=False so that no other mul + add is contracted.
 Every scalar is rounded to fp32 on the host (and 1 - w is computed there in fp32, as
-torch's lerp does), so the kernel sees the same fp32 operands as the other backends.
-sqrt and the divisions are the IEEE-rounded ones (sqrt_rn / div_rn), and the kernel is
-compiled with enable_fp_fusion=False so ptxas cannot contract a mul + add into an FMA:
-the result is then bit-identical to a plain sequence of fp32 ops (torch's CPU/CUDA math).
+torch's lerp does), so the kernel sees the same fp32 operands as the CPU and CUDA kernels
+and agrees with them bit for bit.
 
 Layout: one program per BLOCK elements. Full blocks take an unmasked path (so the JIT's
 16-byte alignment specialisation of the pointers gives 128-bit vector accesses even when
@@ -35,7 +36,8 @@ from zerokern.ops._scalars import AdamScalars
 # conversion (with 8 per thread Triton converts the fp32 stores through shared memory).
 BLOCK = 1024
 NUM_WARPS = 8
-# Launch options; the compile tests use the same. fp fusion off: no mul+add -> FMA.
+# Launch options; the compile tests use the same. fp fusion off: no mul+add is contracted
+# into an FMA behind our back; the contract's three FMAs are explicit tl.fma calls.
 COMPILE_OPTIONS = dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
@@ -45,9 +47,9 @@ def _f32(x: float) -> float:
 
 
 @triton.jit
-def _round_lp(p, LP_DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+def _round_lp(p, LP_DTYPE: tl.constexpr, SOFT_FP: tl.constexpr):
     """fp32 -> bf16/fp16, round to nearest even (what torch's .to(dtype) does)."""
-    if SOFT_BF16 and LP_DTYPE == tl.bfloat16:
+    if SOFT_FP and LP_DTYPE == tl.bfloat16:
         # Integer RNE, used under TRITON_INTERPRET: the interpreter's own fp32->bf16
         # conversion rounds ties away from zero and drops the carry into the exponent.
         # NaN becomes 0x7FC0 like torch's CPU conversion.
@@ -58,6 +60,33 @@ def _round_lp(p, LP_DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
     else:
         # cvt.rn.bf16.f32 / cvt.rn.f16.f32 on the GPU.
         return p.to(LP_DTYPE, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _fma(x, y, z, SOFT_FP: tl.constexpr):
+    """fp32 x * y + z with a single rounding (fma.rn.f32 on the GPU)."""
+    if SOFT_FP:
+        # The interpreter's tl.fma is x * y + z in numpy fp32, rounded twice. Exact emulation
+        # in fp64 instead: a = x*y is exact (24 + 24 <= 53 bits, no under/overflow for fp32
+        # operands); s = a + c rounded to fp64, and err = (a + c) - s exactly (Knuth's
+        # TwoSum). If err != 0, s is forced odd by moving it one fp64 ulp towards err: that
+        # is a + c rounded to odd at 53 bits, and since 53 >= 24 + 2, rounding it to fp32
+        # (nearest even) gives exactly fp32 round-to-nearest-even of a + c (Boldo and
+        # Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using
+        # rounding to odd", IEEE TC 2008). Inf/NaN: err is NaN, never < 0 or > 0, s is kept.
+        # (tl.cast, not .to: the interpreter passes scalar arguments as Python floats)
+        a = tl.cast(x, tl.float64) * tl.cast(y, tl.float64)
+        c = tl.cast(z, tl.float64)
+        s = a + c
+        cc = s - a
+        err = (a - (s - cc)) + (c - cc)
+        bits = s.to(tl.int64, bitcast=True)
+        inexact = (err < 0) | (err > 0)
+        step = tl.where((err > 0) == (s > 0), 1, -1).to(tl.int64)  # +1: magnitude up
+        bits = tl.where(inexact & ((bits & 1) == 0), bits + step, bits)
+        return bits.to(tl.float64, bitcast=True).to(tl.float32)
+    else:
+        return tl.fma(x, y, z)
 
 
 @triton.jit
@@ -82,7 +111,7 @@ def _adamw_block(
     HAS_LP: tl.constexpr,
     LERP_LOW: tl.constexpr,
     APPLY_SCALE: tl.constexpr,
-    SOFT_BF16: tl.constexpr,
+    SOFT_FP: tl.constexpr,
 ):
     if MASKED:
         p = tl.load(param_ptr + offs, mask=mask, other=0.0)
@@ -101,15 +130,18 @@ def _adamw_block(
     p = p * decay
     diff = g - m
     if LERP_LOW:
-        m = m + w * diff
+        m = _fma(w, diff, m, SOFT_FP)
     else:
-        m = g - diff * one_minus_w
-    v = v * beta2 + (one_minus_beta2 * g) * g
+        m = _fma(-diff, one_minus_w, g, SOFT_FP)
+    v = _fma(one_minus_beta2 * g, g, v * beta2, SOFT_FP)
     # div_rn does not broadcast its operands: splat the scalar divisor first.
     denom = tl.div_rn(tl.sqrt_rn(v), tl.full(v.shape, bc2_sqrt, tl.float32)) + eps
-    p = p - tl.div_rn(step_size * m, denom)
+    # -step_size negates a splat tensor, not the scalar argument: under the interpreter a
+    # scalar argument is a Python float, and -0.0 (lr = 0) would enter the fma as +0.0.
+    neg_step = -tl.full(p.shape, step_size, tl.float32)
+    p = _fma(neg_step, tl.div_rn(m, denom), p, SOFT_FP)
     if HAS_LP:
-        p_lp = _round_lp(p, lp_ptr.dtype.element_ty, SOFT_BF16)
+        p_lp = _round_lp(p, lp_ptr.dtype.element_ty, SOFT_FP)
 
     if MASKED:
         tl.store(param_ptr + offs, p, mask=mask)
@@ -147,7 +179,7 @@ def adamw_kernel(
     LERP_LOW: tl.constexpr,
     APPLY_SCALE: tl.constexpr,
     USE_INT64: tl.constexpr,
-    SOFT_BF16: tl.constexpr,
+    SOFT_FP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if USE_INT64:
@@ -177,7 +209,7 @@ def adamw_kernel(
             HAS_LP,
             LERP_LOW,
             APPLY_SCALE,
-            SOFT_BF16,
+            SOFT_FP,
         )
     else:
         _adamw_block(
@@ -201,12 +233,13 @@ def adamw_kernel(
             HAS_LP,
             LERP_LOW,
             APPLY_SCALE,
-            SOFT_BF16,
+            SOFT_FP,
         )
 
 
 # Under TRITON_INTERPRET=1 (read when triton.jit runs, i.e. at import of this module) the
-# decorator returns an InterpretedFunction; the kernel then rounds to bf16 with integer ops.
+# decorator returns an InterpretedFunction; the kernel then rounds to bf16 with integer ops
+# and emulates the FMAs in fp64 (SOFT_FP), where the interpreter's own versions are inexact.
 _INTERPRETED = type(adamw_kernel).__name__ == "InterpretedFunction"
 
 
@@ -256,7 +289,7 @@ def adamw_triton_(
         BLOCK=BLOCK,
         HAS_LP=has_lp,
         USE_INT64=n >= 2**31 - BLOCK,
-        SOFT_BF16=_INTERPRETED,
+        SOFT_FP=_INTERPRETED,
         **COMPILE_OPTIONS,
         **kernel_scalars(s),
     )

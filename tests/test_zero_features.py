@@ -1,0 +1,198 @@
+"""ZeroAdamW: memory and communication accounting, fp16 overflow skipping, state dicts,
+cross-rank validation and single-process use."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from models import OddNet, batch
+
+import zerokern
+
+
+def _train(model, opt, steps, rank, start=0, dtype=None):
+    for step in range(start, start + steps):
+        x, y = batch(step, rank)
+        loss = F.cross_entropy(model(x).float(), y)
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# -- accounting --------------------------------------------------------------------------------
+def accounting(rank, world, stage):
+    torch.manual_seed(0)
+    model = OddNet().to(torch.bfloat16)
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=stage, bucket_numel=97)
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    _train(model, opt, 2, rank)
+    ms = opt.memory_stats()
+    L = opt.layout
+    local = sum(pc.numel for pc in L.pieces)
+    # Every element has exactly one owner across ranks.
+    t = torch.tensor([local])
+    dist.all_reduce(t)
+    assert t.item() == (psi if stage else psi * world)
+    if stage == 0:
+        assert local == psi
+        expect = {"params": 2 * psi, "grads": 2 * psi, "master": 4 * psi, "exp_avg": 4 * psi,
+                  "exp_avg_sq": 4 * psi}
+    elif stage == 1:  # 4Ψ + 12Ψ/N (+ the Ψ/N grad shard the reduce-scatter writes)
+        expect = {"params": 2 * psi, "grads": 2 * psi + 2 * local, "master": 4 * local,
+                  "exp_avg": 4 * local, "exp_avg_sq": 4 * local}
+    else:  # 2Ψ + 14Ψ/N
+        expect = {"params": 2 * psi, "grads": 2 * local, "master": 4 * local,
+                  "exp_avg": 4 * local, "exp_avg_sq": 4 * local}
+    for k, v in expect.items():
+        assert ms[k] == v, (k, ms[k], v)
+    pad_elems = L.flat_numel - psi
+    assert ms["padding"] >= 2 * pad_elems
+    model_states = sum(ms[k] for k in ("params", "grads", "master", "exp_avg", "exp_avg_sq"))
+    assert ms["arena_in_use"] >= model_states + ms["padding"]
+    if stage == 2:
+        cap = max(b.numel for b in L.buckets)
+        assert 0 < ms["buckets"] <= 2 * cap * 2  # constant budget: at most two buckets
+    cs = opt.comm_stats()
+    # The paper's count: reduce-scatter + all-gather of every bucket (or one all-reduce, x2).
+    if world > 1:
+        assert cs["elements"] == 2 * L.flat_numel, cs
+        assert 0 <= L.flat_numel - psi < len(L.plans) * max(b.numel for b in L.buckets)
+        kinds = set(cs["per_kind"]) - {"scalar_all_reduce"}
+        assert kinds == ({"all_reduce"} if stage == 0 else {"reduce_scatter", "all_gather"})
+    else:
+        assert cs["elements"] == 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_memory_and_comm_stats_match_formulas(world, stage, tmp_path):
+    run_ranks(world, accounting, stage, tmp_path=tmp_path)
+
+
+# -- fp16 overflow -----------------------------------------------------------------------------
+def overflow(rank, world, stage):
+    torch.manual_seed(0)
+    model = OddNet().to(torch.float16)
+    opt = zerokern.ZeroAdamW(model.parameters(), lr=1e-3, stage=stage, loss_scale="dynamic",
+                             bucket_numel=64)
+    assert opt.loss_scale == 2.0**16
+    for step in range(4):
+        x, y = batch(step, rank)
+        loss = F.cross_entropy(model(x).float(), y)
+        if step == 2 and rank == world - 1:
+            loss = loss * float("inf")  # only the last rank overflows
+        before = [p.detach().clone() for p in model.parameters()]
+        state_before = opt.state_dict()
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 2:
+            for a, b in zip(model.parameters(), before):
+                assert torch.equal(a, b), "a skipped step changed a parameter"
+            sd = opt.state_dict()
+            for k in ("exp_avg", "exp_avg_sq", "master", "steps"):
+                assert torch.equal(sd["state"][k], state_before["state"][k]), k
+            assert opt.loss_scale == 2.0**15 and opt.scaler.skipped_steps == 1
+        elif step < 2:
+            assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fp16_overflow_skips_on_every_rank(stage, tmp_path):
+    run_ranks(2, overflow, stage, tmp_path=tmp_path)
+
+
+# -- state dict --------------------------------------------------------------------------------
+def state_round_trip(rank, world, stage):
+    torch.manual_seed(0)
+    base = OddNet().to(torch.bfloat16)
+    m1 = copy.deepcopy(base)
+    o1 = zerokern.ZeroAdamW(m1.parameters(), stage=stage, bucket_numel=50)
+    _train(m1, o1, 3, rank)
+    saved_model = copy.deepcopy(m1.state_dict())
+    saved_opt = copy.deepcopy(o1.state_dict())
+    _train(m1, o1, 3, rank, start=3)
+    m2 = copy.deepcopy(base)
+    o2 = zerokern.ZeroAdamW(m2.parameters(), stage=stage, bucket_numel=50)
+    m2.load_state_dict(saved_model)
+    o2.load_state_dict(saved_opt)
+    _train(m2, o2, 3, rank, start=3)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    bad = copy.deepcopy(saved_opt)
+    bad["zerokern"]["stage"] = (stage + 1) % 3
+    with pytest.raises(ValueError, match="stage"):
+        o2.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_state_dict_round_trip_bitwise(stage, tmp_path):
+    run_ranks(2, state_round_trip, stage, tmp_path=tmp_path)
+
+
+# -- validation --------------------------------------------------------------------------------
+def mismatched(rank, world):
+    model = torch.nn.Linear(4, 3 if rank == 0 else 5)
+    with pytest.raises(ValueError, match="differ across ranks.*parameter 0"):
+        zerokern.ZeroAdamW(model.parameters(), stage=2)
+
+
+def test_param_lists_that_differ_raise_on_every_rank(tmp_path):
+    run_ranks(2, mismatched, tmp_path=tmp_path)
+
+
+def test_world_size_one_without_process_group_matches_adamw():
+    torch.manual_seed(0)
+    a = OddNet()
+    b = copy.deepcopy(a)
+    opt = zerokern.ZeroAdamW(a.parameters(), lr=1e-2, stage=2, bucket_numel=33)
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=1e-2, foreach=False)
+    for step in range(5):
+        for m, o in ((a, opt), (b, ref)):
+            x, y = batch(step, 0)
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [(dict(stage=4), "stage"), (dict(lr=-1.0), "lr"), (dict(betas=(0.9, 1.0)), "betas"),
+     (dict(bucket_numel=0), "bucket_numel"), (dict(max_grad_norm=0.0), "max_grad_norm"),
+     (dict(loss_scale="auto"), "loss_scale"), (dict(weight_decay=-1.0), "weight_decay")],
+)
+def test_bad_arguments(kw, match):
+    model = torch.nn.Linear(3, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        zerokern.ZeroAdamW(model.parameters(), **kw)
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q)
+
+
+def test_mixed_dtypes_rejected():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="params"):
+        zerokern.ZeroAdamW(model.parameters())
+
+
+def test_step_with_closure_returns_loss():
+    model = torch.nn.Linear(3, 2)
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=1)
+    x = torch.randn(4, 3)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert torch.is_tensor(loss) and loss.item() > 0
