@@ -57,9 +57,10 @@ Measured, per policy (ranks' numbers combined as said):
         reduce-scatter the full input, all-gather the full output, broadcast once (rank 0's
         view). What is counted is what the backend ran: gloo executes reduce_scatter_tensor
         as an all-reduce of the full input (its event is "gloo:all_reduce"), so there a
-        reduce-scatter counts 2x. Time: length of the union of those events' intervals (on GPU: of the NCCL
-        kernels), i.e. wall time during which a collective was in progress on the rank,
-        overlapped with compute or not; max over ranks.
+        reduce-scatter counts 2x. Time: length of the union of those events' intervals (on
+        GPU: of the NCCL kernels), i.e. wall time during which a collective was in progress
+        on the rank, overlapped with compute or not, waiting for the peer included; max over
+        ranks.
   zk_comm_mb          zerokern only: ZeroAdamW.comm_stats()["bytes"] of the last timed step:
         what zerokern asked for, paper count (a reduce-scatter once), without the scalar
         grad-norm all-reduce.
@@ -110,12 +111,23 @@ import _harness as H  # noqa: E402
 from gpt import GPT, GPTConfig, batch  # noqa: E402
 
 HP = dict(lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-POLICIES = ["ddp", "zero_redundancy", "fsdp2", "zk_stage0", "zk_stage1", "zk_stage2",
-            "zk_stage3", "ds_stage1", "ds_stage2"]
-REFERENCE = dict(cfg=GPTConfig(n_layer=6, n_embd=384, n_head=6, vocab=4096, seq=128),
-                 micro_batch=4, steps=30)
-QUICK = dict(cfg=GPTConfig(n_layer=2, n_embd=64, n_head=2, vocab=256, seq=32),
-             micro_batch=2, steps=4)
+POLICIES = [
+    "ddp",
+    "zero_redundancy",
+    "fsdp2",
+    "zk_stage0",
+    "zk_stage1",
+    "zk_stage2",
+    "zk_stage3",
+    "ds_stage1",
+    "ds_stage2",
+]
+REFERENCE = dict(
+    cfg=GPTConfig(n_layer=6, n_embd=384, n_head=6, vocab=4096, seq=128), micro_batch=4, steps=30
+)
+QUICK = dict(
+    cfg=GPTConfig(n_layer=2, n_embd=64, n_head=2, vocab=256, seq=32), micro_batch=2, steps=4
+)
 MB = 1 << 20
 
 
@@ -195,7 +207,10 @@ class StateBytes:
         elif isinstance(obj, (list, tuple, set, frozenset)):
             items = list(obj)
         elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in (
-            "torch", "deepspeed", "zerokern", __name__.split(".")[0]
+            "torch",
+            "deepspeed",
+            "zerokern",
+            __name__.split(".")[0],
         ):
             items = list(vars(obj).values())
         else:
@@ -238,8 +253,11 @@ class Masters:
                 m.grad = torch.zeros_like(m)
 
     def grads_in(self) -> None:
-        pairs = [(m.grad, p.grad) for m, p in zip(self.masters, self.params)
-                 if p.grad is not None and m.grad is not None]
+        pairs = [
+            (m.grad, p.grad)
+            for m, p in zip(self.masters, self.params)
+            if p.grad is not None and m.grad is not None
+        ]
         if pairs:
             torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
 
@@ -252,8 +270,11 @@ def setup_ddp(job: Job, model: nn.Module, device: torch.device, zero1: bool) -> 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     kw = adamw_impl(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              gradient_as_bucket_view=True)
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+    )
     params = list(model.parameters())
     ms = Masters(params) if job.precision == "bf16" else None
     targets = ms.masters if ms else params
@@ -288,8 +309,11 @@ def setup_ddp(job: Job, model: nn.Module, device: torch.device, zero1: bool) -> 
 def setup_fsdp2(job: Job, model: nn.Module, device: torch.device) -> Setup:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-                 if job.precision == "bf16" else MixedPrecisionPolicy())
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        if job.precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
     for blk in model.blocks:
         fully_shard(blk, mp_policy=mp_policy)
     fully_shard(model, mp_policy=mp_policy)
@@ -328,8 +352,12 @@ def setup_zerokern(job: Job, model: nn.Module, stage: int) -> Setup:
     def state() -> dict[str, int]:
         s = opt.memory_stats()
         grads = s["grads"] + s["buckets"]
-        return {"params": s["params"], "grads": grads,
-                "optim": s["total"] - s["params"] - grads, "zk_comm": opt.comm_stats()["bytes"]}
+        return {
+            "params": s["params"],
+            "grads": grads,
+            "optim": s["total"] - s["params"] - grads,
+            "zk_comm": opt.comm_stats()["bytes"],
+        }
 
     return Setup(step, state, f"ZeroAdamW(stage={stage})")
 
@@ -358,16 +386,18 @@ def setup_deepspeed(job: Job, model: nn.Module, device: torch.device, stage: int
         engine.step()
         return loss
 
-    return Setup(step, generic_state(engine.module, ds_opt),
-                 f"deepspeed {deepspeed.__version__} ZeRO-{stage}, AdamW({next(iter(kw))})")
+    return Setup(
+        step,
+        generic_state(engine.module, ds_opt),
+        f"deepspeed {deepspeed.__version__} ZeRO-{stage}, AdamW({next(iter(kw))})",
+    )
 
 
 # -- collective accounting from the profiler --------------------------------------------------
 _PAPER_FACTOR = {"all_reduce": 2, "allreduce": 2}
 
 
-def comm_from_profile(prof: Any, device: torch.device, steps: int, world: int
-                      ) -> dict[str, Any]:
+def comm_from_profile(prof: Any, device: torch.device, steps: int, world: int) -> dict[str, Any]:
     """Bytes (paper count) and union-of-intervals time of backend collective events."""
     by_kind: dict[str, float] = {}
     intervals: list[tuple[float, float]] = []
@@ -414,10 +444,19 @@ def comm_from_profile(prof: Any, device: torch.device, steps: int, world: int
     return out
 
 
-_DTYPE_NAMES = {"float": torch.float32, "double": torch.float64, "c10::BFloat16": torch.bfloat16,
-                "c10::Half": torch.float16, "long int": torch.int64, "int": torch.int32,
-                "signed char": torch.int8, "unsigned char": torch.uint8, "bool": torch.bool,
-                "BFloat16": torch.bfloat16, "Half": torch.float16}
+_DTYPE_NAMES = {
+    "float": torch.float32,
+    "double": torch.float64,
+    "c10::BFloat16": torch.bfloat16,
+    "c10::Half": torch.float16,
+    "long int": torch.int64,
+    "int": torch.int32,
+    "signed char": torch.int8,
+    "unsigned char": torch.uint8,
+    "bool": torch.bool,
+    "BFloat16": torch.bfloat16,
+    "Half": torch.float16,
+}
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -426,17 +465,31 @@ def _dtype(name: str) -> torch.dtype:
 
 # -- one rank -----------------------------------------------------------------------------------
 def worker(rank: int, job: Job) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(job.world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(job.port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(job.world),
+    )
     out = Path(job.outdir)
     try:
         result = run_rank(rank, job)
     except BaseException as exc:
-        kind = "skipped" if isinstance(exc, Skip) else (
-            "oom" if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) else "error")
-        (out / f"rank{rank}.err").write_text(json.dumps(
-            {"kind": kind, "msg": f"{type(exc).__name__}: {exc}".splitlines()[0][:300],
-             "traceback": traceback.format_exc()}))
+        kind = (
+            "skipped"
+            if isinstance(exc, Skip)
+            else ("oom" if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) else "error")
+        )
+        (out / f"rank{rank}.err").write_text(
+            json.dumps(
+                {
+                    "kind": kind,
+                    "msg": f"{type(exc).__name__}: {exc}".splitlines()[0][:300],
+                    "traceback": traceback.format_exc(),
+                }
+            )
+        )
         raise
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -462,8 +515,12 @@ def run_rank(rank: int, job: Job) -> dict[str, Any]:
         deepspeed.utils.logger.setLevel(logging.WARNING)
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     else:
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=job.world,
-                                device_id=device if cuda else None)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            rank=rank,
+            world_size=job.world,
+            device_id=device if cuda else None,
+        )
     try:
         return train(rank, job, device)
     finally:
@@ -477,8 +534,11 @@ def train(rank: int, job: Job, device: torch.device) -> dict[str, Any]:
     lowp = job.precision == "bf16"
     p, pol = job.policy, job.policy
     # fsdp2 keeps the fp32 model (its shard is the master); deepspeed casts it itself.
-    model_dtype = torch.bfloat16 if lowp and p not in ("fsdp2",) and not p.startswith("ds_") \
+    model_dtype = (
+        torch.bfloat16
+        if lowp and p not in ("fsdp2",) and not p.startswith("ds_")
         else torch.float32
+    )
     model = model.to(device=device, dtype=model_dtype)
     if pol == "ddp":
         s = setup_ddp(job, model, device, zero1=False)
@@ -542,8 +602,9 @@ def free_port() -> int:
 def run_policy(job: Job, timeout: float) -> dict[str, Any]:
     """Spawn the ranks, wait (at most `timeout` s), combine their results into one row."""
     t0 = time.perf_counter()
-    ctx = mp.start_processes(worker, args=(job,), nprocs=job.world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        worker, args=(job,), nprocs=job.world, join=False, start_method="spawn"
+    )
     failure = None
     try:
         while not ctx.join(timeout=5):
@@ -564,22 +625,29 @@ def run_policy(job: Job, timeout: float) -> dict[str, Any]:
         if e["kind"] == "error":
             print(f"# {job.policy} failed:\n{e['traceback']}", file=sys.stderr)
         return {"status": f"{e['kind']}: {e['msg']}" if e["kind"] != "oom" else "oom"}
-    ranks = [json.loads((out / f"rank{r}.json").read_text())
-             for r in range(job.world) if (out / f"rank{r}.json").exists()]
+    ranks = [
+        json.loads((out / f"rank{r}.json").read_text())
+        for r in range(job.world)
+        if (out / f"rank{r}.json").exists()
+    ]
     if failure or len(ranks) != job.world:
         return {"status": failure or "error: a rank wrote no result"}
     per_step = [max(r["times"][i] for r in ranks) for i in range(job.steps)]
     window = per_step[2:] if job.steps >= 3 else per_step[-1:]
     med = statistics.median(window)
     row: dict[str, Any] = {
-        "status": "ok", "steps_s": 1.0 / med, "step_ms": med * 1e3,
-        "step_ms_min": min(window) * 1e3, "step_ms_max": max(window) * 1e3,
+        "status": "ok",
+        "steps_s": 1.0 / med,
+        "step_ms": med * 1e3,
+        "step_ms_min": min(window) * 1e3,
+        "step_ms_max": max(window) * 1e3,
         "first_step_ms": per_step[0] * 1e3,
     }
     for k in ("params", "grads", "optim"):
         row[f"{k}_mb"] = max(r.get(f"{k}_bytes", 0) for r in ranks) / MB
-    row["state_mb"] = max(sum(r.get(f"{k}_bytes", 0) for k in ("params", "grads", "optim"))
-                          for r in ranks) / MB
+    row["state_mb"] = (
+        max(sum(r.get(f"{k}_bytes", 0) for k in ("params", "grads", "optim")) for r in ranks) / MB
+    )
     if "comm_bytes" in ranks[0]:
         row["comm_mb"] = ranks[0]["comm_bytes"] / MB
         row["comm_ms"] = max(r["comm_ms"] for r in ranks)
@@ -597,12 +665,24 @@ def run_policy(job: Job, timeout: float) -> dict[str, Any]:
 
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
-    cols = [("policy", "policy"), ("status", "status"), ("steps_s", "steps/s"),
-            ("step_ms", "step ms (median)"), ("x_time_vs_ddp", "time / ddp"),
-            ("state_mb", "model state MB/rank"), ("x_mem_vs_ddp", "mem / ddp"),
-            ("comm_mb", "comm MB/step"), ("comm_ms", "comm ms/step"), ("loss", "final loss")]
-    lines = [header, "", "| " + " | ".join(c[1] for c in cols) + " |",
-             "|" + "|".join("---" if i < 2 else "---:" for i in range(len(cols))) + "|"]
+    cols = [
+        ("policy", "policy"),
+        ("status", "status"),
+        ("steps_s", "steps/s"),
+        ("step_ms", "step ms (median)"),
+        ("x_time_vs_ddp", "time / ddp"),
+        ("state_mb", "model state MB/rank"),
+        ("x_mem_vs_ddp", "mem / ddp"),
+        ("comm_mb", "comm MB/step"),
+        ("comm_ms", "comm ms/step"),
+        ("loss", "final loss"),
+    ]
+    lines = [
+        header,
+        "",
+        "| " + " | ".join(c[1] for c in cols) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(cols))) + "|",
+    ]
     for r in rows:
         cells = []
         for k, _ in cols:
@@ -610,8 +690,11 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
             if k == "step_ms" and v != "":
                 v = f"{v:.0f} ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f})"
             elif isinstance(v, float):
-                v = f"{v:.3f}" if k in ("steps_s", "x_time_vs_ddp", "x_mem_vs_ddp", "loss") \
+                v = (
+                    f"{v:.3f}"
+                    if k in ("steps_s", "x_time_vs_ddp", "x_mem_vs_ddp", "loss")
                     else f"{v:.1f}"
+                )
             cells.append(str(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -622,8 +705,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
     ap.add_argument("--steps", type=int, help="timed steps (default 30; --quick: 4)")
-    ap.add_argument("--prof-steps", type=int, default=2,
-                    help="extra steps under torch.profiler for comm bytes/time (0: none)")
+    ap.add_argument(
+        "--prof-steps",
+        type=int,
+        default=2,
+        help="extra steps under torch.profiler for comm bytes/time (0: none)",
+    )
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, help="per rank (default 4; --quick: 2)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
@@ -638,19 +725,27 @@ def main(argv: list[str] | None = None) -> int:
     mb = args.micro_batch or ref["micro_batch"]
     device = torch.device(args.device)
     if device.type == "cuda" and torch.cuda.device_count() < args.world_size:
-        ap.error(f"--world-size {args.world_size} needs as many GPUs "
-                 f"({torch.cuda.device_count()} here)")
+        ap.error(
+            f"--world-size {args.world_size} needs as many GPUs ({torch.cuda.device_count()} here)"
+        )
     if device.type == "cpu":
         torch.set_num_threads(1)  # the ranks' setting, so machine() reports it
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop chatter
     meta = H.machine(device)
-    meta.update(world_size=args.world_size, backend="nccl" if device.type == "cuda" else "gloo",
-                model=f"GPT {cfg.n_layer}x{cfg.n_embd}, {cfg.n_head} heads, vocab {cfg.vocab}, "
-                      f"seq {cfg.seq}, {cfg.num_params() / 1e6:.2f}M params",
-                micro_batch=mb, global_batch=mb * args.world_size, steps=steps)
+    meta.update(
+        world_size=args.world_size,
+        backend="nccl" if device.type == "cuda" else "gloo",
+        model=f"GPT {cfg.n_layer}x{cfg.n_embd}, {cfg.n_head} heads, vocab {cfg.vocab}, "
+        f"seq {cfg.seq}, {cfg.num_params() / 1e6:.2f}M params",
+        micro_batch=mb,
+        global_batch=mb * args.world_size,
+        steps=steps,
+    )
     command = "python bench/bench_zero.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(f"# {meta['device']} | torch {meta['torch']} | {meta['date']} | {meta['model']} | "
-          f"{args.world_size} ranks ({meta['backend']}), micro-batch {mb}, {steps} steps")
+    print(
+        f"# {meta['device']} | torch {meta['torch']} | {meta['date']} | {meta['model']} | "
+        f"{args.world_size} ranks ({meta['backend']}), micro-batch {mb}, {steps} steps"
+    )
     for prec in args.precision:
         rows: list[dict[str, Any]] = []
         for pol in args.policies:
@@ -667,8 +762,18 @@ def main(argv: list[str] | None = None) -> int:
                     row["status"] = "skipped: deepspeed not installed (optional provider)"
             if "status" not in row:
                 with tempfile.TemporaryDirectory(prefix="bench_zero_") as tmp:
-                    job = Job(pol, prec, device.type, asdict(cfg), mb, steps, args.prof_steps,
-                              args.world_size, free_port(), tmp)
+                    job = Job(
+                        pol,
+                        prec,
+                        device.type,
+                        asdict(cfg),
+                        mb,
+                        steps,
+                        args.prof_steps,
+                        args.world_size,
+                        free_port(),
+                        tmp,
+                    )
                     row.update(run_policy(job, args.timeout))
             if row["status"] != "ok":
                 print(f"# {pol} ({prec}): {row['status']}")
@@ -679,20 +784,38 @@ def main(argv: list[str] | None = None) -> int:
                 r["x_time_vs_ddp"] = r["step_ms"] / base["step_ms"]
                 r["x_mem_vs_ddp"] = r["state_mb"] / base["state_mb"]
         print(f"\n## {prec}")
-        cols = ["policy", "status", "steps_s", "step_ms", "step_ms_min", "step_ms_max",
-                "x_time_vs_ddp", "state_mb", "x_mem_vs_ddp", "params_mb", "grads_mb",
-                "optim_mb", "comm_mb", "comm_ms", "loss"]
+        cols = [
+            "policy",
+            "status",
+            "steps_s",
+            "step_ms",
+            "step_ms_min",
+            "step_ms_max",
+            "x_time_vs_ddp",
+            "state_mb",
+            "x_mem_vs_ddp",
+            "params_mb",
+            "grads_mb",
+            "optim_mb",
+            "comm_mb",
+            "comm_ms",
+            "loss",
+        ]
         cols += ["rss_mb"] if device.type == "cpu" else ["max_alloc_mb", "max_reserved_mb"]
         H.print_table([{**r, "status": r["status"][:40]} for r in rows], cols)
         for r in rows:
             if r["status"] == "ok":
-                print(f"#   {r['policy']}: {r['optim']}; comm {r.get('comm_kinds', '')}"
-                      + (f"; comm_stats {r['zk_comm_mb']:.2f} MB" if "zk_comm_mb" in r else ""))
+                print(
+                    f"#   {r['policy']}: {r['optim']}; comm {r.get('comm_kinds', '')}"
+                    + (f"; comm_stats {r['zk_comm_mb']:.2f} MB" if "zk_comm_mb" in r else "")
+                )
         name = f"bench_zero_{device.type}_{prec}_{meta['date']}{'_quick' if args.quick else ''}"
         path = H.write_csv(rows, name + ".csv", args.out)
-        header = (f"**{prec}**, {meta['device']}, torch {meta['torch']}, {meta['date']}: "
-                  f"{meta['model']}, {args.world_size} ranks over {meta['backend']}, micro-batch "
-                  f"{mb}/rank, median of steps 3..{steps}.  \n`{command}`")
+        header = (
+            f"**{prec}**, {meta['device']}, torch {meta['torch']}, {meta['date']}: "
+            f"{meta['model']}, {args.world_size} ranks over {meta['backend']}, micro-batch "
+            f"{mb}/rank, median of steps 3..{steps}.  \n`{command}`"
+        )
         print("\n" + markdown(rows, header))
         print(f"# wrote {path}")
     return 0

@@ -42,15 +42,20 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head "
-                             f"({self.n_head})")
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
     def num_params(self) -> int:
         """Parameter count from the shapes alone (equals sum of p.numel() of GPT(self))."""
         d, b = self.n_embd, int(self.bias)
         ln = d * (1 + b)
-        block = (ln + (d * 3 * d + b * 3 * d) + (d * d + b * d)
-                 + ln + (d * 4 * d + b * 4 * d) + (4 * d * d + b * d))
+        block = (
+            ln
+            + (d * 3 * d + b * 3 * d)
+            + (d * d + b * d)
+            + ln
+            + (d * 4 * d + b * 4 * d)
+            + (4 * d * d + b * d)
+        )
         head = 0 if self.tie_head else self.vocab * d
         return self.vocab * d + self.seq * d + self.n_layer * block + ln + head
 
@@ -127,8 +132,9 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied weight is counted once
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         T = idx.shape[1]
         if T > self.cfg.seq:
             raise ValueError(f"sequence of {T} tokens is longer than cfg.seq={self.cfg.seq}")
@@ -139,13 +145,15 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                   targets.reshape(-1))
+            loss = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+            )
         return logits, loss
 
 
-def batch(step: int, rank: int, micro_batch: int, seq: int, vocab: int,
-          device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    step: int, rank: int, micro_batch: int, seq: int, vocab: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-token targets, each (micro_batch, seq) int64, for one rank and step.
 
     Deterministic: a CPU ``torch.Generator`` seeded by (step, rank) only, so every run, policy

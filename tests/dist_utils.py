@@ -20,14 +20,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn, args, errdir: str) -> None:
+def _worker(rank: int, world: int, port: int, fn, args, errdir: str, kwargs: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).parent))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         try:
-            fn(rank, world, *args)
+            if kwargs:
+                fn(rank, world, **args[0])
+            else:
+                fn(rank, world, *args)
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -35,11 +38,12 @@ def _worker(rank: int, world: int, port: int, fn, args, errdir: str) -> None:
         raise
 
 
-def run_ranks(world: int, fn, *args, tmp_path: Path) -> None:
+def run_ranks(world: int, fn, *args, tmp_path: Path, kwargs: bool = False) -> None:
+    """fn(rank, world, *args) on every rank; with kwargs=True, fn(rank, world, **args[0])."""
     errdir = tmp_path / "errors"
     errdir.mkdir(exist_ok=True)
     try:
-        mp.start_processes(_worker, args=(world, free_port(), fn, args, str(errdir)),
+        mp.start_processes(_worker, args=(world, free_port(), fn, args, str(errdir), kwargs),
                            nprocs=world, join=True, start_method="spawn")
     except Exception as exc:
         msgs = [p.read_text() for p in sorted(errdir.glob("rank*.txt"))]

@@ -56,3 +56,44 @@ class IntGradNet(nn.Module):
             coef = torch.randint(-8, 9, p.shape, generator=g).to(p.dtype)
             loss = loss + (p * coef).sum().float()
         return loss
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.attn = nn.Linear(dim, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.ln(h)
+        h = h + self.attn(x).softmax(-1) * x
+        return h + self.down(torch.nn.functional.gelu(self.up(self.ln(h))))
+
+
+class TinyGPT(nn.Module):
+    """GPT-like: embedding tied to the output head, odd sizes, optional checkpointing and an
+    optional block that is skipped on alternate steps."""
+
+    def __init__(self, vocab: int = 37, dim: int = 13, hidden: int = 27, n_block: int = 3,
+                 checkpoint: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(5, dim) * 0.1)
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(n_block))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.checkpoint = checkpoint
+
+    def forward(self, x: torch.Tensor, skip: int | None = None) -> torch.Tensor:
+        h = self.emb(x) + self.pos[: x.shape[1]]
+        for i, blk in enumerate(self.blocks):
+            if i == skip:
+                continue
+            if self.checkpoint:
+                h = torch.utils.checkpoint.checkpoint(blk, h, use_reentrant=False)
+            else:
+                h = blk(h)
+        return self.head(self.ln_f(h)).mean(1)

@@ -3,7 +3,7 @@
 from . import ops
 from ._native import has_cuda_kernels, has_native
 from .memory import Arena, ArenaOutOfMemory, Block
-from .zero import ZeroAdamW
+from .zero import ZeroAdamW, full_state_dict, shard_model
 
 __version__ = "0.1.0"
 
@@ -12,6 +12,8 @@ __all__ = [
     "ArenaOutOfMemory",
     "Block",
     "ZeroAdamW",
+    "full_state_dict",
+    "shard_model",
     "__version__",
     "has_cuda_kernels",
     "has_native",

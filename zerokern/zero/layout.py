@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .plan import BucketPlan, plan_buckets, round_bucket_numel
 
@@ -36,7 +37,7 @@ class Bucket:
 class Piece:
     """A contiguous run of one parameter held in this rank's local state."""
 
-    param: int  # global managed-parameter index
+    param: int  # global managed-parameter index (-1: a frozen parameter's piece, stage 3)
     param_offset: int
     local_start: int
     numel: int
@@ -132,4 +133,24 @@ def build_layout(
         group_flat_start=tuple(fstarts), group_local_start=tuple(lstarts),
         flat_numel=flat, local_numel=local, buckets=tuple(buckets),
         param_flat_offset=tuple(param_flat), pieces=tuple(pieces),
+    )
+
+
+def build_stage3_layout(rt: Any, params: Sequence[Any], groups: Sequence[dict]) -> Layout:
+    """Stage 3: the local space is the runtime's concatenated unit slices; pieces of
+    parameters the optimizer does not manage (frozen) are kept as holes (param -1)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    group_of = {id(p): g for g, grp in enumerate(groups) for p in grp["params"]}
+    pieces = []
+    for u in rt.units:
+        for sp in u.plan.rank_pieces(rt.comm.rank):
+            p = u.params[sp.param_index]
+            i = index.get(id(p), -1)
+            pieces.append(Piece(i, sp.param_offset, u.shard_start + sp.local_offset, sp.numel,
+                                group_of.get(id(p), -1) if i >= 0 else -1))
+    pieces.sort(key=lambda p: p.local_start)
+    return Layout(
+        stage=3, world_size=rt.comm.world_size, rank=rt.comm.rank, plans=(), orders=(),
+        ready_order=(), group_flat_start=(), group_local_start=(), flat_numel=0,
+        local_numel=rt.local_numel, buckets=(), param_flat_offset=(), pieces=tuple(pieces),
     )

@@ -17,7 +17,7 @@ from .. import ops
 from ..comm import Comm
 from ..memory import Arena
 from .grads import GradReducer
-from .layout import Layout, Piece, build_layout
+from .layout import Layout, build_layout, build_stage3_layout
 from .scaler import LossScaler
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -66,11 +66,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         backend: str | None = None,
     ) -> None:
         _check_hparams(lr, betas, eps, weight_decay)
-        if stage not in (0, 1, 2):
-            raise ValueError(
-                f"stage must be 0, 1 or 2 here (got {stage!r}); stage 3 needs "
-                "zerokern.shard_model(model) first"
-            )
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
         if bucket_numel is not None and (isinstance(bucket_numel, bool)
                                          or not isinstance(bucket_numel, int)
                                          or bucket_numel < 1):
@@ -87,18 +84,22 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.scaler = LossScaler.from_arg(loss_scale)
         self.backend = backend
         self.last_grad_norm: float | None = None
-        self.comm = Comm(process_group)
 
         managed = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         self._params: list[torch.nn.Parameter] = [p for ps in managed for p in ps]
         if not self._params:
             raise ValueError("params: no parameter requires grad; nothing to optimize")
+        self._rt = self._stage3_runtime(stage)
+        self.comm = self._rt.comm if self._rt is not None else Comm(process_group)
+        self._shapes = [self._rt.shape_of(p) if self._rt else p.shape for p in self._params]
         self.dtype, self.device = self._common_dtype_device()
         self._bucket_numel = bucket_numel
         self._overlap = overlap_comm
         self._check_same_on_all_ranks(bucket_numel)
-        self._broadcast_params()
-        self._group_sizes = [[p.numel() for p in ps] for ps in managed]
+        if self._rt is None:
+            self._broadcast_params()  # stage 3: shard_model did it
+        self._group_sizes = [[self._shapes[self._index[id(p)]].numel() for p in ps]
+                             for ps in managed]
         self._steps = [0] * len(self._params)
         # The flat layout is built at the first step() from the order in which the first
         # backward produced gradients (as DDP rebuilds its buckets after one iteration), so
@@ -108,11 +109,30 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._sync = True
         self._observed: list[int] = []
         self._seen: set[int] = set()
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad(i))
-            for i, p in enumerate(self._params)
-        ]
+        if self._rt is None:
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad(i))
+                for i, p in enumerate(self._params)
+            ]
+        else:
+            self._ensure_layout()  # stage 3: the units fix the layout already
         self._last_comm = self.comm.reset_stats()
+
+    @property
+    def _index(self) -> dict[int, int]:
+        return {id(p): i for i, p in enumerate(self._params)}
+
+    def _stage3_runtime(self, stage: int) -> Any:
+        rts = {id(getattr(p, "_zk_rt", None)): getattr(p, "_zk_rt", None) for p in self._params}
+        if stage != 3:
+            if any(rt is not None for rt in rts.values()):
+                raise ValueError(f"params belong to a model partitioned by shard_model: use "
+                                 f"stage=3 (got stage={stage})")
+            return None
+        if len(rts) != 1 or next(iter(rts.values())) is None:
+            raise ValueError("stage=3 needs the parameters of one model partitioned by "
+                             "zerokern.shard_model(model) first")
+        return next(iter(rts.values()))
 
     def _on_grad(self, index: int) -> None:
         if self._reducer is not None:
@@ -135,13 +155,14 @@ class ZeroAdamW(torch.optim.Optimizer):
     def _ensure_layout(self, ready_order: list[int] | None = None) -> Layout:
         if self.layout is not None:
             return self.layout
+        if self._rt is not None:
+            self.layout = build_stage3_layout(self._rt, self._params, self.param_groups)
+            self._allocate()
+            return self.layout
         self.layout = build_layout(
             self._group_sizes, stage=self.stage, world_size=self.comm.world_size,
             rank=self.comm.rank, bucket_numel=self._bucket_numel, ready_order=ready_order,
         )
-        self._group_pieces: list[list[Piece]] = [[] for _ in self.param_groups]
-        for pc in self.layout.pieces:
-            self._group_pieces[pc.group].append(pc)
         self._allocate()
         self._reducer = GradReducer(
             self.layout, self._params, self.comm, flat_grad=self.flat_grad,
@@ -182,7 +203,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             "stage": self.stage, "bucket_numel": bucket_numel,
             "groups": [len([p for p in g["params"] if p.requires_grad])
                        for g in self.param_groups],
-            "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
+            "params": [(tuple(sh), str(p.dtype)) for sh, p in zip(self._shapes, self._params)],
         }
         sigs = self.comm.all_gather_object(sig)
         ref = sigs[0]
@@ -203,6 +224,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                                      f"{a[0]} {a[1]} on rank 0 but {b[0]} {b[1]} on rank {r}")
 
     def _allocate(self) -> None:
+        if self._rt is not None:
+            return self._allocate_stage3()
         L, st, pdt = self.layout, self.stage, self.dtype
         esz = torch.tensor([], dtype=pdt).element_size()
         max_bucket = max((b.numel for b in L.buckets), default=0)
@@ -251,6 +274,26 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._bucket_blocks: list[Any] = []
         self._overflow_bucket_bytes = 0
 
+    def _allocate_stage3(self) -> None:
+        rt, n = self._rt, self.layout.local_numel
+        self.flat_param = self.flat_grad = None
+        self.grad_shard = rt.local_grads
+        self._has_master = self.dtype != torch.float32
+        nstate = 3 if self._has_master else 2
+        self.arena = Arena(max(n * 4 * nstate + 1024, 1024), self.device)
+        self._blocks = {}
+        self._bucket_blocks, self._overflow_bucket_bytes, self._pool_reserve = [], 0, 0
+
+        def alloc(kind: str) -> torch.Tensor:
+            self._blocks[kind] = blk = self.arena.alloc(n, torch.float32)
+            return blk.tensor.zero_()
+
+        self.master = alloc("master") if self._has_master else None
+        if self.master is not None:
+            self.master.copy_(rt.local_params)
+        self.exp_avg = alloc("exp_avg")
+        self.exp_avg_sq = alloc("exp_avg_sq")
+
     def _alloc_bucket(self) -> torch.Tensor:
         numel = max(b.numel for b in self.layout.buckets)
         if len(self._bucket_blocks) < self._pool_reserve:
@@ -277,6 +320,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._sync = value
         if self._reducer is not None:
             self._reducer.sync = value
+        if self._rt is not None:
+            self._rt.sync = value
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scaler.scale if self.scaler is not None else loss
@@ -286,6 +331,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._rt is not None:
+            for p in self._params:
+                p.grad = None
+            self._rt.new_step()
+            return
         if self.layout is None:
             for p in self._params:
                 if set_to_none or p.grad is None:
@@ -311,12 +361,17 @@ class ZeroAdamW(torch.optim.Optimizer):
                 loss = closure()
         if self.layout is None:
             self._first_step_layout()
-        self._reducer.flush()
+        if self._rt is not None:
+            self._rt.prepare_step()
+            got = [self._rt.got_grad.get(id(p), False) for p in self._params]
+        else:
+            self._reducer.flush()
+            got = self._reducer.got_grad
         grad_src = self.flat_grad if self.stage == 0 else self.grad_shard
         need_norm = self.max_grad_norm is not None or self.scaler is not None
         # One small all-reduce (and one host sync) per step: the squared-norm partial and
         # which parameters got a gradient on any rank (the others are left untouched).
-        flags = torch.tensor([float(x) for x in self._reducer.got_grad], dtype=torch.float32)
+        flags = torch.tensor([float(x) for x in got], dtype=torch.float32)
         vec = torch.cat([torch.zeros(1), flags]).to(self.device)
         if need_norm and self.stage != 0:
             vec[0] = ops.sq_norm(grad_src, backend=self.backend)
@@ -348,33 +403,32 @@ class ZeroAdamW(torch.optim.Optimizer):
         return loss
 
     def _end_step(self) -> None:
-        self._reducer.reset()
+        if self._rt is not None:
+            self._rt.new_step()
+        else:
+            self._reducer.reset()
         self._last_comm = self.comm.reset_stats()
 
     def _runs(self, active: list[bool]) -> list[tuple[int, int, int, int]]:
-        """(group, local start, local stop, 1-based step) ranges for the fused kernel: one per
-        group normally; split only around parameters without gradients or with another
-        step count (torch's AdamW keeps a step per parameter)."""
-        runs = []
-        for g, pieces in enumerate(self._group_pieces):
-            steps = {self._steps[pc.param] for pc in pieces}
-            if all(active[pc.param] for pc in pieces) and len(steps) == 1:
-                lo, hi = self.layout.group_local_range(g)
-                if pieces:
-                    runs.append((g, lo, hi, steps.pop() + 1))
+        """(group, local start, local stop, 1-based step) ranges for the fused kernel.
+
+        Consecutive pieces of this rank's local space merge into one range (the gaps between
+        them are padding), normally one per param group; a range is cut only around
+        parameters that got no gradient on any rank, parameters with another step count
+        (torch's AdamW keeps a step per parameter) and, in stage 3, frozen parameters."""
+        runs: list[list[int]] = []
+        cur: list[int] | None = None
+        for pc in self.layout.pieces:
+            if pc.param < 0 or not active[pc.param]:
+                cur = None
                 continue
-            cur: list[int] | None = None
-            for pc in pieces:
-                st = self._steps[pc.param] + 1
-                if not active[pc.param]:
-                    cur = None
-                    continue
-                if cur is not None and cur[3] == st:
-                    cur[2] = pc.local_start + pc.numel
-                else:
-                    cur = [g, pc.local_start, pc.local_start + pc.numel, st]
-                    runs.append(cur)  # type: ignore[arg-type]
-        return [tuple(r) for r in runs]  # type: ignore[misc]
+            st = self._steps[pc.param] + 1
+            if cur is not None and cur[0] == pc.group and cur[3] == st:
+                cur[2] = pc.local_start + pc.numel
+            else:
+                cur = [pc.group, pc.local_start, pc.local_start + pc.numel, st]
+                runs.append(cur)
+        return [(g, lo, hi, st) for g, lo, hi, st in runs]
 
     def _fused(self, g: int, s: int, e: int, step: int, grad_scale: float) -> None:
         grp = self.param_groups[g]
@@ -384,6 +438,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             grad = self.flat_grad.narrow(0, s, n)
             param = self.master.narrow(0, s, n) if lowp else self.flat_param.narrow(0, s, n)
             lp = self.flat_param.narrow(0, s, n) if lowp else None
+        elif self.stage == 3:  # the new 16-bit shard is all the next forward needs
+            grad = self.grad_shard.narrow(0, s, n)
+            own = self._rt.local_params.narrow(0, s, n)
+            param = self.master.narrow(0, s, n) if lowp else own
+            lp = own if lowp else None
         else:
             grad = self.grad_shard.narrow(0, s, n)
             param = self.master.narrow(0, s, n)
@@ -430,15 +489,29 @@ class ZeroAdamW(torch.optim.Optimizer):
                 "numel": sum(p.numel() for p in self._params)}
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes this rank holds for model states, by kind, from the arena's accounting.
-        Padding (bucket/shard rounding) is reported on its own, not hidden in the kinds.
-        Before the first step() this lays buffers out in reverse registration order."""
+        """Bytes this rank holds for model states, by kind, from the arenas' accounting.
+        Padding (bucket/shard rounding, and in stage 3 the optimizer slots of frozen
+        parameters) is reported on its own. Before the first step() of stages 0-2 this lays
+        buffers out in reverse registration order."""
         L = self._ensure_layout()
-        esz = self.flat_param.element_size()
-        psi = sum(p.numel() for p in self._params)
-        local_real = sum(pc.numel for pc in L.pieces)
-        out = {"params": psi * esz, "grads": 0, "master": 0, "exp_avg": local_real * 4,
-               "exp_avg_sq": local_real * 4, "buckets": 0, "padding": 0}
+        esz = torch.empty(0, dtype=self.dtype).element_size()
+        psi = sum(sh.numel() for sh in self._shapes)
+        local_real = sum(pc.numel for pc in L.pieces if pc.param >= 0)
+        nstate = 3 if self.master is not None else 2
+        out = {"params": 0, "grads": 0, "master": local_real * 4 if self.master is not None
+               else 0, "exp_avg": local_real * 4, "exp_avg_sq": local_real * 4, "buckets": 0,
+               "padding": (L.local_numel - local_real) * 4 * nstate}
+        if self._rt is not None:
+            rt = self._rt
+            held = sum(pc.numel for pc in L.pieces)  # this rank's slice, frozen params too
+            out["params"] = out["grads"] = held * esz
+            out["padding"] += 2 * (rt.local_numel - held) * esz
+            g = rt.memory_stats()
+            out.update({f"gather_{k}" if not k.startswith("gather") else k: v
+                        for k, v in g.items() if not k.startswith("local")})
+            out["total"] = 2 * rt.local_numel * esz + int(self.arena.stats()["in_use"])
+            return out
+        out["params"] = psi * esz
         out["padding"] += (L.flat_numel - psi) * esz
         if self.flat_grad is not None:
             out["grads"] += psi * esz
@@ -446,17 +519,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self.grad_shard is not None:
             out["grads"] += local_real * esz
             out["padding"] += (L.local_numel - local_real) * esz
-        nstate = 3 if self.master is not None else 2
-        if self.master is not None:
-            out["master"] = local_real * 4
-        out["padding"] += (L.local_numel - local_real) * 4 * nstate
-        out["buckets"] = sum(b.nbytes for b in self._bucket_blocks) + self._overflow_bucket_bytes
+        pool = sum(b.nbytes for b in self._bucket_blocks)
+        out["buckets"] = pool + self._overflow_bucket_bytes
         a = self.arena.stats()
         out["arena_in_use"] = int(a["in_use"])
         out["arena_capacity"] = int(a["capacity"])
-        out["other"] = int(a["in_use"]) - sum(
-            out[k] for k in ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding")
-        ) - sum(b.nbytes for b in self._bucket_blocks)
         out["total"] = int(a["in_use"]) + self._overflow_bucket_bytes
         return out
 

@@ -1,0 +1,170 @@
+"""ZeRO stage 3 (shard_model + ZeroAdamW(stage=3)) against DDP-style averaging + torch AdamW
+on CPU ranks over gloo: tied embeddings, activation checkpointing, a unit skipped on
+alternate steps, accumulation with no_sync, clipping, memory and communication accounting."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import zerokern
+from _tol import TRAIN_FP32
+from dist_utils import run_ranks
+from models import Block, IntGradNet, TinyGPT, batch
+from test_zero_parity import _ref_average, _within_one_ulp
+
+STEPS = 10
+
+
+def gpt_parity(rank, world, *, checkpoint, accum=1, clip=None, prefetch=1):
+    torch.manual_seed(0)
+    base = TinyGPT(checkpoint=checkpoint)
+    ref = copy.deepcopy(base)
+    ours = zerokern.shard_model(copy.deepcopy(base), unit_classes=(Block,), prefetch=prefetch)
+    names = {n for n, p in base.named_parameters() if p.dim() >= 2}
+    decay = [p for n, p in ours.named_parameters() if n in names]
+    other = [p for n, p in ours.named_parameters() if n not in names]
+    opt = zerokern.ZeroAdamW([dict(params=decay), dict(params=other, weight_decay=0.0)],
+                             lr=1e-2, weight_decay=0.1, stage=3, max_grad_norm=clip)
+    rdecay = [p for n, p in ref.named_parameters() if n in names]
+    rother = [p for n, p in ref.named_parameters() if n not in names]
+    ropt = torch.optim.AdamW([dict(params=rdecay), dict(params=rother, weight_decay=0.0)],
+                             lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(STEPS):
+        skip = 1 if step % 2 else None  # a unit that runs only on even steps
+        for mb in range(accum):
+            x, y = batch(step * accum + mb, rank)
+            if mb < accum - 1:
+                with opt.no_sync():
+                    (F.cross_entropy(ours(x, skip), y) / accum).backward()
+            else:
+                (F.cross_entropy(ours(x, skip), y) / accum).backward()
+            (F.cross_entropy(ref(x, skip), y) / accum).backward()
+        _ref_average(ref, world)
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in ref.parameters() if p.grad is not None], clip)
+        opt.step()
+        ropt.step()
+        if clip is not None:
+            assert abs(opt.last_grad_norm - norm.item()) <= 1e-4 * norm.item()
+        opt.zero_grad()
+        ropt.zero_grad()
+        full = zerokern.full_state_dict(ours, rank0_only=False)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(full[k], v, rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1],
+                                       msg=lambda m, k=k, s=step: f"{k} step {s}: {m}")
+    # Gathered units never exceeded prefetch + 1 (besides the root), from the arena's peak.
+    rt = ours._zk_stage3
+    assert rt.peak_units <= prefetch + 1, rt.peak_units
+    big = max(u.plan.padded_numel for u in rt.units if not u.is_root)
+    root = next(u.plan.padded_numel for u in rt.units if u.is_root)
+    esz = 4
+    assert rt.gather_arena.stats()["peak_in_use"] <= (
+        (root + (prefetch + 2) * big) * esz + 256 * (prefetch + 4))
+    assert rt.overflow_bytes == 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_gpt_fp32_matches_adamw(world, tmp_path):
+    run_ranks(world, gpt_parity, dict(checkpoint=False), tmp_path=tmp_path, kwargs=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_checkpointing_accumulation_clipping(world, tmp_path):
+    run_ranks(world, gpt_parity, dict(checkpoint=True, accum=2, clip=0.1, prefetch=2),
+              tmp_path=tmp_path, kwargs=True)
+
+
+def bf16_parity(rank, world):
+    torch.manual_seed(0)
+    base = IntGradNet().to(torch.bfloat16)
+    ours = zerokern.shard_model(copy.deepcopy(base))
+    ref = copy.deepcopy(base)
+    masters = [p.detach().float().clone().requires_grad_(p.requires_grad)
+               for p in ref.parameters()]
+    opt = zerokern.ZeroAdamW(ours.parameters(), lr=1e-2, betas=(0.9, 0.95), stage=3)
+    ropt = torch.optim.AdamW([m for m in masters if m.requires_grad], lr=1e-2,
+                             betas=(0.9, 0.95), foreach=False)
+    for step in range(STEPS):
+        ours(step, rank).backward()
+        ref(step, rank).backward()
+        _ref_average(ref, world)
+        for p, m in zip(ref.parameters(), masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        opt.step()
+        ropt.step()
+        with torch.no_grad():
+            for p, m in zip(ref.parameters(), masters):
+                p.copy_(m)
+        opt.zero_grad()
+        ref.zero_grad()
+        full = zerokern.full_state_dict(ours, rank0_only=False)
+        for k, v in ref.state_dict().items():
+            _within_one_ulp(full[k], v, f"{k} step {step}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bf16_within_one_ulp(world, tmp_path):
+    run_ranks(world, bf16_parity, tmp_path=tmp_path)
+
+
+def accounting(rank, world):
+    torch.manual_seed(0)
+    base = TinyGPT().to(torch.bfloat16)
+    psi = sum(p.numel() for p in base.parameters())
+    ours = zerokern.shard_model(copy.deepcopy(base), unit_classes=(Block,))
+    rt = ours._zk_stage3
+    padded = sum(u.plan.padded_numel for u in rt.units)
+    # Stored parameter bytes are 1/N of the (padded) total on every rank.
+    assert rt.local_params.numel() * world == padded
+    assert 0 <= padded - psi < len(rt.units) * world * 32
+    opt = zerokern.ZeroAdamW(ours.parameters(), stage=3)
+    for step in range(2):
+        x, y = batch(step, rank)
+        F.cross_entropy(ours(x).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+    ms = opt.memory_stats()
+    local = sum(pc.numel for pc in opt.layout.pieces)
+    t = torch.tensor([local])
+    dist.all_reduce(t)
+    assert t.item() == psi
+    # 16Ψ/N: 2 (params) + 2 (grads) + 12 (master, m, v) bytes per owned element.
+    assert ms["params"] == ms["grads"] == 2 * local
+    assert ms["master"] == ms["exp_avg"] == ms["exp_avg_sq"] == 4 * local
+    cs = opt.comm_stats()
+    if world > 1:  # forward gather + backward gather + gradient reduce-scatter = 3Ψ
+        assert cs["elements"] == 3 * padded, (cs, padded)
+        assert cs["per_kind"]["all_gather"]["elements"] == 2 * padded
+        assert cs["per_kind"]["reduce_scatter"]["elements"] == padded
+    # Forward without gradients: gathers and releases, stores nothing.
+    with torch.no_grad():
+        ours.eval()
+        out = ours(batch(0, rank)[0])
+        assert out.shape[-1] == 37
+        assert all(not u.gathered for u in rt.units)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_memory_and_comm_accounting(world, tmp_path):
+    run_ranks(world, accounting, tmp_path=tmp_path)
+
+
+def test_misuse_errors():
+    model = zerokern.shard_model(TinyGPT(), unit_classes=(Block,))
+    with pytest.raises(RuntimeError, match="twice"):
+        zerokern.shard_model(model)
+    with pytest.raises(ValueError, match="match no submodule"):
+        zerokern.shard_model(TinyGPT(), unit_classes=(torch.nn.Conv2d,))
+    with pytest.raises(ValueError, match="shard_model"):
+        zerokern.ZeroAdamW(TinyGPT().parameters(), stage=3)
+    with pytest.raises(ValueError, match="stage=3"):
+        zerokern.ZeroAdamW(model.parameters(), stage=2)
+    # Released parameters are empty outside the forward: full_state_dict shows them.
+    assert model.head.weight.numel() == 0
+    assert zerokern.full_state_dict(model)["head.weight"].shape == (37, 13)

@@ -1,0 +1,159 @@
+"""shard_model: partition a model's parameters for ZeRO stage 3 (the facade of stage3.py),
+and full_state_dict: gather the full parameters one unit at a time."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from .stage3 import Stage3Runtime
+
+# Default unit size when no unit classes are given: a module becomes a unit when it holds at
+# least this share of the model's parameters (typically the transformer blocks).
+_DEFAULT_UNIT_SHARE = 0.02
+
+
+def _default_units(model: nn.Module) -> list[nn.Module]:
+    total = sum(p.numel() for p in model.parameters())
+    threshold = max(1, int(total * _DEFAULT_UNIT_SHARE))
+    chosen: list[nn.Module] = []
+
+    def visit(mod: nn.Module) -> None:
+        for child in mod.children():
+            n = sum(p.numel() for p in child.parameters())
+            if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+                visit(child)  # containers are never called as a whole: look inside
+            elif n >= threshold and n < total:
+                chosen.append(child)
+
+    visit(model)
+    return chosen
+
+
+def _outermost(model: nn.Module, classes: tuple[type, ...]) -> list[nn.Module]:
+    out: list[nn.Module] = []
+
+    def visit(mod: nn.Module) -> None:
+        for child in mod.children():
+            if isinstance(child, classes):
+                out.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return out
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    process_group: Any = None,
+    unit_classes: tuple[type, ...] | list[type] | None = None,
+    prefetch: int = 1,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Partition ``model``'s parameters in place for ZeRO stage 3 and return it.
+
+    Every module of ``unit_classes`` (outermost matches) is a unit, and the root keeps the
+    parameters left over, including parameters shared between units (tied embeddings). Each
+    rank stores 1/N of every unit; a unit is all-gathered before its forward and its backward
+    and released afterwards; gradients are reduce-scattered as soon as its backward is done.
+    Use with ``ZeroAdamW(model.parameters(), stage=3)``.
+    """
+    if getattr(model, "_zk_stage3", None) is not None:
+        raise RuntimeError("shard_model: this model is already sharded (shard_model was called "
+                           "twice); call it once, right after building the model")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+    if unit_classes is None:
+        unit_modules = _default_units(model)
+    else:
+        classes = tuple(unit_classes)
+        if not classes or not all(isinstance(c, type) for c in classes):
+            raise TypeError(f"unit_classes must be a tuple of module classes, got {unit_classes!r}")
+        unit_modules = _outermost(model, classes)
+        if not unit_modules:
+            names = ", ".join(c.__name__ for c in classes)
+            raise ValueError(f"unit_classes ({names}) match no submodule of "
+                             f"{type(model).__name__}; pass the class of its repeated blocks")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("model: it has no parameters to shard")
+    dtypes = {(p.dtype, p.device) for p in params}
+    if len(dtypes) != 1:
+        raise ValueError(f"model: all parameters must share one dtype and device, found {dtypes}")
+    # Owner of every parameter: the unit whose subtree registers it; shared ones go to the root.
+    owner_of_module: dict[int, int] = {}
+    for ui, um in enumerate(unit_modules):
+        for m in um.modules():
+            owner_of_module[id(m)] = ui
+    owners: dict[int, set[int]] = {}
+    names: dict[int, str] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for pname, p in m.named_parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(owner_of_module.get(id(m), -1))
+            names.setdefault(id(p), f"{mname}.{pname}" if mname else pname)
+    by_id = {id(p): p for p in params}
+    unit_params: list[list[nn.Parameter]] = [[] for _ in unit_modules]
+    root_params: list[nn.Parameter] = []
+    for pid, p in by_id.items():
+        o = owners[pid]
+        if len(o) == 1 and -1 not in o:
+            unit_params[next(iter(o))].append(p)
+        else:
+            root_params.append(p)
+    units: list[tuple[str, nn.Module, list[nn.Parameter]]] = []
+    module_names = {id(m): n for n, m in model.named_modules()}
+    for um, ps in zip(unit_modules, unit_params):
+        if ps:
+            units.append((module_names.get(id(um), type(um).__name__), um, ps))
+    units.append(("<root>", model, root_params))
+    comm = Comm(process_group)
+    rt = Stage3Runtime(model, units, comm, prefetch=prefetch,
+                       reshard_after_forward=reshard_after_forward)
+    rt.param_names = {id(p): names[id(p)] for p in params}
+    for p in params:
+        p._zk_rt = rt  # lets ZeroAdamW(stage=3) find the runtime from model.parameters()
+    rt.shard_parameters()
+    rt.install_hooks()
+    model._zk_stage3 = rt
+    return model
+
+
+def runtime_of(model_or_params: Any) -> Stage3Runtime | None:
+    rt = getattr(model_or_params, "_zk_stage3", None)
+    return rt
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> OrderedDict[str, torch.Tensor]:
+    """The full (unsharded) parameters and buffers of a shard_model'ed model, on CPU.
+
+    Call on every rank: units are gathered one at a time (never more than one extra unit in
+    memory). With rank0_only, other ranks receive an empty dict.
+    """
+    rt = runtime_of(model)
+    if rt is None:
+        return OrderedDict((k, v.detach().cpu().clone()) for k, v in model.state_dict().items())
+    keep = not rank0_only or rt.comm.rank == 0
+    values: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for u in rt.units:
+            was = u.gathered
+            rt.gather(u)
+            if keep:
+                for p in u.params:
+                    values[id(p)] = p.detach().cpu().clone()
+            if not was:
+                rt.release(u)
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    if not keep:
+        return out
+    for name, p in model.named_parameters(remove_duplicate=False):  # tied names too
+        out[name] = values[id(p)]
+    for name, b in model.named_buffers():
+        out[name] = b.detach().cpu().clone()
+    return out

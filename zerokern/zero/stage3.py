@@ -1,0 +1,370 @@
+"""Stage-3 runtime: parameters partitioned per unit and gathered just in time.
+
+Each unit (a module such as a transformer block, plus the root for the rest) owns one padded
+flat space of its parameters; this rank stores the contiguous 1/N slice of it in
+``local_params``. Before a unit runs (forward, or backward) its parameters are all-gathered
+into a buffer from the gather arena and the parameters become views of it; afterwards they
+are released (the buffer returns to the arena). When the unit's backward has produced all its
+gradients they are flattened, reduce-scattered into ``local_grads`` and freed.
+
+Why saved-tensor hooks: autograd keeps views of the gathered parameters for the backward
+(e.g. ``weight.t()`` of a linear layer). A released buffer is reused by the next unit, so such a
+view would read someone else's weights. While the model's forward runs, tensors saved for
+backward that live in the gather arena are packed as (unit, offset, shape, stride) and
+unpacked against wherever that unit is gathered when backward needs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .. import ops
+from ..comm import Comm
+from ..memory import Arena, ArenaOutOfMemory, Block
+from .layout import ALIGN_ELEMS
+from .plan import UnitPlan, plan_units
+
+
+@dataclass(eq=False)
+class Unit:
+    index: int
+    name: str
+    module: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    shapes: list[torch.Size]
+    plan: UnitPlan
+    shard_start: int  # offset of this rank's slice in local_params / local_grads
+    is_root: bool = False
+    buf: torch.Tensor | None = None  # gathered full flat buffer
+    block: Block | None = None
+    work: Any = None  # in-flight async all-gather
+    in_backward: bool = False
+    waiting: set[int] = field(default_factory=set)  # params whose grads are still due
+    reduced_once: bool = False
+
+    @property
+    def gathered(self) -> bool:
+        return self.buf is not None
+
+
+class Stage3Runtime:
+    def __init__(
+        self,
+        root: torch.nn.Module,
+        units: list[tuple[str, torch.nn.Module, list[torch.nn.Parameter]]],
+        comm: Comm,
+        *,
+        prefetch: int,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.root, self.comm = root, comm
+        self.prefetch, self.reshard = prefetch, reshard_after_forward
+        p0 = next(p for _, _, ps in units for p in ps)
+        self.dtype, self.device = p0.dtype, p0.device
+        plans = plan_units([[p.numel() for p in ps] for _, _, ps in units], comm.world_size,
+                           ALIGN_ELEMS)
+        self.units: list[Unit] = []
+        start = 0
+        for i, ((name, mod, ps), plan) in enumerate(zip(units, plans)):
+            self.units.append(Unit(i, name, mod, ps, [p.shape for p in ps], plan, start,
+                                   is_root=mod is root))
+            start += plan.shard_numel
+        self.local_numel = start
+        esz = torch.empty(0, dtype=self.dtype).element_size()
+        # Persistent model state of this rank: its slice of every unit (params and grads).
+        self.state_arena = Arena(max(2 * start * esz + 1024, 1024), self.device)
+        self.local_params = self.state_arena.alloc(start, self.dtype).tensor
+        self.local_grads = self.state_arena.alloc(start, self.dtype).tensor
+        self.local_grads.zero_()
+        # Gather arena: the root (held through the whole forward) + prefetch+1 other units,
+        # plus one gradient buffer for the unit being reduced.
+        sizes = sorted((u.plan.padded_numel for u in self.units if not u.is_root), reverse=True)
+        root_size = sum(u.plan.padded_numel for u in self.units if u.is_root)
+        biggest = sizes[0] if sizes else root_size
+        cap_elems = root_size + sum(sizes[: prefetch + 1]) + biggest
+        align = 256
+        self.gather_arena = Arena(cap_elems * esz + align * (prefetch + 4), self.device,
+                                  alignment=align)
+        self.overflow_bytes = 0
+        self.peak_units = 0
+        self.got_grad: dict[int, bool] = {}
+        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.sync = True
+        self.fwd_order: list[int] = []
+        self.prev_order: list[int] = []
+        self._hooks_ctx: Any = None
+        self._callback_queued = False
+        self.overlap = comm.backend == "nccl"
+        self._param_unit: dict[int, tuple[Unit, int]] = {}
+        for u in self.units:
+            for j, p in enumerate(u.params):
+                self._param_unit[id(p)] = (u, j)
+
+    # -- setup -------------------------------------------------------------------------------
+    def shard_parameters(self) -> None:
+        """Copy (rank 0's) full parameters into this rank's slices and release them."""
+        with torch.no_grad():
+            for u in self.units:
+                full = torch.zeros(u.plan.padded_numel, dtype=self.dtype, device=self.device)
+                for p, off, n in zip(u.params, u.plan.param_offsets, u.plan.numels):
+                    full.narrow(0, off, n).copy_(p.detach().reshape(-1))
+                self.comm.broadcast(full, 0, f"initial parameters of unit {u.name}")
+                s = u.plan.shard_numel
+                self.local_shard(u, self.local_params).copy_(
+                    full.narrow(0, self.comm.rank * s, s))
+                self._release(u)
+        self.comm.reset_stats()
+
+    def local_shard(self, u: Unit, t: torch.Tensor) -> torch.Tensor:
+        return t.narrow(0, u.shard_start, u.plan.shard_numel)
+
+    def install_hooks(self) -> None:
+        for u in self.units:
+            u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
+            u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+            for j, p in enumerate(u.params):
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(
+                        lambda _p, u=u, j=j: self._on_grad(u, j))
+
+    # -- gather / release --------------------------------------------------------------------
+    def _alloc(self, numel: int) -> tuple[torch.Tensor, Block | None]:
+        try:
+            blk = self.gather_arena.alloc(numel, self.dtype)
+            return blk.tensor, blk
+        except ArenaOutOfMemory:
+            # Unusual call orders can need more at once; allowed, and counted in the stats.
+            self.overflow_bytes += numel * torch.empty(0, dtype=self.dtype).element_size()
+            return torch.empty(numel, dtype=self.dtype, device=self.device), None
+
+    def gather(self, u: Unit, *, wait: bool = True) -> None:
+        if not u.gathered:
+            buf, blk = self._alloc(u.plan.padded_numel)
+            u.buf, u.block = buf, blk
+            u.work = self.comm.all_gather(buf, self.local_shard(u, self.local_params),
+                                          f"parameters of unit {u.name}", async_op=self.overlap)
+            for p, shape, off, n in zip(u.params, u.shapes, u.plan.param_offsets, u.plan.numels):
+                p.data = buf.narrow(0, off, n).view(shape)
+            self.peak_units = max(self.peak_units,
+                                  sum(x.gathered for x in self.units if not x.is_root))
+        if wait and u.work is not None:
+            u.work.wait()
+            u.work = None
+
+    def _release(self, u: Unit) -> None:
+        if u.work is not None:
+            u.work.wait()
+            u.work = None
+        for p in u.params:
+            # Released: an empty tensor. Reading a parameter now fails on its shape; use
+            # zerokern.full_state_dict(model) (or run the model) to see full parameters.
+            p.data = self._placeholder
+        if u.block is not None:
+            self.gather_arena.free(u.block)
+        u.buf, u.block = None, None
+
+    def release(self, u: Unit) -> None:
+        if u.gathered:
+            self._release(u)
+
+    # -- forward -----------------------------------------------------------------------------
+    def _pre_forward(self, u: Unit) -> None:
+        if u.is_root and not u.in_backward:
+            self.prev_order, self.fwd_order = self.fwd_order or self.prev_order, []
+            if torch.is_grad_enabled():
+                self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack,
+                                                                           self._unpack)
+                self._hooks_ctx.__enter__()
+        self.gather(u)
+        if not u.in_backward:
+            self.fwd_order.append(u.index)
+            self._prefetch_forward()
+
+    def _prefetch_forward(self) -> None:
+        # Follow the previous step's order; if this step diverges, the extra gathers are
+        # released at the end of the forward and units fall back to on-demand gathering.
+        k = len(self.fwd_order)
+        if self.prefetch <= 0 or self.fwd_order[: k] != self.prev_order[: k]:
+            return
+        for i in self.prev_order[k : k + self.prefetch]:
+            nxt = self.units[i]
+            if not nxt.gathered and not nxt.is_root:
+                self.gather(nxt, wait=False)
+
+    def _post_forward(self, u: Unit, out: Any) -> Any:
+        grad_mode = torch.is_grad_enabled()
+        if grad_mode and not u.in_backward:
+            tensors = [t for t in tree_flatten(out)[0]
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(lambda g, u=u: self._pre_backward(u, g))
+        if u.is_root and not u.in_backward:
+            if self._hooks_ctx is not None:
+                self._hooks_ctx.__exit__(None, None, None)
+                self._hooks_ctx = None
+            for other in self.units:  # prefetched but never run this time
+                if other.gathered and not other.in_backward and other is not u:
+                    self._release(other)
+        if u.in_backward:
+            return out  # recompute under activation checkpointing: keep it for the backward
+        if self.reshard or not grad_mode or u.is_root:
+            self._release(u)
+        return out
+
+    # -- saved tensors -----------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.device != self.device or t.dtype != self.dtype:
+            return t
+        base = self.gather_arena.buffer
+        if t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+            return t
+        byte = t.storage_offset() * t.element_size()
+        for u in self.units:
+            if u.block is not None and u.block.offset <= byte < u.block.offset + u.block.nbytes:
+                return (_GatheredRef, u.index, byte - u.block.offset, tuple(t.shape),
+                        tuple(t.stride()))
+        return t
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not (isinstance(packed, tuple) and packed and packed[0] is _GatheredRef):
+            return packed
+        _, idx, rel, shape, stride = packed
+        u = self.units[idx]
+        if not u.gathered:
+            self._pre_backward(u, None)
+        assert u.buf is not None
+        esz = u.buf.element_size()
+        if u.block is not None:
+            start = (u.block.offset + rel) // esz
+            return self.gather_arena.buffer.view(self.dtype).as_strided(shape, stride, start)
+        return u.buf.as_strided(shape, stride, u.buf.storage_offset() + rel // esz)
+
+    # -- backward ----------------------------------------------------------------------------
+    def _pre_backward(self, u: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        if not u.in_backward:
+            u.in_backward = True
+            u.waiting = {j for j, p in enumerate(u.params) if p.requires_grad}
+            self.gather(u)
+            self._prefetch_backward(u)
+        return grad
+
+    def _prefetch_backward(self, u: Unit) -> None:
+        if self.prefetch <= 0 or u.index not in self.fwd_order:
+            return
+        pos = len(self.fwd_order) - 1 - self.fwd_order[::-1].index(u.index)
+        todo = [i for i in reversed(self.fwd_order[:pos]) if not self.units[i].is_root]
+        seen: list[int] = []
+        for i in todo:
+            if i not in seen:
+                seen.append(i)
+            if len(seen) == self.prefetch:
+                break
+        for i in seen:
+            nxt = self.units[i]
+            if not nxt.gathered and not nxt.in_backward:
+                self.gather(nxt, wait=False)
+
+    def _on_grad(self, u: Unit, j: int) -> None:
+        p = u.params[j]
+        self.got_grad[id(p)] = True
+        if not self.sync:
+            return  # no_sync: gradients accumulate on the parameters until the last micro-batch
+        if not u.in_backward:  # its output hook did not fire (output not seen by autograd)
+            self._pre_backward(u, None)
+        u.waiting.discard(j)
+        if not u.waiting and u.in_backward:
+            self._reduce(u)
+
+    def _reduce(self, u: Unit) -> None:
+        grads = [(p, off) for p, off in zip(u.params, u.plan.param_offsets)
+                 if p.grad is not None]
+        buf, blk = self._alloc(u.plan.padded_numel)
+        if len(grads) < len(u.params) or u.plan.padding:
+            buf.zero_()  # params without a gradient on this rank, and the padding
+        if grads:
+            ops.flatten_into_([p.grad.detach().reshape(-1).contiguous() for p, _ in grads], buf,
+                              [off for _, off in grads])
+        shard = self.local_shard(u, self.local_grads)
+        out = torch.empty_like(shard) if u.reduced_once else shard
+        self.comm.reduce_scatter(out, buf, f"gradients of unit {u.name}")
+        out.div_(self.comm.world_size)
+        if u.reduced_once:
+            shard.add_(out)
+        u.reduced_once = True
+        if blk is not None:
+            self.gather_arena.free(blk)
+        for p, _ in grads:
+            p.grad = None
+        u.in_backward = False
+        u.waiting = set()
+        self.release(u)
+
+    def _end_of_backward(self) -> None:
+        """Units whose gradients did not all arrive (unused parameters) are reduced with zeros
+        in a fixed order, the same on every rank; everything still gathered is released."""
+        self._callback_queued = False
+        pending = [u for u in self.units if u.in_backward]
+        for u in sorted(pending, key=lambda x: -self._last_pos(x)):
+            if self.sync:
+                self._reduce(u)
+            else:
+                u.in_backward = False
+                u.waiting = set()
+        for u in self.units:
+            self.release(u)
+
+    def _last_pos(self, u: Unit) -> int:
+        if u.index not in self.fwd_order:
+            return -1
+        return len(self.fwd_order) - 1 - self.fwd_order[::-1].index(u.index)
+
+    def flush_no_sync(self) -> None:
+        """After a no_sync accumulation finished with a synced backward, nothing is left;
+        if the user steps right after no_sync backwards, reduce what the params hold."""
+        for u in self.units:
+            if any(p.grad is not None for p in u.params):
+                u.in_backward = True
+                self.gather(u)
+                self._reduce(u)
+
+    def shape_of(self, p: torch.nn.Parameter) -> torch.Size:
+        u, j = self._param_unit[id(p)]
+        return u.shapes[j]
+
+    def prepare_step(self) -> None:
+        """Before the optimizer step: gradients left by no_sync backwards are reduced now,
+        and slices of units that received nothing this step are zeroed (stale otherwise)."""
+        self.flush_no_sync()
+        for u in self.units:
+            if not u.reduced_once:
+                self.local_shard(u, self.local_grads).zero_()
+
+    def new_step(self) -> None:
+        for u in self.units:
+            u.reduced_once = False
+        self.got_grad = {}
+
+    # -- introspection -----------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, int]:
+        esz = self.local_params.element_size()
+        a = self.gather_arena.stats()
+        return {
+            "local_params": self.local_numel * esz,
+            "local_grads": self.local_numel * esz,
+            "gather_capacity": int(a["capacity"]),
+            "gather_in_use": int(a["in_use"]),
+            "gather_peak": int(a["peak_in_use"]),
+            "gather_overflow": self.overflow_bytes,
+            "peak_gathered_units": self.peak_units,
+        }
+
+
+class _GatheredRef:
+    """Marker for a saved tensor packed as a reference into a gathered unit."""
