@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import zerokern
 from _tol import TRAIN_FP32
 from dist_utils import run_ranks
 from models import Block, IntGradNet, TinyGPT, batch
 from test_zero_parity import _ref_average, _within_one_ulp
+
+import zerokern
 
 STEPS = 10
 
