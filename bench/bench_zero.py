@@ -22,8 +22,8 @@ Policies ("-" = what the optimizer works on):
                    resharded after forward, i.e. ZeRO-3) + AdamW on the DTensor shards
   zk_stage0/1/2    zerokern.ZeroAdamW(stage=s) on the plain model (no DDP: it averages
                    gradients itself)
-  zk_stage3        zerokern.shard_model + ZeroAdamW(stage=3): skipped while zerokern has no
-                   shard_model
+  zk_stage3        zerokern.shard_model(model) (its default units: the blocks) +
+                   ZeroAdamW(stage=3); skipped where zerokern has no shard_model
   ds_stage1/2      DeepSpeed ZeRO stage 1/2 (optional: skipped with the reason when deepspeed
                    is not installed; on CPU DS_ACCELERATOR=cpu and
                    deepspeed.init_distributed(dist_backend="gloo")), client torch AdamW
@@ -394,9 +394,6 @@ def setup_deepspeed(job: Job, model: nn.Module, device: torch.device, stage: int
 
 
 # -- collective accounting from the profiler --------------------------------------------------
-_PAPER_FACTOR = {"all_reduce": 2, "allreduce": 2}
-
-
 def comm_from_profile(prof: Any, device: torch.device, steps: int, world: int) -> dict[str, Any]:
     """Bytes (paper count) and union-of-intervals time of backend collective events."""
     by_kind: dict[str, float] = {}
@@ -418,17 +415,18 @@ def comm_from_profile(prof: Any, device: torch.device, steps: int, world: int) -
         if sizes:
             # all-reduce / broadcast: the tensor itself; reduce-scatter: the largest operand
             # is the full input; all-gather: the full output (gloo records only the shard).
-            nbytes = max(sizes) * _PAPER_FACTOR.get(kind, 1)
+            nbytes = max(sizes) * (2 if "all_reduce" in kind or "allreduce" in kind else 1)
             if "gather" in kind:
                 nbytes = max(nbytes, world * min(sizes))
         by_kind[kind] = by_kind.get(kind, 0) + nbytes
         if device.type != "cuda":
             intervals.append((e.time_range.start, e.time_range.end))
-    if device.type == "cuda":
+    if device.type == "cuda":  # the NCCL kernels' own intervals on the device
         for e in prof.events():
-            if e.name.lower().startswith("nccl") and getattr(e, "device_time", 0):
-                s = e.time_range.start
-                intervals.append((s, s + e.device_time))
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.name.lower().startswith(
+                "nccl"
+            ):
+                intervals.append((e.time_range.start, e.time_range.end))
     busy, cur_s, cur_e = 0.0, None, None
     for s, t in sorted(intervals):
         if cur_e is None or s > cur_e:

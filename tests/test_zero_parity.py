@@ -67,7 +67,8 @@ def scenario(rank, world, *, stage, dtype=torch.float32, bucket_numel=61, two_gr
         ref_params = _groups(ref, two_groups, lr)
     ropt = torch.optim.AdamW(ref_params, lr=lr, betas=(0.9, 0.95), weight_decay=0.05,
                              foreach=False)
-    ref_model = torch.nn.parallel.DistributedDataParallel(ref) if ddp else ref
+    ref_model = (torch.nn.parallel.DistributedDataParallel(ref, find_unused_parameters=True)
+                 if ddp else ref)
     scheds = []
     if sched:
         f = lambda s: 1.0 / (1 + 0.5 * s)
@@ -180,5 +181,6 @@ def test_bf16_within_one_ulp_of_fp32_master_reference(world, stage, tmp_path):
          two_groups=True, sometimes=True, accum=2)
 
 
-def test_against_real_ddp(tmp_path):
-    _run(2, tmp_path, stage=2, ddp=True)
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_against_real_ddp(stage, tmp_path):
+    _run(2, tmp_path, stage=stage, ddp=True, accum=2)

@@ -21,6 +21,11 @@ COMMANDS: list[tuple[str, str, str]] = [
         "zerokern.cli.estimate",
         "per-GPU memory and communication of ZeRO stages 0-3 (paper §5.4, §7)",
     ),
+    (
+        "demo",
+        "zerokern.cli.demo",
+        "train a small GPT with ZeRO stages 0-3; memory and communication vs the paper",
+    ),
 ]
 
 

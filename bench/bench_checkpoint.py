@@ -1,0 +1,141 @@
+"""Checkpoint benchmark: save/load times, and the peak memory of ``consolidate`` against the
+size of the largest parameter.
+
+A model of a few hundred MB of fp32 parameters with several large ones (embedding and head of
+vocab x d_model, and 4 d_model x 4*d_model MLP pairs) is trained one step with ZeroAdamW (stage 2,
+one plain process), saved, loaded back at stage 2 and at stage 0, then consolidated by a child
+process (``python -m zerokern.cli.consolidate``, so its peak RSS is its own: os.wait4's
+ru_maxrss) without and with ``--optimizer``. Two more children give the scale: one that only
+imports what consolidate imports (the constant), and a naive consolidation that loads every rank
+file with safetensors.torch.load_file and writes the state dict with save_file.
+
+    OMP_NUM_THREADS=2 python bench/bench_checkpoint.py --vocab 16384 --dim 1024 --blocks 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _harness import machine, print_table, write_csv
+
+import zerokern
+from zerokern.checkpoint import load_checkpoint, save_checkpoint
+
+NAIVE = """
+import json, os, sys, torch
+from safetensors.torch import load_file, save_file
+ck, out = sys.argv[1], sys.argv[2]
+meta = json.load(open(os.path.join(ck, "meta.json")))
+files = {f["name"]: load_file(os.path.join(ck, f["name"])) for f in meta["files"]}
+parts = {}
+for f in meta["files"]:
+    for name, po, n, tensor, off in f["pieces"]:
+        t = "master" if tensor == "state" else tensor
+        parts.setdefault(name, []).append((po, files[f["name"]][t][off:off + n]))
+sd = {n: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])]).float()
+      .view(meta["params"][n]["shape"]) for n, v in parts.items()}
+save_file(sd, out)
+"""
+IMPORTS = "import torch, safetensors, zerokern.checkpoint, zerokern.cli.consolidate"
+
+
+class Big(torch.nn.Module):
+    def __init__(self, vocab: int, dim: int, blocks: int) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim))
+            for _ in range(blocks)
+        )
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+
+def build(args: argparse.Namespace, stage: int) -> tuple[Big, zerokern.ZeroAdamW]:
+    torch.manual_seed(0)
+    model = Big(args.vocab, args.dim, args.blocks)
+    return model, zerokern.ZeroAdamW(model.parameters(), lr=1e-3, stage=stage)
+
+
+def child(cmd: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS in MB) of a child process."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise SystemExit(f"child failed ({p.returncode}): {' '.join(cmd)}")
+    return time.perf_counter() - t0, ru.ru_maxrss / 1024  # Linux: ru_maxrss in KiB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vocab", type=int, default=16384)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--blocks", type=int, default=6)
+    ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: tmp)")
+    ap.add_argument("--out", default=None, help="CSV directory (default: the work directory)")
+    args = ap.parse_args()
+    work = Path(args.dir or tempfile.mkdtemp(prefix="zk_bench_ckpt_"))
+    work.mkdir(parents=True, exist_ok=True)
+    ck = str(work / "ck")
+    model, opt = build(args, stage=2)
+    psi = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters()) * 4 / 1e6
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.zero_grad()
+    rows = []
+    t0 = time.perf_counter()
+    save_checkpoint(ck, model, opt, extra={"step": 1})
+    dt = time.perf_counter() - t0
+    size = sum(f.stat().st_size for f in Path(ck).iterdir()) / 1e6
+    rows.append({"what": "save_checkpoint (stage 2, 1 process)", "s": dt, "MB": size,
+                 "MB/s": size / dt})
+    del model, opt
+    for stage in (2, 0):
+        model, opt = build(args, stage=stage)
+        t0 = time.perf_counter()
+        load_checkpoint(ck, model, opt)
+        dt = time.perf_counter() - t0
+        rows.append({"what": f"load_checkpoint (into stage {stage})", "s": dt, "MB": size,
+                     "MB/s": size / dt})
+        del model, opt
+    py = sys.executable
+    mods = [py, "-m", "zerokern.cli.consolidate", ck, str(work / "model.safetensors")]
+    runs = [
+        ("imports only (the constant)", [py, "-c", IMPORTS]),
+        ("consolidate", mods),
+        ("consolidate --optimizer", mods + ["--optimizer", str(work / "adamw.pt")]),
+        ("naive: load_file all + save_file", [py, "-c", NAIVE, ck, str(work / "naive.st")]),
+    ]
+    for what, cmd in runs:
+        dt, rss = child(cmd)
+        rows.append({"what": what, "s": dt, "peak_rss_MB": rss,
+                     "rss/largest": rss / largest})
+    out_size = os.path.getsize(work / "model.safetensors") / 1e6
+    info = machine(torch.device("cpu"))
+    print(f"\n{info['device']}, torch {info['torch']}, {info['date']}")
+    print(f"model: {psi / 1e6:.1f}M fp32 parameters = {psi * 4 / 1e6:.0f} MB "
+          f"(consolidated file {out_size:.0f} MB), largest parameter {largest:.1f} MB, "
+          f"checkpoint {size:.0f} MB\n")
+    print_table(rows, ["what", "s", "MB", "MB/s", "peak_rss_MB", "rss/largest"])
+    for r in rows:
+        r.update(info, params=psi, largest_param_MB=largest)
+    path = write_csv(rows, f"bench_checkpoint_{info['date']}.csv", args.out or work)
+    print(f"\nCSV: {path}")
+    if args.dir is None:
+        shutil.rmtree(work / "ck", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

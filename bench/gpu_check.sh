@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One prepared run on a lent GPU (see the device tool's README): build the extension, run the
+# gpu-marked tests and the benchmarks, write logs and CSVs into the folder given (default
+# $OUT). Budget: under 8 minutes on an H200. At most 8 files come back, so the logs are
+# concatenated into gpu_check.log and only the CSVs sit beside it.
+#   bash bench/gpu_check.sh "$OUT"
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DEST=${1:-${OUT:-bench/results/gpu}}
+mkdir -p "$DEST"
+LOG="$DEST/gpu_check.log"
+TMP=$(mktemp -d)
+say() { echo "== $*" | tee -a "$LOG"; }
+step() {  # step NAME TIMEOUT CMD... : run, log, record status, never abort the script
+  local name=$1 limit=$2; shift 2
+  say "$name: $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "$name rc=$rc ($((SECONDS - t0)) s)" | tee -a "$DEST/summary.txt" "$LOG"
+  return 0
+}
+
+: >"$LOG"; : >"$DEST/summary.txt"
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$LOG" 2>&1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+step build 420 python3 -m pip install --no-build-isolation --no-deps -e .
+python3 -c "import zerokern as z; print('native', z.has_native(), 'cuda kernels', z.has_cuda_kernels())" >>"$LOG" 2>&1
+step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_kernels.py tests/test_gpu_zero.py
+step triton_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+step bench_adam 150 python3 bench/bench_adam.py --device cuda --out "$TMP"
+step bench_memory 60 python3 bench/bench_memory.py --device cuda --quick --out "$TMP"
+step bench_zero 120 python3 bench/bench_zero.py --world-size 1 --steps 20 --out "$TMP"
+# Keep at most 6 CSVs (8 files come back in all, with the log and the summary).
+ls -1 "$TMP"/*.csv 2>/dev/null | head -6 | while read -r f; do cp "$f" "$DEST/"; done
+cat "$DEST/summary.txt"

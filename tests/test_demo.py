@@ -1,0 +1,134 @@
+"""``python -m zerokern demo`` and ``examples/train_gpt.py`` end to end on 2 CPU ranks, plus
+the pure pieces they rest on: the paper's formulas, the model's size, the data's batches.
+
+The formulas are checked against the paper's worked example (Ψ = 8 on 4 GPUs: 128, 56, 44,
+32 bytes) and against zerokern.cli.estimate; the demo's CSV is checked against the formulas
+recomputed here, not against its own formula columns only.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerokern.cli import estimate as est
+from zerokern.demo import GPT, VOCAB, config_for, decode, encode, get_batch
+from zerokern.demo.formulas import (
+    expected_comm_elements,
+    expected_model_state_bytes,
+    state_formula_text,
+    zerokern_extra_bytes,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_formula_paper_tiny_example() -> None:
+    # Paper seeds: Ψ = 8 parameters on N = 4 GPUs, 16-bit params and grads, K = 12.
+    assert [expected_model_state_bytes(s, 8, 4, 2) for s in range(4)] == [128, 56, 44, 32]
+    assert [state_formula_text(s, 2) for s in range(4)] == ["16Ψ", "4Ψ+12Ψ/N", "2Ψ+14Ψ/N",
+                                                           "16Ψ/N"]
+
+
+@pytest.mark.parametrize("psi,n", [(8, 4), (7_500_000_000, 64), (3_407_872, 2), (1000, 3)])
+def test_formula_matches_estimate_for_16bit(psi: int, n: int) -> None:
+    for s in range(4):
+        assert expected_model_state_bytes(s, psi, n, 2) == pytest.approx(
+            est.model_state_bytes(s, psi, n), rel=1e-12)
+
+
+def test_formula_fp32_params() -> None:
+    # fp32 params are their own master: 4 (params) + 4 (grads) + 8 (two moments) bytes.
+    assert [expected_model_state_bytes(s, 8, 4, 4) for s in range(4)] == [128, 80, 56, 32]
+    assert state_formula_text(1, 4) == "8Ψ+8Ψ/N"
+    assert expected_model_state_bytes(3, 10, 4, 4) == 40.0  # not divisible: exact float
+    with pytest.raises(ValueError):
+        expected_model_state_bytes(4, 8, 4, 2)
+    with pytest.raises(ValueError):
+        expected_model_state_bytes(0, 8, 4, 8)
+
+
+def test_comm_and_extras() -> None:
+    assert [expected_comm_elements(s, 64, 2) for s in range(4)] == [128, 128, 128, 192]
+    assert expected_comm_elements(3, 64, 1) == 0
+    assert zerokern_extra_bytes(0, 64, 2, 2) == {}
+    assert zerokern_extra_bytes(1, 64, 2, 2) == {"stage-1 gradient shard": 64}
+    assert zerokern_extra_bytes(2, 64, 2, 2) == {}
+    assert zerokern_extra_bytes(2, 64, 2, 4) == {"fp32 master copy": 128}
+    assert zerokern_extra_bytes(3, 64, 2, 4) == {}
+
+
+def test_model_and_data() -> None:
+    for size in ("tiny", "small", "base"):
+        cfg = config_for(size, VOCAB)
+        assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.num_params()
+    # The global batch of a step does not depend on how many ranks share it.
+    x1, y1 = get_batch(5, 0, 1, 6, 16)
+    parts = [get_batch(5, r, 3, 2, 16) for r in range(3)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), x1)
+    assert torch.equal(torch.cat([p[1] for p in parts]), y1)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are the next characters
+    assert not torch.equal(get_batch(6, 0, 1, 6, 16)[0], x1)
+    assert decode(encode("the fox sleeps.\n")) == "the fox sleeps.\n"
+    assert int(x1.max()) < VOCAB
+
+
+def _run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return r
+
+
+@pytest.mark.slow
+def test_demo_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    r = _run([sys.executable, "-m", "zerokern", "demo", "--steps", "3", "--model-size", "tiny",
+              "--stages", "0", "1", "2", "3", "--world-size", "2", "--out", str(out)])
+    assert "final losses: equal" in r.stdout
+    for name in ("demo_table.csv", "demo_losses.csv", "demo_table.md", "demo.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = list(csv.DictReader(open(out / "demo_table.csv")))
+    assert [int(r["stage"]) for r in rows] == [0, 1, 2, 3]
+    psi = config_for("tiny", VOCAB).num_params()
+    for r in rows:
+        stage, world = int(r["stage"]), int(r["world_size"])
+        psi_pad = int(r["psi_padded"])
+        assert world == 2 and int(r["psi"]) == psi and psi <= psi_pad < psi + 64 * 8 + 64
+        formula = expected_model_state_bytes(stage, psi_pad, world, 2)  # bf16 by default
+        held = int(r["state_measured_bytes"]) + int(r["padding_bytes"])
+        parts = sum(int(r[f"{k}_bytes"]) for k in ("params", "grads", "master", "exp_avg",
+                                                    "exp_avg_sq"))
+        assert parts == int(r["state_measured_bytes"])
+        assert int(r["state_formula_bytes"]) == formula
+        if stage == 1:  # the paper's formula, or that plus zerokern's stage-1 gradient shard
+            assert held in (formula, formula + 2 * psi_pad // world)
+        else:
+            assert held == formula, r
+        assert r["state_check"] != "MISMATCH"
+        comm = (3 if stage == 3 else 2) * psi_pad
+        assert int(r["comm_measured_elements"]) == int(r["comm_formula_elements"]) == comm
+        assert float(r["step_ms_median"]) > 0
+    finals = {r["final_loss"] for r in rows}
+    assert len(finals) == 1, finals  # gloo on CPU: the policies are bit-identical
+    losses = list(csv.reader(open(out / "demo_losses.csv")))
+    assert len(losses) == 4 and all(float(b) < float(a) for a, b in zip(losses[1][1:],
+                                                                        losses[-1][1:]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_example_train_gpt(stage: int) -> None:
+    r = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+              "--standalone", "examples/train_gpt.py", "--steps", "3", "--stage", str(stage),
+              "--model-size", "tiny"])
+    assert f"ZeRO stage {stage}, 2 ranks over gloo" in r.stdout
+    assert "step    2  loss" in r.stdout and "sample:" in r.stdout

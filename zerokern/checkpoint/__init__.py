@@ -1,0 +1,24 @@
+"""Crash-safe checkpoints that load at any world size and stage.
+
+``save_checkpoint(path, model, optimizer, extra=None)`` (every rank) writes a directory: one
+safetensors file per rank with only what that rank owns (fp32 master values and both Adam
+moments of its pieces, compacted), plus ``meta.json``, written last by rank 0, which maps every
+saved element to (parameter name, offset) and records sizes and sha256 of every file, shapes,
+dtypes, per-parameter step counts, param-group hyperparameters, loss-scaler state, versions and
+``extra``. The directory is built under a temporary name and published with an atomic rename,
+so ``path`` always holds a complete checkpoint (the previous one until the new one is whole).
+
+``load_checkpoint(path, model, optimizer)`` (every rank) refuses a missing, incomplete or
+corrupt checkpoint with an error naming the file before touching anything, then reads, through
+memory-mapped safetensors slices, only the ranges its own new layout needs, at any world size
+and stage (16-bit parameters are re-derived from the fp32 master by round-to-nearest-even, as
+ZeroAdamW derives them). ``python -m zerokern consolidate PATH OUT`` turns a checkpoint into a
+plain fp32 state dict (and a torch.optim.AdamW state dict), one parameter at a time.
+See format.py for the layout on disk.
+"""
+
+from .format import CheckpointError
+from .load import load_checkpoint
+from .save import save_checkpoint
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]

@@ -1,0 +1,579 @@
+"""On-disk format of a zerokern checkpoint, and the file-level machinery every part shares.
+
+A checkpoint is a directory::
+
+    PATH/
+      meta.json                  written LAST: what is in the checkpoint and where
+      rank00000.safetensors      what rank 0 owned: fp32 master values, exp_avg, exp_avg_sq
+      rank00001.safetensors      ... one file per saving rank
+
+Each rank file holds 1-D tensors ``master``, ``exp_avg``, ``exp_avg_sq`` (fp32, the same
+length): the pieces of parameters the rank owned, compacted one after another (no padding, no
+holes for frozen parameters). ``frozen.<dtype>`` holds values of parameters the optimizer does
+not manage (frozen, or left out of it), ``buffer/<name>`` a persistent buffer (rank 0 only).
+``meta.json`` maps every element back to its parameter: per file, a piece table of
+``[param name, param offset, numel, tensor, offset in tensor]`` rows (tensor "state" means the
+master/exp_avg/exp_avg_sq triple), plus sizes and sha256 of every file.
+
+This module has no knowledge of ZeroAdamW: safetensors writing (streamed, with no copy of the
+data), header parsing and validation, the piece index that answers "which byte ranges hold
+elements [lo, hi) of parameter X", atomic publication of a directory, and a streaming writer of
+``torch.save``'s zip format.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import errno
+import hashlib
+import io
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+import struct
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FORMAT = "zerokern-checkpoint"
+FORMAT_VERSION = 1
+META = "meta.json"
+CHUNK_BYTES = 64 << 20  # reads and writes of one tensor are cut into pieces of this size
+_MAX_HEADER = 256 << 20
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+CODES = {v: k for k, v in DTYPES.items()}
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint is missing, incomplete or corrupt, or does not fit the model; the message
+    names the file at fault. Nothing was modified when this is raised by load_checkpoint."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in {META}")
+    return dt
+
+
+# -- durable files ----------------------------------------------------------------------------
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write to ``path.partial``, flush, fsync, rename: ``path`` is absent or complete."""
+    tmp = path + ".partial"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+# -- safetensors, written and read by hand ----------------------------------------------------
+def safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+                       metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
+    """The 8-byte length + JSON header for tensors laid out in ``entries`` order, padded with
+    spaces so the data starts on an 8-byte boundary; and each tensor's size in bytes."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    sizes, off = [], 0
+    for name, dtype, shape in entries:
+        if name in header or name == "__metadata__":
+            raise ValueError(f"duplicate tensor name {name!r}")
+        n = math.prod(int(s) for s in shape) * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": CODES[dtype], "shape": [int(s) for s in shape],
+                        "data_offsets": [off, off + n]}
+        sizes.append(n)
+        off += n
+    js = json.dumps(header, separators=(",", ":")).encode()
+    js += b" " * (-len(js) % 8)
+    return struct.pack("<Q", len(js)) + js, sizes
+
+
+class StreamWriter:
+    """A safetensors file written tensor after tensor, chunk after chunk, without ever holding
+    more than the chunk given: the header is computed from the shapes first. The data go to
+    ``path.partial`` (sha256 computed on the way), which close() fsyncs and renames."""
+
+    def __init__(self, path: str, entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+                 metadata: dict[str, str] | None = None) -> None:
+        self.path, self.tmp = path, path + ".partial"
+        header, self._sizes = safetensors_header(entries, metadata)
+        self._names = [e[0] for e in entries]
+        self._dtypes = [e[1] for e in entries]
+        self._i, self._left = 0, (self._sizes[0] if self._sizes else 0)
+        self._hash = hashlib.sha256()
+        self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
+        self.nbytes = 0
+        self._raw(memoryview(header))
+        self._skip_empty()
+
+    def _raw(self, buf: memoryview) -> None:
+        self._f.write(buf)
+        self._hash.update(buf)
+        self.nbytes += buf.nbytes
+
+    def _skip_empty(self) -> None:
+        while self._i < len(self._sizes) and self._left == 0:
+            self._i += 1
+            self._left = self._sizes[self._i] if self._i < len(self._sizes) else 0
+
+    def write(self, name: str, chunk: torch.Tensor) -> None:
+        """Append the next elements of tensor ``name`` (must be the tensor being written)."""
+        if self._i >= len(self._names) or self._names[self._i] != name:
+            cur = self._names[self._i] if self._i < len(self._names) else "nothing"
+            raise ValueError(f"{self.path}: writing {name!r} but {cur!r} is due")
+        if chunk.dtype != self._dtypes[self._i]:
+            raise ValueError(f"{self.path}: {name!r} is {self._dtypes[self._i]}, got {chunk.dtype}")
+        buf = _byte_view(chunk)
+        if buf.nbytes > self._left:
+            raise ValueError(f"{self.path}: more bytes than {name!r} holds")
+        self._raw(buf)
+        self._left -= buf.nbytes
+        self._skip_empty()
+
+    def close(self) -> tuple[int, str]:
+        if self._i < len(self._names):
+            raise ValueError(f"{self.path}: {self._names[self._i]!r} not fully written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self.tmp, self.path)
+        return self.nbytes, self._hash.hexdigest()
+
+    def abort(self) -> None:
+        self._f.close()
+        if os.path.exists(self.tmp):
+            os.unlink(self.tmp)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and check a safetensors header against the file: every tensor's byte range in
+    bounds, contiguous, ending exactly at the end of the file (so truncation is detected)."""
+    name = os.path.basename(path)
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{name} is corrupt or truncated ({path}): {why}")
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad(f"{size} bytes, shorter than a safetensors header")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(size - 8, _MAX_HEADER):
+            raise bad(f"header length {n} does not fit in a file of {size} bytes")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise bad(f"header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    out: dict[str, TensorInfo] = {}
+    try:
+        for key, d in header.items():
+            dt = DTYPES[d["dtype"]]
+            shape = tuple(int(s) for s in d["shape"])
+            b, e = (int(x) for x in d["data_offsets"])
+            if e - b != math.prod(shape) * torch.empty(0, dtype=dt).element_size():
+                raise bad(f"tensor {key!r}: byte range does not match its shape")
+            out[key] = TensorInfo(dt, shape, 8 + n + b, 8 + n + e)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise bad(f"malformed header entry ({exc!r})") from None
+    pos = 8 + n
+    for t in sorted(out.values(), key=lambda t: (t.begin, t.end)):
+        if t.begin != pos:
+            raise bad("tensor data are not contiguous")
+        pos = t.end
+    if pos != size:
+        raise bad(f"the header describes {pos} bytes, the file has {size}")
+    return out, meta
+
+
+class RangeReader:
+    """Element ranges of a safetensors file read with pread: no memory map, so what was read
+    is freed when the caller drops it (the consolidation keeps its peak memory to one chunk)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.tensors, self.metadata = read_header(path)
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        t = self.tensors[name]
+        if not 0 <= lo <= hi <= t.numel:
+            raise CheckpointError(f"{os.path.basename(self.path)}: elements [{lo}, {hi}) of "
+                                  f"{name!r} are out of range (it has {t.numel})")
+        esz = torch.empty(0, dtype=t.dtype).element_size()
+        buf = bytearray((hi - lo) * esz)
+        view, off, got = memoryview(buf), t.begin + lo * esz, 0
+        while got < len(buf):
+            k = os.preadv(self._fd, [view[got:]], off + got)
+            if k <= 0:
+                raise CheckpointError(f"{os.path.basename(self.path)}: unexpected end of file")
+            got += k
+        if not buf:
+            return torch.empty(0, dtype=t.dtype)
+        return torch.frombuffer(buf, dtype=t.dtype)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# -- where each parameter's elements are --------------------------------------------------------
+@dataclass(frozen=True)
+class Span:
+    param_offset: int
+    numel: int
+    file: str
+    tensor: str  # "state" (master/exp_avg/exp_avg_sq) or "frozen.<dtype>"
+    offset: int
+
+
+class PieceIndex:
+    """Every saved piece by parameter name, sorted by offset within the parameter."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        self.by_name: dict[str, list[Span]] = {}
+        for f in meta["files"]:
+            for name, po, n, tensor, off in f["pieces"]:
+                self.by_name.setdefault(name, []).append(Span(po, n, f["name"], tensor, off))
+        for spans in self.by_name.values():
+            spans.sort(key=lambda s: s.param_offset)
+        self._starts = {k: [s.param_offset for s in v] for k, v in self.by_name.items()}
+
+    def check(self, params: dict[str, dict[str, Any]]) -> None:
+        """Each parameter is covered exactly once, by one kind of tensor."""
+        for name in self.by_name:
+            if name not in params:
+                raise CheckpointError(f"{META}: pieces of {name!r}, which is not a parameter")
+        for name, p in params.items():
+            numel, pos = math.prod(p["shape"]), 0
+            spans = self.by_name.get(name, [])
+            for s in spans:
+                if s.param_offset != pos or s.numel <= 0:
+                    raise CheckpointError(f"{META}: the pieces of {name!r} leave a gap or overlap "
+                                          f"at element {pos} (in {s.file})")
+                pos += s.numel
+            if pos != numel:
+                raise CheckpointError(f"{META}: the pieces of {name!r} cover {pos} of its "
+                                      f"{numel} elements")
+            if len({s.tensor for s in spans}) > 1:
+                raise CheckpointError(f"{META}: {name!r} is stored in more than one tensor kind")
+
+    def kind(self, name: str) -> str | None:
+        spans = self.by_name.get(name)
+        return spans[0].tensor if spans else None
+
+    def spans(self, name: str, lo: int, hi: int) -> Iterator[tuple[int, str, str, int, int]]:
+        """(offset relative to lo, file, tensor kind, begin, end) for elements [lo, hi)."""
+        spans, starts = self.by_name[name], self._starts[name]
+        k = max(bisect.bisect_right(starts, lo) - 1, 0)
+        while k < len(spans) and spans[k].param_offset < hi:
+            s = spans[k]
+            a, b = max(lo, s.param_offset), min(hi, s.param_offset + s.numel)
+            if a < b:
+                yield a - lo, s.file, s.tensor, s.offset + a - s.param_offset, \
+                    s.offset + b - s.param_offset
+            k += 1
+
+
+def chunks(begin: int, end: int, element_size: int) -> Iterator[tuple[int, int]]:
+    step = max(1, CHUNK_BYTES // element_size)
+    for a in range(begin, end, step):
+        yield a, min(end, a + step)
+
+
+# -- meta.json and validation -------------------------------------------------------------------
+def read_meta(ckpt: str) -> dict[str, Any]:
+    path = os.path.join(ckpt, META)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"{ckpt}: {META} is missing: the checkpoint is incomplete (a save did not finish; "
+            f"{META} is written last) or this is not a zerokern checkpoint")
+    try:
+        with open(path, "rb") as f:
+            meta = json.load(f)
+    except ValueError as exc:
+        raise CheckpointError(f"{META} is corrupt ({path}): {exc}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a zerokern checkpoint's {META}")
+    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {meta['format_version']} was written by "
+                              f"a newer zerokern (this one reads up to {FORMAT_VERSION})")
+    return meta
+
+
+def check_files(ckpt: str, meta: dict[str, Any], *, checksum: Callable[[int], bool]) -> None:
+    """Every file meta.json names exists with the recorded size and a consistent header, and
+    its sha256 matches for the files ``checksum(index)`` selects."""
+    for i, f in enumerate(meta["files"]):
+        path = os.path.join(ckpt, f["name"])
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{f['name']} is missing from {ckpt} ({META} lists it): the "
+                                  f"checkpoint is incomplete")
+        size = os.path.getsize(path)
+        if size != f["bytes"]:
+            raise CheckpointError(f"{f['name']} is truncated or modified ({path}): {size} bytes, "
+                                  f"{META} records {f['bytes']}")
+        tensors, _ = read_header(path)
+        need: dict[str, int] = {}
+        for _name, _po, n, tensor, off in f["pieces"]:
+            for t in (("master", "exp_avg", "exp_avg_sq") if tensor == "state" else (tensor,)):
+                need[t] = max(need.get(t, 0), off + n)
+        for b in f.get("buffers", []):
+            need["buffer/" + b] = 0
+        for t, n in need.items():
+            if t not in tensors or tensors[t].numel < n:
+                raise CheckpointError(f"{f['name']} is corrupt ({path}): tensor {t!r} is "
+                                      f"missing or shorter than {META} says")
+        if checksum(i) and sha256_file(path) != f["sha256"]:
+            raise CheckpointError(f"{f['name']} is corrupt ({path}): its sha256 does not match "
+                                  f"the one recorded in {META}")
+
+
+# -- publishing a directory atomically ----------------------------------------------------------
+_NONCE = re.compile(r"\.(tmp|old)-[0-9a-f]{16}$")
+
+
+def tmp_dir(path: str, nonce: str) -> str:
+    return f"{path}.tmp-{nonce}"
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")
+
+
+def remove_checkpoint_dir(path: str) -> None:
+    """Invalidate first (meta.json goes), then delete: never a half-deleted 'complete' one."""
+    meta = os.path.join(path, META)
+    if os.path.exists(meta):
+        os.unlink(meta)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def publish(tmp: str, path: str, nonce: str) -> None:
+    """Make the complete directory ``tmp`` the checkpoint at ``path``.
+
+    With RENAME_EXCHANGE (Linux, most local filesystems) ``path`` switches from the old to the
+    new checkpoint in one atomic step. Otherwise: rename old to ``path.old-<nonce>``, rename new
+    to ``path``; a crash between the two leaves no ``path`` but two complete siblings, and
+    ``resolve`` (used by load_checkpoint) picks the newer one."""
+    fsync_dir(tmp)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+        fsync_dir(parent)
+        return
+    if _exchange(tmp, path):
+        fsync_dir(parent)
+        remove_checkpoint_dir(tmp)  # now holds the previous checkpoint
+        return
+    old = f"{path}.old-{nonce}"
+    os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except Exception:  # an error, not a kill: put the previous one back
+        os.rename(old, path)
+        raise
+    fsync_dir(parent)
+    remove_checkpoint_dir(old)
+
+
+def siblings(path: str) -> list[str]:
+    parent, base = os.path.split(os.path.abspath(path))
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return []
+    return [os.path.join(parent, n) for n in names
+            if n.startswith(base + ".") and _NONCE.fullmatch(n[len(base):])]
+
+
+def resolve(path: str) -> str:
+    """The directory to load for ``path``: itself, or after a save that crashed between its
+    two renames (filesystems without RENAME_EXCHANGE), the newest complete sibling."""
+    if os.path.isdir(path) or os.path.lexists(path):
+        return path
+    found = []
+    for d in siblings(path):
+        try:
+            meta = read_meta(d)
+            check_files(d, meta, checksum=lambda i: False)
+        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+            continue
+        found.append((int(meta.get("created_ns", 0)), d))
+    if not found:
+        raise CheckpointError(f"no checkpoint at {path}")
+    return max(found)[1]
+
+
+# -- torch.save's zip format, one tensor in memory at a time ------------------------------------
+class LazyTensor:
+    """Stands for a tensor in an object given to ``stream_torch_save``: pickled exactly like a
+    CPU tensor, its data produced by ``make()`` only when its record is written."""
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype,
+                 make: Callable[[], torch.Tensor]) -> None:
+        self.shape, self.dtype, self.make = tuple(int(s) for s in shape), dtype, make
+        self.key: str | None = None
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        stride = tuple(int(s) for s in torch.empty(self.shape, device="meta").stride())
+        return (torch._utils._rebuild_tensor_v2,
+                (_StorageRef(self), 0, self.shape, stride, False, OrderedDict()))
+
+
+class _StorageRef:
+    def __init__(self, t: LazyTensor) -> None:
+        self.t = t
+
+
+def stream_torch_save(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)`` where ``obj`` holds LazyTensors: the same pickle and zip
+    records torch.save writes (loads with ``torch.load(weights_only=True)``), but each tensor is
+    made, written and dropped in turn. Uses torch's zip writer (torch.serialization internals);
+    if they are missing, falls back to materialising everything and calling torch.save."""
+    tmp = path + ".partial"
+    try:
+        opener = torch.serialization._open_zipfile_writer
+        alignment = str(torch.serialization._get_storage_alignment())
+    except AttributeError:
+        torch.save(_materialize(obj), tmp)
+        _fsync_replace(tmp, path)
+        return
+    records: list[tuple[str, Callable[[], torch.UntypedStorage]]] = []
+    seen: dict[int, str] = {}
+    storage_types = torch.storage._dtype_to_storage_type_map()
+
+    def lazy(t: LazyTensor) -> torch.UntypedStorage:
+        v = t.make().detach().to("cpu", t.dtype).contiguous()
+        if tuple(v.shape) != t.shape:
+            raise ValueError(f"tensor {t.key}: made {tuple(v.shape)}, expected {t.shape}")
+        return v.untyped_storage()
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, o: Any) -> Any:
+            if isinstance(o, _StorageRef):  # as torch.save's persistent_id, for a LazyTensor
+                t = o.t
+                if t.key is None:
+                    t.key = str(len(records))
+                    records.append((t.key, lambda t=t: lazy(t)))
+                st = getattr(torch, storage_types[t.dtype])
+                return ("storage", st, t.key, "cpu", math.prod(t.shape))
+            if isinstance(o, torch.storage.TypedStorage):  # a real (small) tensor
+                key = seen.get(o._untyped_storage._cdata)
+                if key is None:
+                    key = seen[o._untyped_storage._cdata] = str(len(records))
+                    u = o._untyped_storage.cpu()
+                    records.append((key, lambda u=u: u))
+                st = getattr(torch, o._pickle_storage_type())
+                return ("storage", st, key, "cpu", o._size())
+            return None
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump(obj)
+    data = buf.getvalue()
+    with opener(tmp) as zf:
+        zf.write_record("data.pkl", data, len(data))
+        zf.write_record(".format_version", "1", 1)
+        zf.write_record(".storage_alignment", alignment, len(alignment))
+        zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key, make in records:
+            st = make()
+            zf.write_record(f"data/{key}", st, st.nbytes())
+            del st
+    _fsync_replace(tmp, path)
+
+
+def _materialize(obj: Any) -> Any:
+    if isinstance(obj, LazyTensor):
+        return obj.make().to("cpu", obj.dtype).reshape(obj.shape)
+    if isinstance(obj, dict):
+        return {k: _materialize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_materialize(v) for v in obj)
+    return obj
+
+
+def _fsync_replace(tmp: str, path: str) -> None:
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)

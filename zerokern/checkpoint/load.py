@@ -1,0 +1,258 @@
+"""load_checkpoint: restore a model and its ZeroAdamW from a checkpoint saved at any world size
+and stage, each rank reading only the byte ranges it needs.
+
+Three phases, each ended by an all_gather of errors so that every rank raises together:
+
+1. open (no writes): find the directory (format.resolve), read meta.json, check that every rank
+   file exists with the recorded size and a header that matches, and (``verify=True``) its
+   sha256; rank r hashes files r, r+N, ... so the checkpoint is read once in all, not N times;
+2. match (no writes): the model's parameter and buffer names and shapes against meta.json,
+   optimizer parameters against saved optimizer state, param groups against saved groups;
+3. apply: lay out the optimizer (``_ensure_layout``, with the saved gradient order when the
+   stage is 0-2), then for each piece of this rank's new layout read the overlapping ranges of
+   the saved pieces (``safe_open(...).get_slice(t)[a:b]``, memory-mapped) straight into
+   master / exp_avg / exp_avg_sq; 16-bit parameters are the round-to-nearest-even cast of the
+   fp32 master (which is how ZeroAdamW makes them), so they are not stored. Stages 0-2 need
+   full parameters on every rank: each parameter is read piece by piece from the masters of all
+   saved ranks and cast into ``flat_param``; stage 3 needs only this rank's slice.
+
+Phases 1-2 catch every problem of the checkpoint itself before anything is modified; only an
+I/O error in phase 3 (the files changing under the reader) can leave a partial load, and it is
+reported as such.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .format import (
+    CheckpointError,
+    PieceIndex,
+    check_files,
+    chunks,
+    read_meta,
+    resolve,
+)
+from .save import ModelNames, _values, agree, attempt, model_names
+
+
+@dataclass
+class Opened:
+    dir: str
+    meta: dict[str, Any]
+    index: PieceIndex
+    buffer_file: dict[str, str]
+
+
+def open_checkpoint(path: str, *, rank: int = 0, world: int = 1,
+                    verify: bool = True) -> Opened:
+    """meta.json plus every check that needs no model; sha256 of files index % world == rank."""
+    d = resolve(path)
+    meta = read_meta(d)
+    try:
+        check_files(d, meta, checksum=lambda i: verify and i % world == rank)
+        index = PieceIndex(meta)
+        index.check(meta["params"])
+        buffer_file = {b: f["name"] for f in meta["files"] for b in f.get("buffers", [])}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"meta.json in {d} is malformed ({exc!r})") from None
+    missing = [b for b in meta["buffers"] if b not in buffer_file]
+    if missing:
+        raise CheckpointError(f"meta.json in {d}: no file holds buffer {missing[0]!r}")
+    return Opened(d, meta, index, buffer_file)
+
+
+@dataclass
+class Match:
+    names: ModelNames
+    managed: dict[int, int]  # id(param) -> optimizer index
+    groups: list[int | None]  # optimizer group -> saved group its hyperparameters come from
+    order: list[int] | None  # saved gradient order, as this optimizer's indices
+
+
+def _names_list(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more"
+                                                    if len(names) > 5 else "")
+
+
+def match(ck: Opened, model: torch.nn.Module, opt: Any) -> Match:
+    meta, rt = ck.meta, opt._rt
+    if rt is not None and getattr(model, "_zk_stage3", None) is not rt:
+        raise ValueError("model: the optimizer is stage 3 but this model is not the one it "
+                         "was built on (pass the shard_model'ed model)")
+    names = model_names(model)
+    saved = meta["params"]
+    missing = [n for n in names.params if n not in saved]
+    unexpected = [n for n in saved if n not in names.params]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{ck.dir} does not fit the model: "
+            + (f"missing parameters {_names_list(missing)}" if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"unexpected parameters {_names_list(unexpected)}" if unexpected else ""))
+    for n, p in names.params.items():
+        shape = list(rt.shape_of(p) if rt is not None else p.shape)
+        if shape != saved[n]["shape"]:
+            raise CheckpointError(f"{ck.dir}: parameter {n!r} has shape {saved[n]['shape']} in "
+                                  f"the checkpoint, {shape} in the model")
+    bmiss = [n for n in names.buffers if n not in meta["buffers"]]
+    bextra = [n for n in meta["buffers"] if n not in names.buffers]
+    if bmiss or bextra:
+        raise CheckpointError(f"{ck.dir} does not fit the model's buffers: missing "
+                              f"{_names_list(bmiss) or 'none'}, unexpected "
+                              f"{_names_list(bextra) or 'none'}")
+    for n, b in names.buffers.items():
+        if list(b.shape) != meta["buffers"][n]["shape"]:
+            raise CheckpointError(f"{ck.dir}: buffer {n!r} has shape "
+                                  f"{meta['buffers'][n]['shape']} in the checkpoint, "
+                                  f"{list(b.shape)} in the model")
+    managed = {id(p): i for i, p in enumerate(opt._params)}
+    for p in opt._params:
+        n = names.param.get(id(p))
+        if n is None:
+            raise ValueError("the optimizer manages a parameter that is not in the model")
+        if ck.index.kind(n) != "state":
+            raise CheckpointError(f"{ck.dir}: {n!r} was not trained when saved (no optimizer "
+                                  f"state), but this optimizer trains it")
+    groups: list[int | None] = []
+    for g, grp in enumerate(opt.param_groups):
+        src = {saved[names.param[id(p)]]["group"] for p in grp["params"] if id(p) in managed}
+        if len(src) > 1:
+            raise CheckpointError(f"param group {g} mixes parameters of saved param groups "
+                                  f"{sorted(src)}; build the groups as when saving")
+        groups.append(src.pop() if src else None)
+    order = None
+    if rt is None and opt.layout is None and meta.get("ready_order"):
+        order = [managed[id(names.params[n])] for n in meta["ready_order"]
+                 if n in names.params and id(names.params[n]) in managed]
+    return Match(names, managed, groups, order)
+
+
+class _Reader:
+    """Memory-mapped safetensors handles, opened on first use and closed with the stack."""
+
+    def __init__(self, ck: Opened, stack: ExitStack) -> None:
+        from safetensors import safe_open
+
+        self.ck, self.stack, self.open = ck, stack, safe_open
+        self.handles: dict[str, Any] = {}
+
+    def handle(self, fname: str) -> Any:
+        h = self.handles.get(fname)
+        if h is None:
+            path = os.path.join(self.ck.dir, fname)
+            h = self.handles[fname] = self.stack.enter_context(self.open(path, framework="pt"))
+        return h
+
+    def read_into(self, dst: torch.Tensor, name: str, lo: int, what: str) -> None:
+        """dst (1-D) <- elements [lo, lo + len(dst)) of ``name``'s values (fp32 master, or the
+        stored frozen values), exp_avg or exp_avg_sq; cast to dst's dtype (round to nearest
+        even for 16-bit)."""
+        for rel, fname, kind, a, b in self.ck.index.spans(name, lo, lo + dst.numel()):
+            tensor = kind if kind != "state" else ("master" if what == "values" else what)
+            sl = self.handle(fname).get_slice(tensor)
+            for ca, cb in chunks(a, b, 4):
+                dst.narrow(0, rel + ca - a, cb - ca).copy_(sl[ca:cb])
+
+
+def apply(ck: Opened, m: Match, model: torch.nn.Module, opt: Any) -> None:
+    rt, meta = opt._rt, ck.meta
+    with ExitStack() as stack, torch.no_grad():
+        rd = _Reader(ck, stack)
+        name_of = [m.names.param[id(p)] for p in opt._params]
+        if rt is not None:
+            for u in rt.units:
+                rt.release(u)
+        L = opt._ensure_layout(m.order)
+        vals = _values(opt)
+        if rt is not None:
+            _apply_stage3(rd, m, opt, vals)
+        else:
+            for pc in L.pieces:
+                if pc.param < 0:
+                    continue
+                n, s, k = name_of[pc.param], pc.local_start, pc.numel
+                rd.read_into(vals.narrow(0, s, k), n, pc.param_offset, "values")
+                rd.read_into(opt.exp_avg.narrow(0, s, k), n, pc.param_offset, "exp_avg")
+                rd.read_into(opt.exp_avg_sq.narrow(0, s, k), n, pc.param_offset, "exp_avg_sq")
+                if opt.stage == 0 and opt.master is not None:  # local == flat in stage 0
+                    opt.flat_param.narrow(0, s, k).copy_(opt.master.narrow(0, s, k))
+            if opt.stage in (1, 2):  # every rank holds the full parameters
+                for i, p in enumerate(opt._params):
+                    dst = opt.flat_param.narrow(0, L.param_flat_offset[i], p.numel())
+                    rd.read_into(dst, name_of[i], 0, "values")
+            for n, p in m.names.params.items():
+                if id(p) not in m.managed:
+                    _read_param(rd, n, p)
+        for n, b in m.names.buffers.items():
+            b.copy_(rd.handle(ck.buffer_file[n]).get_tensor(f"buffer/{n}"))
+    for i, n in enumerate(name_of):
+        opt._steps[i] = int(meta["params"][n]["step"] or 0)
+    for grp, src in zip(opt.param_groups, m.groups):
+        if src is None:
+            continue
+        for k, v in meta["param_groups"][src]["hyper"].items():
+            grp[k] = tuple(v) if isinstance(grp.get(k), tuple) and isinstance(v, list) else v
+    if meta.get("scaler") is not None:
+        if opt.scaler is not None:
+            opt.scaler.load_state_dict(meta["scaler"])
+        else:
+            warnings.warn("the checkpoint has loss-scaler state but this optimizer has no "
+                          "loss_scale; it is ignored", stacklevel=3)
+
+
+def _read_param(rd: _Reader, name: str, p: torch.Tensor) -> None:
+    if p.is_contiguous():
+        rd.read_into(p.detach().view(-1), name, 0, "values")
+    else:
+        tmp = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+        rd.read_into(tmp, name, 0, "values")
+        p.detach().copy_(tmp.view(p.shape))
+
+
+def _apply_stage3(rd: _Reader, m: Match, opt: Any, vals: torch.Tensor) -> None:
+    rt = opt._rt
+    for u in rt.units:
+        for sp in u.plan.rank_pieces(rt.comm.rank):
+            p = u.params[sp.param_index]
+            n, s, k = m.names.param[id(p)], u.shard_start + sp.local_offset, sp.numel
+            if id(p) not in m.managed:
+                rd.read_into(rt.local_params.narrow(0, s, k), n, sp.param_offset, "values")
+                if opt.master is not None:  # an unused slot, kept as _allocate_stage3 fills it
+                    opt.master.narrow(0, s, k).copy_(rt.local_params.narrow(0, s, k))
+                continue
+            rd.read_into(vals.narrow(0, s, k), n, sp.param_offset, "values")
+            rd.read_into(opt.exp_avg.narrow(0, s, k), n, sp.param_offset, "exp_avg")
+            rd.read_into(opt.exp_avg_sq.narrow(0, s, k), n, sp.param_offset, "exp_avg_sq")
+            if opt.master is not None:
+                rt.local_params.narrow(0, s, k).copy_(opt.master.narrow(0, s, k))
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, *,
+                    verify: bool = True) -> Any:
+    """Restore ``model`` and its ``ZeroAdamW`` from ``path`` (call on every rank) and return
+    the ``extra`` given to save_checkpoint. The world size, the stage and the parameter dtype
+    may differ from the run that saved it; parameter names and shapes must match.
+
+    Raises CheckpointError, naming the file, for a missing, incomplete, truncated or corrupt
+    checkpoint (sha256 checks unless ``verify=False``; sizes and headers are always checked),
+    before anything is modified. For stages 0-2, call it before the first step() or after
+    (the layout is fixed here, in the saved gradient order, if it is not yet)."""
+    opt, comm = optimizer, optimizer.comm
+    path = os.path.normpath(os.fspath(path))
+    what = f"load_checkpoint({path})"
+    msg, exc, ck = attempt(lambda: open_checkpoint(path, rank=comm.rank, world=comm.world_size,
+                                                   verify=verify))
+    agree(comm, what, msg, exc)
+    msg, exc, m = attempt(lambda: match(ck, model, opt))
+    agree(comm, what, msg, exc)
+    msg, exc, _ = attempt(lambda: apply(ck, m, model, opt))
+    agree(comm, what + " failed part-way; the model and optimizer are partially loaded", msg,
+          exc)
+    return ck.meta.get("extra")

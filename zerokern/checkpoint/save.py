@@ -1,0 +1,332 @@
+"""save_checkpoint: every rank writes what it owns; rank 0 writes meta.json last and publishes.
+
+Sequence (the same on every rank, errors agreed on with all_gather_object so that a failure on
+one rank makes every rank raise instead of hanging in the next collective):
+
+1. plan (no I/O): the pieces this rank owns, by parameter name; rank 0 creates
+   ``PATH.tmp-<nonce>`` and shares the nonce;
+2. each rank streams ``rankNNNNN.safetensors`` into it (``.partial``, fsync, rename), hashing on
+   the way; the piece tables, sizes and sha256 go to rank 0;
+3. rank 0 checks it can see every file with its size (the directory must be on a filesystem
+   all ranks share), writes meta.json (fsync, rename), fsyncs the directory and publishes it at
+   PATH (format.publish), then removes leftovers of earlier interrupted saves.
+
+A crash before step 3's publish leaves PATH untouched (the previous checkpoint, if any); the
+incomplete ``PATH.tmp-*`` directory has no meta.json and is deleted by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .format import (
+    CHUNK_BYTES,
+    FORMAT,
+    FORMAT_VERSION,
+    META,
+    CheckpointError,
+    PieceIndex,
+    StreamWriter,
+    atomic_write_bytes,
+    dtype_name,
+    fsync_dir,
+    publish,
+    rank_file,
+    remove_checkpoint_dir,
+    siblings,
+    tmp_dir,
+)
+
+
+# -- names ------------------------------------------------------------------------------------
+@dataclass
+class ModelNames:
+    param: dict[int, str]  # id(param) -> canonical name (first in named_parameters())
+    params: dict[str, torch.nn.Parameter]
+    aliases: dict[str, str]  # tied parameter names -> canonical name
+    buffers: dict[str, torch.Tensor]  # persistent buffers, canonical names
+    state_dict_keys: list[str] = field(default_factory=list)
+
+
+def model_names(model: torch.nn.Module) -> ModelNames:
+    """Names as ``model.state_dict()`` has them, found without calling it (a state_dict hook
+    could run collectives)."""
+    params = dict(model.named_parameters())
+    pid = {id(p): n for n, p in params.items()}
+    aliases: dict[str, str] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    bid: dict[int, str] = {}
+    keys: list[str] = []
+    for mname, m in model.named_modules(remove_duplicate=False):
+        prefix = f"{mname}." if mname else ""
+        for n, p in m._parameters.items():
+            if p is not None:
+                keys.append(prefix + n)
+                if pid.get(id(p), prefix + n) != prefix + n:
+                    aliases[prefix + n] = pid[id(p)]
+        for n, b in m._buffers.items():
+            if b is None or n in m._non_persistent_buffers_set:
+                continue
+            keys.append(prefix + n)
+            if id(b) in bid:
+                aliases[prefix + n] = bid[id(b)]
+            else:
+                bid[id(b)] = prefix + n
+                buffers[prefix + n] = b
+    return ModelNames(pid, params, aliases, buffers, keys)
+
+
+def _values(opt: Any) -> torch.Tensor:
+    """This rank's fp32 values of its pieces: the master, or the fp32 params themselves."""
+    if opt.master is not None:
+        return opt.master
+    if opt._rt is not None:
+        return opt._rt.local_params
+    return opt.flat_param  # stage 0, fp32: local index == flat index
+
+
+def _jsonable(key: str, v: Any) -> Any:
+    if torch.is_tensor(v):
+        if v.numel() != 1:
+            raise TypeError(f"param group entry {key!r} is a tensor of {v.numel()} elements")
+        return v.item()
+    if isinstance(v, tuple):
+        return [_jsonable(key, x) for x in v]
+    try:
+        json.dumps(v)
+    except (TypeError, ValueError):
+        raise TypeError(f"param group entry {key!r} ({type(v).__name__}) cannot be written to "
+                        f"{META}") from None
+    return v
+
+
+# -- what this rank writes ----------------------------------------------------------------------
+@dataclass
+class Plan:
+    state: list[tuple[str, int, int, int]]  # (name, param offset, numel, local start)
+    frozen: dict[torch.dtype, list[tuple[str, int, int, torch.Tensor, int]]]
+    buffers: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
+    rank, world = opt.comm.rank, opt.comm.world_size
+    rt = opt._rt
+    if rt is not None and getattr(model, "_zk_stage3", None) is not rt:
+        raise ValueError("model: the optimizer is stage 3 but this model is not the one it "
+                         "was built on (pass the shard_model'ed model)")
+    names = model_names(model)
+    managed = {id(p): i for i, p in enumerate(opt._params)}
+    for i, p in enumerate(opt._params):
+        if id(p) not in names.param:
+            raise ValueError(f"optimizer parameter {i} is not a parameter of the model")
+    try:
+        extra_json = json.loads(json.dumps(extra))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"extra must be JSON-serialisable: {exc}") from None
+    L = opt._ensure_layout()
+    pieces = [pc for pc in L.pieces if pc.param >= 0]
+    if opt.stage == 0 and world > 1:  # replicated state: each rank writes 1/N of it
+        total, acc, mine = sum(pc.numel for pc in pieces), 0, []
+        lo, hi = rank * total // world, (rank + 1) * total // world
+        for pc in pieces:
+            if lo <= acc < hi:
+                mine.append(pc)
+            acc += pc.numel
+        pieces = mine
+    state = [(names.param[id(opt._params[pc.param])], pc.param_offset, pc.numel, pc.local_start)
+             for pc in pieces]
+    frozen: dict[torch.dtype, list] = {}
+    if rt is not None:  # stage 3: frozen parameters are sharded in the units like the rest
+        for u in rt.units:
+            for sp in u.plan.rank_pieces(rank):
+                p = u.params[sp.param_index]
+                if id(p) not in managed:
+                    frozen.setdefault(rt.dtype, []).append(
+                        (names.param[id(p)], sp.param_offset, sp.numel, rt.local_params,
+                         u.shard_start + sp.local_offset))
+    elif rank == 0:
+        for n, p in names.params.items():
+            if id(p) not in managed:
+                frozen.setdefault(p.dtype, []).append((n, 0, p.numel(), p.detach().reshape(-1), 0))
+    group_of = {id(p): g for g, grp in enumerate(opt.param_groups) for p in grp["params"]}
+    params = {}
+    for n, p in names.params.items():
+        i = managed.get(id(p))
+        shape = rt.shape_of(p) if rt is not None else p.shape
+        params[n] = {"shape": list(shape), "dtype": dtype_name(p.dtype), "managed": i is not None,
+                     "group": group_of.get(id(p)), "step": None if i is None else opt._steps[i]}
+    groups = []
+    for g, grp in enumerate(opt.param_groups):
+        missing = [k for k, p in enumerate(grp["params"]) if id(p) not in names.param]
+        if missing:
+            raise ValueError(f"param group {g}: parameter {missing[0]} is not in the model")
+        groups.append({"hyper": {k: _jsonable(k, v) for k, v in grp.items() if k != "params"},
+                       "params": [names.param[id(p)] for p in grp["params"]]})
+    from .. import __version__
+
+    meta = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "zerokern_version": __version__,
+        "torch_version": torch.__version__, "created_ns": time.time_ns(),
+        "world_size": world, "stage": opt.stage, "param_dtype": dtype_name(opt.dtype),
+        "params": params, "aliases": names.aliases, "state_dict_keys": names.state_dict_keys,
+        "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
+                    for n, b in names.buffers.items()},
+        "param_groups": groups,
+        "ready_order": [names.param[id(opt._params[i])] for i in L.ready_order] or None,
+        "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
+        "extra": extra_json,
+    }
+    return Plan(state, frozen, names.buffers if rank == 0 else {}, meta)
+
+
+def write_rank_file(path: str, rank: int, opt: Any, plan: Plan, nonce: str) -> dict[str, Any]:
+    vals = _values(opt)
+    n = sum(x[2] for x in plan.state)
+    jobs: list[tuple[tuple[str, torch.dtype, list[int]], Callable[[StreamWriter], None]]] = []
+    table: list[list[Any]] = []
+    off = 0
+    for name, po, k, _ in plan.state:
+        table.append([name, po, k, "state", off])
+        off += k
+
+    def state_job(key: str, src: torch.Tensor) -> Callable[[StreamWriter], None]:
+        def run(w: StreamWriter) -> None:
+            for _, _, k, start in plan.state:
+                _write_range(w, key, src, start, k)
+        return run
+
+    for key, src in (("master", vals), ("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
+        jobs.append(((key, torch.float32, [n]), state_job(key, src)))
+    for dt, rows in plan.frozen.items():
+        key, off = f"frozen.{dtype_name(dt)}", 0
+        for name, po, k, _, _ in rows:
+            table.append([name, po, k, key, off])
+            off += k
+
+        def frozen_job(w: StreamWriter, key: str = key, rows: list = rows) -> None:
+            for _, _, k, src, start in rows:
+                _write_range(w, key, src, start, k)
+        jobs.append(((key, dt, [off]), frozen_job))
+    for name, b in plan.buffers.items():
+        jobs.append(((f"buffer/{name}", b.dtype, list(b.shape)),
+                     lambda w, key=f"buffer/{name}", b=b: w.write(key, b)))
+    # Wider elements first, so every tensor starts aligned to its element size.
+    jobs.sort(key=lambda j: -torch.empty(0, dtype=j[0][1]).element_size())
+    name = rank_file(rank)
+    w = StreamWriter(os.path.join(path, name), [j[0] for j in jobs],
+                     {"format": FORMAT, "rank": str(rank), "save_id": nonce})
+    try:
+        with torch.no_grad():
+            for _, job in jobs:
+                job(w)
+        size, sha = w.close()
+    except Exception:  # a kill leaves the .partial file, like a real crash
+        w.abort()
+        raise
+    return {"name": name, "rank": rank, "bytes": size, "sha256": sha, "pieces": table,
+            "buffers": list(plan.buffers)}
+
+
+def _write_range(w: StreamWriter, key: str, src: torch.Tensor, start: int, numel: int) -> None:
+    step = max(1, CHUNK_BYTES // src.element_size())
+    for a in range(start, start + numel, step):
+        w.write(key, src.narrow(0, a, min(step, start + numel - a)))
+
+
+# -- the collective sequence --------------------------------------------------------------------
+def attempt(fn: Callable[[], Any]) -> tuple[str | None, BaseException | None, Any]:
+    """Run fn; an Exception becomes a message to share (a BaseException such as a kill is not
+    caught: nothing is cleaned up, as after a real crash)."""
+    try:
+        return None, None, fn()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        msg = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        return msg, exc, None
+
+
+def agree(comm: Any, what: str, msg: str | None, exc: BaseException | None) -> list[Any]:
+    """All-gather each rank's error (or None); raise the first on every rank."""
+    msgs = comm.all_gather_object(msg)
+    for r, m in enumerate(msgs):
+        if m is not None:
+            where = f" (on rank {r})" if comm.world_size > 1 else ""
+            raise CheckpointError(f"{what}{where}: {m}") from (exc if r == comm.rank else None)
+    return msgs
+
+
+def _prepare(path: str) -> str:
+    if os.path.lexists(path):
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path} exists and is not a directory; not overwriting it")
+        if os.listdir(path) and not os.path.exists(os.path.join(path, META)):
+            raise CheckpointError(f"{path} is a non-empty directory that is not a zerokern "
+                                  f"checkpoint (no {META}); not overwriting it")
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    nonce = secrets.token_hex(8)
+    os.mkdir(tmp_dir(path, nonce))
+    return nonce
+
+
+def _finish(path: str, tmp: str, nonce: str, meta: dict[str, Any], files: list[dict]) -> None:
+    for f in files:
+        p = os.path.join(tmp, f["name"])
+        if not os.path.isfile(p) or os.path.getsize(p) != f["bytes"]:
+            raise CheckpointError(
+                f"rank 0 cannot see {f['name']} (written by rank {f['rank']}) with its "
+                f"{f['bytes']} bytes in {tmp}: save_checkpoint needs a directory on a "
+                f"filesystem shared by all ranks")
+    meta = {**meta, "save_id": nonce, "files": files}
+    PieceIndex(meta).check(meta["params"])  # every element of every parameter, exactly once
+    atomic_write_bytes(os.path.join(tmp, META),
+                       json.dumps(meta, indent=1, sort_keys=False).encode())
+    fsync_dir(tmp)
+    publish(tmp, path, nonce)
+    for d in siblings(path):  # leftovers of interrupted saves; ours are gone by now
+        remove_checkpoint_dir(d)
+
+
+def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, *,
+                    extra: Any = None) -> str:
+    """Save ``model`` and its ``ZeroAdamW`` optimizer to the directory ``path``; call on every
+    rank. Each rank writes only what it owns; nothing is gathered. ``extra`` (JSON-serialisable:
+    step counters, scheduler state, data-loader position) comes back from load_checkpoint.
+
+    Atomic: when this returns on any rank, ``path`` holds the complete new checkpoint; if it
+    raises or the job dies before, ``path`` still holds the previous one (or nothing, if there
+    was none). Needs a filesystem all ranks share. Returns the path."""
+    opt = optimizer
+    comm = opt.comm
+    path = os.path.normpath(os.fspath(path))
+    what = f"save_checkpoint({path})"
+    msg, exc, plan = attempt(lambda: plan_save(model, opt, extra))
+    nonce = None
+    if comm.rank == 0 and msg is None:
+        msg, exc, nonce = attempt(lambda: _prepare(path))
+    agree(comm, what, msg, exc)
+    nonce = comm.all_gather_object(nonce)[0]
+    tmp = tmp_dir(path, nonce)
+    msg, exc, info = attempt(lambda: write_rank_file(tmp, comm.rank, opt, plan, nonce))
+    infos = comm.all_gather_object(info)
+    try:
+        agree(comm, what, msg, exc)
+    except CheckpointError:
+        if comm.rank == 0:
+            remove_checkpoint_dir(tmp)
+        raise
+    msg = exc = None
+    if comm.rank == 0:
+        msg, exc, _ = attempt(lambda: _finish(path, tmp, nonce, plan.meta, infos))
+        if msg is not None and os.path.isdir(tmp):
+            remove_checkpoint_dir(tmp)  # not published: the previous checkpoint stays
+    agree(comm, what, msg, exc)
+    return path

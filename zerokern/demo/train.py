@@ -1,0 +1,149 @@
+"""One rank's side of ``python -m zerokern demo``: train the demo GPT once per ZeRO policy.
+
+Every policy starts from the same weights (``torch.manual_seed(seed)`` before building the
+model) and sees the same global batches, so the losses should agree across policies; what
+differs is what each rank holds and sends, which ``ZeroAdamW.memory_stats()`` and
+``comm_stats()`` report after the last step.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import zerokern
+
+from .data import VOCAB, get_batch
+from .gpt import GPT, Block, config_for
+
+__all__ = ["DemoOptions", "lr_at", "train_all", "train_policy"]
+
+STATE_KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    steps: int = 80
+    model_size: str = "small"
+    precision: str = "bf16"
+    micro_batch: int = 8
+    lr: float = 1e-3
+    seed: int = 0
+    bucket_numel: int | None = None  # None: Ψ/8, i.e. 8 gradient buckets
+    max_grad_norm: float | None = None
+
+
+def lr_at(step: int, steps: int, lr: float) -> float:
+    """Linear warm-up over the first 10% of the steps, then cosine decay to lr / 10."""
+    warm = max(1, steps // 10)
+    if step < warm:
+        return lr * (step + 1) / warm
+    frac = (step - warm) / max(1, steps - warm)
+    return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
+def _progress(stage: int, done: int, total: int, loss: float, secs: float) -> None:
+    """A plain-text progress bar on stderr (one line per policy when not a terminal)."""
+    tty = sys.stderr.isatty()
+    if not tty and done < total:
+        return
+    width = 24
+    fill = width * done // total
+    bar = "#" * fill + "-" * (width - fill)
+    line = (f"stage {stage} [{bar}] {done:>4}/{total} loss {loss:6.3f} "
+            f"{secs / max(done, 1):5.2f} s/step")
+    end = "\n" if done == total else ""
+    sys.stderr.write(("\r" if tty else "") + line + end)
+    sys.stderr.flush()
+
+
+def train_policy(stage: int, opts: DemoOptions, device: torch.device,
+                 progress: Callable[..., None] | None = None) -> dict:
+    """Train with ``ZeroAdamW(stage=stage)``; returns this rank's measurements."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config_for(opts.model_size, VOCAB)
+    dtype = torch.bfloat16 if opts.precision == "bf16" else torch.float32
+    torch.manual_seed(opts.seed)
+    model = GPT(cfg).to(device=device, dtype=dtype)
+    psi = model.num_params()
+    if stage == 3:
+        zerokern.shard_model(model, unit_classes=(Block,))
+    # Buckets a fraction of the model, as with a large model and zerokern's default size;
+    # zerokern pads only the last one, up to the bucket size.
+    bucket_numel = opts.bucket_numel or -(-psi // 8)
+    opt = zerokern.ZeroAdamW(
+        model.parameters(), lr=opts.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+        stage=stage, bucket_numel=bucket_numel, max_grad_norm=opts.max_grad_norm,
+    )
+    losses, times = [], []
+    start = time.perf_counter()
+    for step in range(opts.steps):
+        x, y = get_batch(step, rank, world, opts.micro_batch, cfg.seq, device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, opts.steps, opts.lr)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.detach().float())
+        if progress is not None:
+            progress(stage, step + 1, opts.steps, losses[-1].item(), time.perf_counter() - start)
+    # Mean over ranks of each rank's mean token loss = the global batch's loss (equal shares).
+    loss_t = torch.stack(losses).to(device)
+    dist.all_reduce(loss_t)
+    mem = opt.memory_stats()
+    comm = opt.comm_stats()
+    if stage == 3:
+        psi_padded = sum(u.plan.padded_numel for u in model._zk_stage3.units)
+    else:
+        psi_padded = opt.layout.flat_numel
+    return {
+        "stage": stage,
+        "rank": rank,
+        "world": world,
+        "psi": psi,
+        "psi_padded": psi_padded,
+        "param_bytes": torch.empty(0, dtype=dtype).element_size(),
+        "losses": (loss_t / world).tolist(),
+        "step_s": times,
+        "memory": {k: int(v) for k, v in mem.items()},
+        "comm_elements": int(comm["elements"]),
+        "comm_per_kind": {k: int(v["elements"]) for k, v in comm["per_kind"].items()},
+    }
+
+
+def train_all(opts: DemoOptions, device: torch.device) -> list[dict] | None:
+    """Every policy in turn on this rank; rank 0 gets one merged record per policy (step
+    times: the slowest rank's; memory and communication: every rank's), other ranks None."""
+    rank = dist.get_rank()
+    progress = _progress if rank == 0 else None
+    merged = []
+    for stage in opts.stages:
+        mine = train_policy(stage, opts, device, progress)
+        everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(everyone, mine)
+        if rank != 0:
+            continue
+        rec = dict(everyone[0])
+        step_s = [max(r["step_s"][i] for r in everyone) for i in range(opts.steps)]
+        warm = min(3, opts.steps // 2)
+        rec["step_s"] = step_s
+        rec["step_ms_median"] = 1e3 * statistics.median(step_s[warm:])
+        rec["memory_by_rank"] = [r["memory"] for r in everyone]
+        rec["comm_by_rank"] = [r["comm_elements"] for r in everyone]
+        merged.append(rec)
+    return merged if rank == 0 else None
