@@ -4,10 +4,12 @@ size of the largest parameter.
 A model of a few hundred MB of fp32 parameters with several large ones (embedding and head of
 vocab x d_model, and 4 d_model x 4*d_model MLP pairs) is trained one step with ZeroAdamW (stage 2,
 one plain process), saved, loaded back at stage 2 and at stage 0, then consolidated by a child
-process (``python -m zerokern.cli.consolidate``, so its peak RSS is its own: os.wait4's
-ru_maxrss) without and with ``--optimizer``. Two more children give the scale: one that only
-imports what consolidate imports (the constant), and a naive consolidation that loads every rank
-file with safetensors.torch.load_file and writes the state dict with save_file.
+process (``python -m zerokern.cli.consolidate``) without and with ``--optimizer``. Peak memory is
+the child's VmHWM (peak resident set of its own address space since exec, read from
+/proc/self/status as it exits; ru_maxrss would also count the parent's pages that a vfork'ed
+child inherits). Two more children give the scale: one that only imports what consolidate
+imports (the constant), and a naive consolidation that loads every rank file with
+safetensors.torch.load_file and writes the state dict with save_file.
 
     OMP_NUM_THREADS=2 python bench/bench_checkpoint.py --vocab 16384 --dim 1024 --blocks 6
 """
@@ -45,6 +47,20 @@ sd = {n: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])]).float()
 save_file(sd, out)
 """
 IMPORTS = "import torch, safetensors, zerokern.checkpoint, zerokern.cli.consolidate"
+# Runs ``-m MODULE ARGS`` or ``-c CODE ARGS`` and writes its own VmHWM (bytes) to $ZK_HWM.
+WRAP = """
+import os, runpy, sys
+try:
+    if sys.argv[1] == "-m":
+        sys.argv = sys.argv[2:]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        code, sys.argv = sys.argv[2], sys.argv[2:]
+        exec(compile(code, "<bench>", "exec"), {"__name__": "__main__"})
+finally:
+    hwm = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:")][0]
+    open(os.environ["ZK_HWM"], "w").write(str(int(hwm.split()[1]) * 1024))
+"""
 
 
 class Big(torch.nn.Module):
@@ -65,15 +81,12 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Big, zerokern.ZeroAdamW
     return model, zerokern.ZeroAdamW(model.parameters(), lr=1e-3, stage=stage)
 
 
-def child(cmd: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS in MB) of a child process."""
+def child(args: list[str], hwm_file: Path) -> tuple[float, float]:
+    """(seconds, peak resident MB) of ``python -m MODULE ...`` or ``python -c CODE ...``."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "ZK_HWM": str(hwm_file)}
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
-    _, status, ru = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode != 0:
-        raise SystemExit(f"child failed ({p.returncode}): {' '.join(cmd)}")
-    return time.perf_counter() - t0, ru.ru_maxrss / 1024  # Linux: ru_maxrss in KiB
+    subprocess.run([sys.executable, "-c", WRAP, *args], env=env, check=True)
+    return time.perf_counter() - t0, float(hwm_file.read_text()) / 1e6
 
 
 def main() -> None:
@@ -110,18 +123,16 @@ def main() -> None:
         rows.append({"what": f"load_checkpoint (into stage {stage})", "s": dt, "MB": size,
                      "MB/s": size / dt})
         del model, opt
-    py = sys.executable
-    mods = [py, "-m", "zerokern.cli.consolidate", ck, str(work / "model.safetensors")]
+    mods = ["-m", "zerokern.cli.consolidate", ck, str(work / "model.safetensors")]
     runs = [
-        ("imports only (the constant)", [py, "-c", IMPORTS]),
+        ("imports only (the constant)", ["-c", IMPORTS]),
         ("consolidate", mods),
         ("consolidate --optimizer", mods + ["--optimizer", str(work / "adamw.pt")]),
-        ("naive: load_file all + save_file", [py, "-c", NAIVE, ck, str(work / "naive.st")]),
+        ("naive: load_file all + save_file", ["-c", NAIVE, ck, str(work / "naive.st")]),
     ]
     for what, cmd in runs:
-        dt, rss = child(cmd)
-        rows.append({"what": what, "s": dt, "peak_rss_MB": rss,
-                     "rss/largest": rss / largest})
+        dt, rss = child(cmd, work / "hwm.txt")
+        rows.append({"what": what, "s": dt, "peak_rss_MB": rss, "rss/largest": rss / largest})
     out_size = os.path.getsize(work / "model.safetensors") / 1e6
     info = machine(torch.device("cpu"))
     print(f"\n{info['device']}, torch {info['torch']}, {info['date']}")

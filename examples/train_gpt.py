@@ -28,17 +28,26 @@ import torch
 import torch.distributed as dist
 
 import zerokern
-from zerokern.demo import VOCAB, Block, GPT, config_for, decode, get_batch
+from zerokern.demo import GPT, VOCAB, Block, config_for, decode, get_batch
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3),
-                    help="0: DDP-like, 1: optimizer state sharded, 2: + gradients, 3: + params")
+parser.add_argument(
+    "--stage",
+    type=int,
+    default=2,
+    choices=(0, 1, 2, 3),
+    help="0: DDP-like, 1: optimizer state sharded, 2: + gradients, 3: + params",
+)
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--model-size", default="small", choices=("tiny", "small", "base"))
 parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
 parser.add_argument("--lr", type=float, default=3e-3)
-parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                    help="parameters; with bfloat16 the optimizer keeps fp32 master weights")
+parser.add_argument(
+    "--dtype",
+    default="bfloat16",
+    choices=("bfloat16", "float32"),
+    help="parameters; with bfloat16 the optimizer keeps fp32 master weights",
+)
 args = parser.parse_args()
 
 # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address.
@@ -56,14 +65,20 @@ torch.manual_seed(0)  # same initial weights everywhere (ZeroAdamW also broadcas
 cfg = config_for(args.model_size, VOCAB)
 model = GPT(cfg).to(device=device, dtype=getattr(torch, args.dtype))
 if master:
-    print(f"{model.num_params():,} parameters, ZeRO stage {args.stage}, {world} ranks over "
-          f"{dist.get_backend()}, {args.dtype}")
+    print(
+        f"{model.num_params():,} parameters, ZeRO stage {args.stage}, {world} ranks over "
+        f"{dist.get_backend()}, {args.dtype}"
+    )
 
 if args.stage == 3:
     model = zerokern.shard_model(model, unit_classes=(Block,))  # ZeRO: one unit per block
 optimizer = zerokern.ZeroAdamW(  # ZeRO: in place of DDP(model) + torch.optim.AdamW
-    model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-    stage=args.stage, max_grad_norm=1.0,
+    model.parameters(),
+    lr=args.lr,
+    betas=(0.9, 0.95),
+    weight_decay=0.1,
+    stage=args.stage,
+    max_grad_norm=1.0,
 )
 
 
@@ -101,7 +116,7 @@ gen = torch.Generator().manual_seed(0)
 idx = torch.zeros(1, 1, dtype=torch.long, device=device)  # start after a newline
 with torch.no_grad():
     for _ in range(120):
-        logits, _ = model(idx[:, -cfg.seq:])
+        logits, _ = model(idx[:, -cfg.seq :])
         probs = torch.softmax(logits[0, -1].float(), dim=-1).cpu()
         nxt = torch.multinomial(probs, 1, generator=gen).to(device)
         idx = torch.cat([idx, nxt.view(1, 1)], dim=1)

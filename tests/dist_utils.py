@@ -20,8 +20,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn, args, errdir: str, kwargs: bool,
-            backend: str = "gloo") -> None:
+def _worker(
+    rank: int, world: int, port: int, fn, args, errdir: str, kwargs: bool, backend: str = "gloo"
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).parent))
@@ -41,15 +42,21 @@ def _worker(rank: int, world: int, port: int, fn, args, errdir: str, kwargs: boo
         raise
 
 
-def run_ranks(world: int, fn, *args, tmp_path: Path, kwargs: bool = False,
-              backend: str = "gloo") -> None:
+def run_ranks(
+    world: int, fn, *args, tmp_path: Path, kwargs: bool = False, backend: str = "gloo"
+) -> None:
     """fn(rank, world, *args) on every rank; with kwargs=True, fn(rank, world, **args[0])."""
     for attempt in range(2):
         errdir = tmp_path / f"errors{attempt}"
         errdir.mkdir(exist_ok=True)
         try:
-            mp.start_processes(_worker, args=(world, free_port(), fn, args, str(errdir), kwargs, backend),
-                               nprocs=world, join=True, start_method="spawn")
+            mp.start_processes(
+                _worker,
+                args=(world, free_port(), fn, args, str(errdir), kwargs, backend),
+                nprocs=world,
+                join=True,
+                start_method="spawn",
+            )
             return
         except Exception as exc:
             msgs = [p.read_text() for p in sorted(errdir.glob("rank*.txt"))]

@@ -32,15 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_formula_paper_tiny_example() -> None:
     # Paper seeds: Ψ = 8 parameters on N = 4 GPUs, 16-bit params and grads, K = 12.
     assert [expected_model_state_bytes(s, 8, 4, 2) for s in range(4)] == [128, 56, 44, 32]
-    assert [state_formula_text(s, 2) for s in range(4)] == ["16Ψ", "4Ψ+12Ψ/N", "2Ψ+14Ψ/N",
-                                                           "16Ψ/N"]
+    assert [state_formula_text(s, 2) for s in range(4)] == ["16Ψ", "4Ψ+12Ψ/N", "2Ψ+14Ψ/N", "16Ψ/N"]
 
 
 @pytest.mark.parametrize("psi,n", [(8, 4), (7_500_000_000, 64), (3_407_872, 2), (1000, 3)])
 def test_formula_matches_estimate_for_16bit(psi: int, n: int) -> None:
     for s in range(4):
         assert expected_model_state_bytes(s, psi, n, 2) == pytest.approx(
-            est.model_state_bytes(s, psi, n), rel=1e-12)
+            est.model_state_bytes(s, psi, n), rel=1e-12
+        )
 
 
 def test_formula_fp32_params() -> None:
@@ -80,8 +80,11 @@ def test_model_and_data() -> None:
 
 
 def _run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     return r
@@ -90,8 +93,8 @@ def _run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    r = _run([sys.executable, "-m", "zerokern", "demo", "--steps", "3", "--model-size", "tiny",
-              "--stages", "0", "1", "2", "3", "--world-size", "2", "--out", str(out)])
+    args = "--steps 3 --model-size tiny --stages 0 1 2 3 --world-size 2 --out".split()
+    r = _run([sys.executable, "-m", "zerokern", "demo", *args, str(out)])
     assert "final losses: equal" in r.stdout
     for name in ("demo_table.csv", "demo_losses.csv", "demo_table.md", "demo.png"):
         assert (out / name).stat().st_size > 0, name
@@ -105,8 +108,9 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
         assert world == 2 and int(r["psi"]) == psi and psi <= psi_pad < psi + 64 * 8 + 64
         formula = expected_model_state_bytes(stage, psi_pad, world, 2)  # bf16 by default
         held = int(r["state_measured_bytes"]) + int(r["padding_bytes"])
-        parts = sum(int(r[f"{k}_bytes"]) for k in ("params", "grads", "master", "exp_avg",
-                                                    "exp_avg_sq"))
+        parts = sum(
+            int(r[f"{k}_bytes"]) for k in ("params", "grads", "master", "exp_avg", "exp_avg_sq")
+        )
         assert parts == int(r["state_measured_bytes"])
         assert int(r["state_formula_bytes"]) == formula
         if stage == 1:  # the paper's formula, or that plus zerokern's stage-1 gradient shard
@@ -120,15 +124,16 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     finals = {r["final_loss"] for r in rows}
     assert len(finals) == 1, finals  # gloo on CPU: the policies are bit-identical
     losses = list(csv.reader(open(out / "demo_losses.csv")))
-    assert len(losses) == 4 and all(float(b) < float(a) for a, b in zip(losses[1][1:],
-                                                                        losses[-1][1:]))
+    assert len(losses) == 4 and all(
+        float(b) < float(a) for a, b in zip(losses[1][1:], losses[-1][1:])
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_example_train_gpt(stage: int) -> None:
-    r = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-              "--standalone", "examples/train_gpt.py", "--steps", "3", "--stage", str(stage),
-              "--model-size", "tiny"])
+    launch = "-m torch.distributed.run --nproc-per-node 2 --standalone".split()
+    args = f"--steps 3 --stage {stage} --model-size tiny".split()
+    r = _run([sys.executable, *launch, "examples/train_gpt.py", *args])
     assert f"ZeRO stage {stage}, 2 ranks over gloo" in r.stdout
     assert "step    2  loss" in r.stdout and "sample:" in r.stdout

@@ -34,9 +34,15 @@ def _options(args):
     from ..demo.train import DemoOptions
 
     return DemoOptions(
-        stages=tuple(args.stages), steps=args.steps, model_size=args.model_size,
-        precision=args.precision, micro_batch=args.micro_batch, lr=args.lr, seed=args.seed,
-        bucket_numel=args.bucket_numel, max_grad_norm=args.max_grad_norm,
+        stages=tuple(args.stages),
+        steps=args.steps,
+        model_size=args.model_size,
+        precision=args.precision,
+        micro_batch=args.micro_batch,
+        lr=args.lr,
+        seed=args.seed,
+        bucket_numel=args.bucket_numel,
+        max_grad_norm=args.max_grad_norm,
     )
 
 
@@ -92,7 +98,8 @@ def _describe(opts, world: int, backend: str, device: str) -> str:
     return (
         f"zerokern demo: GPT '{opts.model_size}' ({cfg.num_params():,} parameters: "
         f"{cfg.n_layer} blocks, d_model {cfg.n_embd}, {cfg.n_head} heads, vocab {cfg.vocab}, "
-        f"sequence {cfg.seq}), {world} {device} rank{'s' if world > 1 else ''} over {backend}, {opts.precision}, "
+        f"sequence {cfg.seq}), {world} {device} rank{'s' if world > 1 else ''} over "
+        f"{backend}, {opts.precision}, "
         f"global batch {world} x {opts.micro_batch} x {cfg.seq} characters, "
         f"{opts.steps} steps x {len(opts.stages)} policies (stages "
         f"{' '.join(map(str, opts.stages))})"
@@ -113,8 +120,10 @@ def _report(results: list[dict], opts, args, header: str) -> int:
     rows, summary = build_rows(results, opts.precision, rtol)
     table = format_table(rows, summary)
     os.makedirs(args.out, exist_ok=True)
-    paths = {name: os.path.join(args.out, name)
-             for name in ("demo_table.csv", "demo_losses.csv", "demo_table.md", "demo.png")}
+    paths = {
+        name: os.path.join(args.out, name)
+        for name in ("demo_table.csv", "demo_losses.csv", "demo_table.md", "demo.png")
+    }
     write_csv(rows, paths["demo_table.csv"])
     write_losses_csv(results, paths["demo_losses.csv"])
     with open(paths["demo_table.md"], "w") as f:
@@ -187,16 +196,23 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="zerokern_demo_") as tmp:
         result_path = os.path.join(tmp, "results.json")
         try:
-            mp.start_processes(_spawned, args=(world, _free_port(), opts, backend, result_path),
-                               nprocs=world, join=True, start_method="spawn")
+            mp.start_processes(
+                _spawned,
+                args=(world, _free_port(), opts, backend, result_path),
+                nprocs=world,
+                join=True,
+                start_method="spawn",
+            )
         except Exception as exc:  # a rank raised: its traceback is in the message
             print(f"zerokern demo: a rank failed:\n{exc}", file=sys.stderr)
             return 1
         with open(result_path) as f:
             results = json.load(f)
     code = _report(results, opts, args, header)
-    print(f"wall time {time.perf_counter() - t0:.0f} s (training and report; "
-          f"add about 3 s for starting Python)")
+    print(
+        f"wall time {time.perf_counter() - t0:.0f} s (training and report; "
+        f"add about 3 s for starting Python)"
+    )
     return code
 
 
@@ -213,29 +229,67 @@ def _validate(args) -> str | None:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--stages", type=int, nargs="+", choices=(0, 1, 2, 3), default=[0, 1, 2, 3],
-                   metavar="S", help="ZeRO stages to train, in this order (default: 0 1 2 3)")
-    p.add_argument("--steps", type=int, default=80,
-                   help="training steps per policy (default: %(default)s)")
-    p.add_argument("--model-size", choices=("tiny", "small", "base"), default="small",
-                   help="tiny (0.1M params), small (3.2M, default) or base (10.7M)")
-    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                   help="bf16 parameters + fp32 master (default; the paper's K = 12) or fp32")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="ranks to spawn (default: 2 on CPU, one per GPU); ignored under torchrun")
-    p.add_argument("--micro-batch", type=int, default=8,
-                   help="sequences per rank per step (default: %(default)s)")
+    p.add_argument(
+        "--stages",
+        type=int,
+        nargs="+",
+        choices=(0, 1, 2, 3),
+        default=[0, 1, 2, 3],
+        metavar="S",
+        help="ZeRO stages to train, in this order (default: 0 1 2 3)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=80, help="training steps per policy (default: %(default)s)"
+    )
+    p.add_argument(
+        "--model-size",
+        choices=("tiny", "small", "base"),
+        default="small",
+        help="tiny (0.1M params), small (3.2M, default) or base (10.7M)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="bf16 parameters + fp32 master (default; the paper's K = 12) or fp32",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks to spawn (default: 2 on CPU, one per GPU); ignored under torchrun",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=8,
+        help="sequences per rank per step (default: %(default)s)",
+    )
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="initial weights (default: 0)")
-    p.add_argument("--bucket-numel", type=int, default=None,
-                   help="ZeroAdamW gradient bucket size in elements (default: Ψ/8, 8 buckets)")
-    p.add_argument("--max-grad-norm", type=float, default=None,
-                   help="clip gradients to this global norm (default: no clipping)")
-    p.add_argument("--loss-rtol", type=float, default=None,
-                   help="allowed relative difference of final losses (default: 1e-4 fp32, "
-                        "2e-2 bf16)")
-    p.add_argument("--out", default="zerokern_demo_out",
-                   help="directory for the CSV and PNG (default: ./zerokern_demo_out)")
+    p.add_argument(
+        "--bucket-numel",
+        type=int,
+        default=None,
+        help="ZeroAdamW gradient bucket size in elements (default: Ψ/8, 8 buckets)",
+    )
+    p.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=None,
+        help="clip gradients to this global norm (default: no clipping)",
+    )
+    p.add_argument(
+        "--loss-rtol",
+        type=float,
+        default=None,
+        help="allowed relative difference of final losses (default: 1e-4 fp32, 2e-2 bf16)",
+    )
+    p.add_argument(
+        "--out",
+        default="zerokern_demo_out",
+        help="directory for the CSV and PNG (default: ./zerokern_demo_out)",
+    )
     p.set_defaults(func=run)
     return p
 

@@ -29,6 +29,7 @@ _IDS = {c: i for i, c in enumerate(ALPHABET)}
 _SEED = 1910_02054  # the ZeRO paper's arXiv number
 _CORPUS_CHARS = 1 << 18
 
+# fmt: off
 _NOUNS = [  # (singular, plural)
     ("cat", "cats"), ("dog", "dogs"), ("fox", "foxes"), ("bird", "birds"), ("child", "children"),
     ("farmer", "farmers"), ("teacher", "teachers"), ("horse", "horses"), ("mouse", "mice"),
@@ -43,6 +44,7 @@ _INTRANSITIVE = [("sleeps", "sleep"), ("runs", "run"), ("waits", "wait"), ("sing
 _ADJS = ["old", "small", "quick", "quiet", "red", "happy", "tall", "lazy"]
 _PREPS = ["near", "under", "behind", "beside", "over"]
 _ADVS = ["slowly", "often", "today", "again"]
+# fmt: on
 
 
 def _noun_phrase(rng: random.Random) -> tuple[str, bool]:

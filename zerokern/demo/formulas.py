@@ -20,8 +20,14 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-__all__ = ["STAGE_NAMES", "expected_model_state_bytes", "expected_comm_elements",
-           "optimizer_bytes_per_param", "state_formula_text", "zerokern_extra_bytes"]
+__all__ = [
+    "STAGE_NAMES",
+    "expected_model_state_bytes",
+    "expected_comm_elements",
+    "optimizer_bytes_per_param",
+    "state_formula_text",
+    "zerokern_extra_bytes",
+]
 
 STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 

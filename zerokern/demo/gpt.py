@@ -33,7 +33,9 @@ class GPTConfig:
     def num_params(self) -> int:
         """Parameter count from the shapes alone (the tied head counted once)."""
         d = self.n_embd
-        block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+        attn = (3 * d * d + 3 * d) + (d * d + d)  # qkv and output projection
+        mlp = (4 * d * d + 4 * d) + (4 * d * d + d)
+        block = 2 * 2 * d + attn + mlp  # + two LayerNorms
         return self.vocab * d + self.seq * d + self.n_layer * block + 2 * d
 
 

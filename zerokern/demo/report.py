@@ -22,8 +22,7 @@ from .formulas import (
     zerokern_extra_bytes,
 )
 
-__all__ = ["LOSS_RTOL", "build_rows", "format_table", "write_csv", "write_losses_csv",
-           "write_png"]
+__all__ = ["LOSS_RTOL", "build_rows", "format_table", "write_csv", "write_losses_csv", "write_png"]
 
 STATE_KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 # Max relative difference allowed between policies' final losses. With gloo on CPU the
@@ -54,31 +53,32 @@ def build_rows(results: list[dict], precision: str, rtol: float) -> tuple[list[d
         comm_formula = expected_comm_elements(stage, psi_pad, world)
         comm_ok = all(c == comm_formula for c in r["comm_by_rank"])
         mem = r["memory"]
-        rows.append({
-            "stage": stage,
-            "policy": STAGE_NAMES[stage],
-            "precision": precision,
-            "world_size": world,
-            "psi": r["psi"],
-            "psi_padded": psi_pad,
-            "final_loss": r["losses"][-1],
-            "state_measured_bytes": _state_bytes(mem),
-            "padding_bytes": mem["padding"],
-            "state_formula": state_formula_text(stage, p),
-            "state_formula_bytes": formula,
-            "state_extra_bytes": sum(extra_used.values()),
-            "state_extra_what": "; ".join(f"{k} {_mb(v)}" for k, v in extra_used.items()),
-            "state_check": state_check,
-            **{f"{k}_bytes": mem[k] for k in STATE_KINDS},
-            "bucket_bytes": mem.get("buckets", 0),
-            "comm_measured_elements": r["comm_elements"],
-            "comm_formula": ("0 (one rank)" if world == 1
-                             else ("3Ψ" if stage == 3 else "2Ψ")),
-            "comm_formula_elements": comm_formula,
-            "comm_check": "= formula" if comm_ok else "MISMATCH",
-            "step_ms_median": round(r["step_ms_median"], 1),
-            "steps": len(r["losses"]),
-        })
+        rows.append(
+            {
+                "stage": stage,
+                "policy": STAGE_NAMES[stage],
+                "precision": precision,
+                "world_size": world,
+                "psi": r["psi"],
+                "psi_padded": psi_pad,
+                "final_loss": r["losses"][-1],
+                "state_measured_bytes": _state_bytes(mem),
+                "padding_bytes": mem["padding"],
+                "state_formula": state_formula_text(stage, p),
+                "state_formula_bytes": formula,
+                "state_extra_bytes": sum(extra_used.values()),
+                "state_extra_what": "; ".join(f"{k} {_mb(v)}" for k, v in extra_used.items()),
+                "state_check": state_check,
+                **{f"{k}_bytes": mem[k] for k in STATE_KINDS},
+                "bucket_bytes": mem.get("buckets", 0),
+                "comm_measured_elements": r["comm_elements"],
+                "comm_formula": ("0 (one rank)" if world == 1 else ("3Ψ" if stage == 3 else "2Ψ")),
+                "comm_formula_elements": comm_formula,
+                "comm_check": "= formula" if comm_ok else "MISMATCH",
+                "step_ms_median": round(r["step_ms_median"], 1),
+                "steps": len(r["losses"]),
+            }
+        )
     finals = [row["final_loss"] for row in rows]
     lo, hi = min(finals), max(finals)
     rel = (hi - lo) / abs(lo) if lo else float(hi != lo)
@@ -99,32 +99,49 @@ def _mb(x: float) -> str:
 
 def format_table(rows: list[dict], summary: dict) -> str:
     """A Markdown table (readable in a terminal, pasteable into the README) and the checks."""
-    head = ["stage", "final loss", "model states / rank: measured (+ padding)", "formula",
-            "check", "elements / step: measured", "formula", "check", "step ms (median)"]
+    head = [
+        "stage",
+        "final loss",
+        "model states / rank: measured (+ padding)",
+        "formula",
+        "check",
+        "elements / step: measured",
+        "formula",
+        "check",
+        "step ms (median)",
+    ]
     body = []
     for r in rows:
         extra = f" + {_mb(r['state_extra_bytes'])} extra" if r["state_extra_bytes"] else ""
-        body.append([
-            f"{r['stage']} {r['policy']}",
-            f"{r['final_loss']:.6f}",
-            f"{_mb(r['state_measured_bytes'])} (+ {_mb(r['padding_bytes'])})",
-            f"{r['state_formula']} = {_mb(r['state_formula_bytes'])}{extra}",
-            "ok" if r["state_check"] != "MISMATCH" else "MISMATCH",
-            f"{r['comm_measured_elements']:,}",
-            f"{r['comm_formula']} = {r['comm_formula_elements']:,}",
-            "ok" if r["comm_check"] != "MISMATCH" else "MISMATCH",
-            f"{r['step_ms_median']:.0f}",
-        ])
+        body.append(
+            [
+                f"{r['stage']} {r['policy']}",
+                f"{r['final_loss']:.6f}",
+                f"{_mb(r['state_measured_bytes'])} (+ {_mb(r['padding_bytes'])})",
+                f"{r['state_formula']} = {_mb(r['state_formula_bytes'])}{extra}",
+                "ok" if r["state_check"] != "MISMATCH" else "MISMATCH",
+                f"{r['comm_measured_elements']:,}",
+                f"{r['comm_formula']} = {r['comm_formula_elements']:,}",
+                "ok" if r["comm_check"] != "MISMATCH" else "MISMATCH",
+                f"{r['step_ms_median']:.0f}",
+            ]
+        )
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     right = {1, 2, 5, 8}
 
     def line(cells: list[str]) -> str:
-        out = [c.rjust(w) if i in right else c.ljust(w)
-               for i, (c, w) in enumerate(zip(cells, widths))]
+        out = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ]
         return "| " + " | ".join(out) + " |"
 
-    sep = "|" + "|".join(("-" * (w + 1) + ":") if i in right else ("-" * (w + 2))
-                         for i, w in enumerate(widths)) + "|"
+    sep = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if i in right else ("-" * (w + 2)) for i, w in enumerate(widths)
+        )
+        + "|"
+    )
     lines = [line(head), sep, *(line(b) for b in body)]
     r0 = rows[0]
     padded = ", ".join(f"{n:,}" for n in sorted({r["psi_padded"] for r in rows}))
@@ -137,19 +154,25 @@ def format_table(rows: list[dict], summary: dict) -> str:
     )
     for r in rows:
         if r["state_extra_bytes"]:
-            lines.append(f"stage {r['stage']}: zerokern holds more than the paper: "
-                         f"{r['state_extra_what']}")
+            lines.append(
+                f"stage {r['stage']}: zerokern holds more than the paper: {r['state_extra_what']}"
+            )
         if r["bucket_bytes"]:
-            lines.append(f"stage {r['stage']} also holds {_mb(r['bucket_bytes'])} of gradient "
-                         f"buckets (the paper's constant buffer, not a model state)")
+            lines.append(
+                f"stage {r['stage']} also holds {_mb(r['bucket_bytes'])} of gradient "
+                f"buckets (the paper's constant buffer, not a model state)"
+            )
     verdict = "equal" if summary["loss_ok"] else "NOT equal"
     lines.append(
         f"final losses: {verdict} within relative tolerance {summary['loss_rtol']:g} "
         f"(max relative difference {summary['loss_max_rel_diff']:.3g})"
     )
-    lines.append("memory vs formula: " + ("all match" if summary["state_ok"] else "MISMATCH")
-                 + "; communication vs formula: "
-                 + ("all match" if summary["comm_ok"] else "MISMATCH"))
+    lines.append(
+        "memory vs formula: "
+        + ("all match" if summary["state_ok"] else "MISMATCH")
+        + "; communication vs formula: "
+        + ("all match" if summary["comm_ok"] else "MISMATCH")
+    )
     return "\n".join(lines)
 
 
@@ -182,29 +205,57 @@ def write_png(rows: list[dict], results: list[dict], path: str, title: str) -> s
     xs = range(len(rows))
     ax = axes[0]
     bottom = [0.0] * len(rows)
-    parts = [("params", ["params_bytes"]), ("grads", ["grads_bytes"]),
-             ("optimizer state", ["master_bytes", "exp_avg_bytes", "exp_avg_sq_bytes"]),
-             ("padding", ["padding_bytes"])]
+    parts = [
+        ("params", ["params_bytes"]),
+        ("grads", ["grads_bytes"]),
+        ("optimizer state", ["master_bytes", "exp_avg_bytes", "exp_avg_sq_bytes"]),
+        ("padding", ["padding_bytes"]),
+    ]
     for name, keys in parts:
         vals = [sum(r[k] for k in keys) / 1e6 for r in rows]
         ax.bar([x - 0.2 for x in xs], vals, 0.4, bottom=bottom, label=f"measured: {name}")
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.bar([x + 0.2 for x in xs], [r["state_formula_bytes"] / 1e6 for r in rows], 0.4,
-           color="white", edgecolor="black", hatch="//", label="paper formula")
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [r["state_formula_bytes"] / 1e6 for r in rows],
+        0.4,
+        color="white",
+        edgecolor="black",
+        hatch="//",
+        label="paper formula",
+    )
     extra = [r["state_extra_bytes"] / 1e6 for r in rows]
     if any(extra):
-        ax.bar([x + 0.2 for x in xs], extra, 0.4,
-               bottom=[r["state_formula_bytes"] / 1e6 for r in rows], color="white",
-               edgecolor="red", hatch="..", label="zerokern extra")
+        ax.bar(
+            [x + 0.2 for x in xs],
+            extra,
+            0.4,
+            bottom=[r["state_formula_bytes"] / 1e6 for r in rows],
+            color="white",
+            edgecolor="red",
+            hatch="..",
+            label="zerokern extra",
+        )
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("model states per rank (MB)")
     ax.set_title("memory per rank")
     ax.legend(fontsize=7)
     ax = axes[1]
-    ax.bar([x - 0.2 for x in xs], [r["comm_measured_elements"] / 1e6 for r in rows], 0.4,
-           label="measured (comm_stats)")
-    ax.bar([x + 0.2 for x in xs], [r["comm_formula_elements"] / 1e6 for r in rows], 0.4,
-           color="white", edgecolor="black", hatch="//", label="2Ψ / 3Ψ")
+    ax.bar(
+        [x - 0.2 for x in xs],
+        [r["comm_measured_elements"] / 1e6 for r in rows],
+        0.4,
+        label="measured (comm_stats)",
+    )
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [r["comm_formula_elements"] / 1e6 for r in rows],
+        0.4,
+        color="white",
+        edgecolor="black",
+        hatch="//",
+        label="2Ψ / 3Ψ",
+    )
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("elements per step (millions)")
     ax.set_title("communication per step")
@@ -212,8 +263,12 @@ def write_png(rows: list[dict], results: list[dict], path: str, title: str) -> s
     ax = axes[2]
     styles = ["-", "--", "-.", ":"]
     for i, r in enumerate(results):
-        ax.plot(r["losses"], styles[i % 4], lw=1.5 + 0.7 * (len(results) - i),
-                label=f"stage {r['stage']} {STAGE_NAMES[r['stage']]}")
+        ax.plot(
+            r["losses"],
+            styles[i % 4],
+            lw=1.5 + 0.7 * (len(results) - i),
+            label=f"stage {r['stage']} {STAGE_NAMES[r['stage']]}",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats / character)")
     ax.set_title("loss (curves overlap: same numerics)")

@@ -58,15 +58,18 @@ def _progress(stage: int, done: int, total: int, loss: float, secs: float) -> No
     width = 24
     fill = width * done // total
     bar = "#" * fill + "-" * (width - fill)
-    line = (f"stage {stage} [{bar}] {done:>4}/{total} loss {loss:6.3f} "
-            f"{secs / max(done, 1):5.2f} s/step")
+    line = (
+        f"stage {stage} [{bar}] {done:>4}/{total} loss {loss:6.3f} "
+        f"{secs / max(done, 1):5.2f} s/step"
+    )
     end = "\n" if done == total else ""
     sys.stderr.write(("\r" if tty else "") + line + end)
     sys.stderr.flush()
 
 
-def train_policy(stage: int, opts: DemoOptions, device: torch.device,
-                 progress: Callable[..., None] | None = None) -> dict:
+def train_policy(
+    stage: int, opts: DemoOptions, device: torch.device, progress: Callable[..., None] | None = None
+) -> dict:
     """Train with ``ZeroAdamW(stage=stage)``; returns this rank's measurements."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = config_for(opts.model_size, VOCAB)
@@ -80,8 +83,14 @@ def train_policy(stage: int, opts: DemoOptions, device: torch.device,
     # zerokern pads only the last one, up to the bucket size.
     bucket_numel = opts.bucket_numel or -(-psi // 8)
     opt = zerokern.ZeroAdamW(
-        model.parameters(), lr=opts.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-        stage=stage, bucket_numel=bucket_numel, max_grad_norm=opts.max_grad_norm,
+        model.parameters(),
+        lr=opts.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        stage=stage,
+        bucket_numel=bucket_numel,
+        max_grad_norm=opts.max_grad_norm,
     )
     losses, times = [], []
     start = time.perf_counter()
