@@ -334,6 +334,8 @@ def test_consolidate_into_plain_model_and_adamw(ckpt4, tmp_path, capsys):
          dict(params=[p for n, p in model.named_parameters() if n not in decay])],
         lr=0.5, foreach=False)  # lr and weight decay come from the file
     adamw.load_state_dict(torch.load(out_opt, weights_only=True))
+    assert cli.adamw_defaults() == {k: v for k, v in torch.optim.AdamW([torch.zeros(1)])
+                                    .param_groups[0].items() if k != "params"}
     assert adamw.param_groups[1]["weight_decay"] == 0.0 and adamw.param_groups[0]["lr"] == 1e-2
     train(model, adamw, SAVE_AT, 3)
     assert_states(_params(model), ref["plus3"], **RESHARD)

@@ -254,20 +254,29 @@ class RangeReader:
 
     def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
         t = self.tensors[name]
-        if not 0 <= lo <= hi <= t.numel:
-            raise CheckpointError(f"{os.path.basename(self.path)}: elements [{lo}, {hi}) of "
-                                  f"{name!r} are out of range (it has {t.numel})")
-        esz = torch.empty(0, dtype=t.dtype).element_size()
-        buf = bytearray((hi - lo) * esz)
-        view, off, got = memoryview(buf), t.begin + lo * esz, 0
-        while got < len(buf):
+        out = torch.empty(max(hi - lo, 0), dtype=t.dtype)
+        self.read_into(name, lo, out)
+        return out
+
+    def read_into(self, name: str, lo: int, dst: torch.Tensor) -> None:
+        """Elements [lo, lo + dst.numel()) of ``name`` straight into ``dst`` (contiguous, CPU,
+        the stored dtype): no intermediate buffer."""
+        t, hi = self.tensors[name], lo + dst.numel()
+        if not 0 <= lo <= hi <= t.numel or dst.dtype != t.dtype or not dst.is_contiguous():
+            raise CheckpointError(
+                f"{os.path.basename(self.path)}: cannot read elements [{lo}, {hi}) of {name!r} "
+                f"({t.numel} elements of {t.dtype}) into a {dst.dtype} tensor"
+            )
+        if dst.numel() == 0:
+            return
+        view = memoryview(dst.view(torch.uint8).numpy()).cast("B")
+        off = t.begin + lo * dst.element_size()
+        got = 0
+        while got < view.nbytes:
             k = os.preadv(self._fd, [view[got:]], off + got)
             if k <= 0:
                 raise CheckpointError(f"{os.path.basename(self.path)}: unexpected end of file")
             got += k
-        if not buf:
-            return torch.empty(0, dtype=t.dtype)
-        return torch.frombuffer(buf, dtype=t.dtype)
 
     def close(self) -> None:
         os.close(self._fd)
@@ -516,15 +525,15 @@ def stream_torch_save(obj: Any, path: str) -> None:
         torch.save(_materialize(obj), tmp)
         _fsync_replace(tmp, path)
         return
-    records: list[tuple[str, Callable[[], torch.UntypedStorage]]] = []
+    records: list[tuple[str, Callable[[], Any]]] = []
     seen: dict[int, str] = {}
     storage_types = torch.storage._dtype_to_storage_type_map()
 
-    def lazy(t: LazyTensor) -> torch.UntypedStorage:
+    def lazy(t: LazyTensor) -> torch.Tensor:
         v = t.make().detach().to("cpu", t.dtype).contiguous()
         if tuple(v.shape) != t.shape:
             raise ValueError(f"tensor {t.key}: made {tuple(v.shape)}, expected {t.shape}")
-        return v.untyped_storage()
+        return v  # may view a larger buffer: only its own bytes are written
 
     class Pickler(pickle.Pickler):
         def persistent_id(self, o: Any) -> Any:
@@ -554,9 +563,13 @@ def stream_torch_save(obj: Any, path: str) -> None:
         zf.write_record(".storage_alignment", alignment, len(alignment))
         zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         for key, make in records:
-            st = make()
-            zf.write_record(f"data/{key}", st, st.nbytes())
-            del st
+            v = make()
+            if isinstance(v, torch.Tensor):  # its bytes: the first ones of its storage
+                v = v if v.storage_offset() == 0 else v.clone()
+                zf.write_record(f"data/{key}", v.untyped_storage(), v.numel() * v.element_size())
+            else:
+                zf.write_record(f"data/{key}", v, v.nbytes())
+            del v
     _fsync_replace(tmp, path)
 
 

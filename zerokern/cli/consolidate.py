@@ -6,8 +6,8 @@ Memory: the model file is streamed: its header is computed from the shapes in me
 each tensor's bytes are read from the rank files with ``pread`` and written in chunks of at most
 64 MiB (format.CHUNK_BYTES), so the peak is a constant, whatever the size of the model or of its
 largest parameter. The optimizer file is written with torch's own zip writer, one tensor record
-at a time (format.stream_torch_save): an AdamW state dict is a pickle of per-parameter tensors
-and each record must be written whole, so its peak is one moment of the largest parameter.
+at a time (format.stream_torch_save): a record must be written whole, so its peak is one moment
+of the largest parameter, read straight into place.
 
     python -m zerokern consolidate ckpt/ model.safetensors --optimizer adamw.pt
 
@@ -20,6 +20,7 @@ the ZeroAdamW that saved it (for one group over ``model.parameters()``: indices 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -37,10 +38,17 @@ DESCRIPTION = (
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("path", metavar="PATH", help="checkpoint directory (save_checkpoint)")
     p.add_argument("out", metavar="OUT", help="output .safetensors file for the model")
-    p.add_argument("--optimizer", metavar="OUT_OPT", default=None,
-                   help="also write a torch.optim.AdamW state dict (torch.save format) here")
-    p.add_argument("--no-verify", action="store_true",
-                   help="skip the sha256 check of the rank files (sizes are still checked)")
+    p.add_argument(
+        "--optimizer",
+        metavar="OUT_OPT",
+        default=None,
+        help="also write a torch.optim.AdamW state dict (torch.save format) here",
+    )
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the sha256 check of the rank files (sizes are still checked)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -51,117 +59,158 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return configure_parser(p)
 
 
-def _out_dtype(name: str) -> Any:
-    import torch
+class _Source:
+    """Reads parameter elements out of the rank files (pread, no memory map) into one scratch
+    buffer that is reused: every tensor is written out before the next read, and one long-lived
+    buffer does not fragment the heap the way a fresh allocation per chunk does."""
 
-    from ..checkpoint.format import dtype_from_name
+    def __init__(self, ck: Any) -> None:
+        self.ck, self.meta, self.readers = ck, ck.meta, {}
+        self._scratch: Any = None
 
-    dt = dtype_from_name(name)
-    return torch.float32 if dt.is_floating_point else dt
+    def reader(self, fname: str) -> Any:
+        from ..checkpoint.format import RangeReader
+
+        if fname not in self.readers:
+            self.readers[fname] = RangeReader(os.path.join(self.ck.dir, fname))
+        return self.readers[fname]
+
+    def scratch(self, numel: int, dtype: Any) -> Any:
+        import torch
+
+        nbytes = numel * dtype.itemsize
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = None
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes].view(dtype)
+
+    def spans(self, name: str, what: str) -> Any:
+        numel = math.prod(self.meta["params"][name]["shape"])
+        for rel, fname, kind, a, b in self.ck.index.spans(name, 0, numel):
+            tensor = kind if kind != "state" else ("master" if what == "values" else what)
+            yield rel, self.reader(fname), tensor, a, b
+
+    def chunks(self, name: str, dtype: Any) -> Any:
+        """The values of ``name`` as ``dtype``, chunk after chunk (each valid until the next)."""
+        from ..checkpoint.format import chunks
+
+        for _, rd, tensor, a, b in self.spans(name, "values"):
+            stored = rd.tensors[tensor].dtype
+            for ca, cb in chunks(a, b, 4):
+                buf = self.scratch(cb - ca, stored)
+                rd.read_into(tensor, ca, buf)
+                yield buf.to(dtype)
+
+    def full(self, name: str, what: str) -> Any:
+        """exp_avg or exp_avg_sq of ``name`` (fp32), read straight into the scratch buffer."""
+        import torch
+
+        shape = self.meta["params"][name]["shape"]
+        out = self.scratch(math.prod(shape), torch.float32)
+        for rel, rd, tensor, a, b in self.spans(name, what):
+            rd.read_into(tensor, a, out.narrow(0, rel, b - a))
+        return out.view(shape)
+
+    def close(self) -> None:
+        for r in self.readers.values():
+            r.close()
+        self._scratch = None
 
 
-def consolidate(path: str, out: str, optimizer_out: str | None = None, *,
-                verify: bool = True) -> dict[str, Any]:
+def consolidate(
+    path: str, out: str, optimizer_out: str | None = None, *, verify: bool = True
+) -> dict[str, Any]:
     """Write the consolidated files; returns sizes. Raises CheckpointError for a bad
     checkpoint (before writing anything)."""
-    import math
-
-    import torch
-
-    from ..checkpoint.format import RangeReader, chunks
     from ..checkpoint.load import open_checkpoint
 
     ck = open_checkpoint(path, verify=verify)
-    meta, index = ck.meta, ck.index
-    readers: dict[str, RangeReader] = {}
-
-    def reader(fname: str) -> RangeReader:
-        if fname not in readers:
-            readers[fname] = RangeReader(os.path.join(ck.dir, fname))
-        return readers[fname]
-
-    def stream(name: str, what: str, dtype: Any):
-        """Chunks of parameter ``name``'s values/exp_avg/exp_avg_sq, in element order."""
-        numel = math.prod(meta["params"][name]["shape"])
-        for _, fname, kind, a, b in index.spans(name, 0, numel):
-            tensor = kind if kind != "state" else ("master" if what == "values" else what)
-            for ca, cb in chunks(a, b, 4):
-                yield reader(fname).read(tensor, ca, cb).to(dtype)
-
-    entries, sources = [], []
-    for key in meta["state_dict_keys"]:
-        canon = meta["aliases"].get(key, key)
-        src = meta["params"].get(canon) or meta["buffers"].get(canon)
-        if src is None:
-            raise ValueError(f"meta.json: state dict key {key!r} is neither parameter nor buffer")
-        dt = _out_dtype(src["dtype"])
-        entries.append((key, dt, src["shape"]))
-        sources.append((canon, canon in meta["params"]))
-    order = sorted(range(len(entries)),
-                   key=lambda i: -torch.empty(0, dtype=entries[i][1]).element_size())
+    src = _Source(ck)
     try:
-        _write_model(out, meta, ck, entries, sources, order, reader, stream)
-        result = {"model_bytes": os.path.getsize(out), "tensors": len(entries),
-                  "largest_param_bytes": max((4 * math.prod(p["shape"])
-                                              for p in meta["params"].values()), default=0)}
+        n = _write_model(out, src)
+        result = {
+            "model_bytes": os.path.getsize(out),
+            "tensors": n,
+            "largest_param_bytes": max(
+                (4 * math.prod(p["shape"]) for p in ck.meta["params"].values()), default=0
+            ),
+        }
         if optimizer_out is not None:
-            result["optimizer_bytes"] = _write_adamw(meta, stream, optimizer_out)
+            result["optimizer_bytes"] = _write_adamw(src, optimizer_out)
     finally:
-        for r in readers.values():
-            r.close()
+        src.close()
     return result
 
 
-def _write_model(out, meta, ck, entries, sources, order, reader, stream) -> None:
-    import math
-
+def _write_model(out: str, src: _Source) -> int:
     import torch
 
-    from ..checkpoint.format import StreamWriter, chunks
+    from ..checkpoint.format import StreamWriter, chunks, dtype_from_name
 
-    w = StreamWriter(out, [entries[i] for i in order],
-                     {"format": "pt", "source": "zerokern consolidate",
-                      "zerokern_version": meta.get("zerokern_version", "")})
+    meta = src.meta
+    entries, sources = [], []
+    for key in meta["state_dict_keys"]:  # tied names and buffers included, as state_dict()
+        canon = meta["aliases"].get(key, key)
+        info = meta["params"].get(canon) or meta["buffers"].get(canon)
+        if info is None:
+            raise ValueError(f"meta.json: state dict key {key!r} is neither parameter nor buffer")
+        dt = dtype_from_name(info["dtype"])
+        entries.append((key, torch.float32 if dt.is_floating_point else dt, info["shape"]))
+        sources.append((canon, canon in meta["params"]))
+    # Wider elements first, so that every tensor starts aligned to its element size.
+    order = sorted(range(len(entries)), key=lambda i: -entries[i][1].itemsize)
+    w = StreamWriter(
+        out,
+        [entries[i] for i in order],
+        {"format": "pt", "source": "zerokern consolidate",
+         "zerokern_version": meta.get("zerokern_version", "")},
+    )
     try:
         for i in order:
             key, dt, shape = entries[i]
             canon, is_param = sources[i]
             if is_param:
-                for t in stream(canon, "values", dt):
+                for t in src.chunks(canon, dt):
                     w.write(key, t)
-            else:
-                rd = reader(ck.buffer_file[canon])
-                esz = torch.empty(0, dtype=dt).element_size()
-                for a, b in chunks(0, math.prod(shape), esz):
-                    w.write(key, rd.read(f"buffer/{canon}", a, b).to(dt))
+                continue
+            rd = src.reader(src.ck.buffer_file[canon])
+            for a, b in chunks(0, math.prod(shape), dt.itemsize):
+                w.write(key, rd.read(f"buffer/{canon}", a, b).to(dt))
         w.close()
     except BaseException:
         w.abort()
         raise
+    return len(entries)
 
 
-def _write_adamw(meta: dict[str, Any], stream: Any, out: str) -> int:
-    import math
+def adamw_defaults() -> dict[str, Any]:
+    """AdamW's param-group defaults for the keys ZeroAdamW does not have (amsgrad, foreach,
+    ...), from its signature: constructing one would import torch._dynamo (+150 MB resident)."""
+    import inspect
 
+    import torch
+
+    sig = inspect.signature(torch.optim.AdamW.__init__).parameters
+    out = {
+        k: v.default
+        for k, v in sig.items()
+        if k not in ("self", "params") and v.default is not inspect.Parameter.empty
+    }
+    if "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters:
+        out["decoupled_weight_decay"] = True  # what AdamW passes to Adam
+    return out
+
+
+def _write_adamw(src: _Source, out: str) -> int:
+    """{"state": {i: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]} with i counting
+    the parameters of the saved param groups in order, as torch's state_dict() numbers them;
+    state only for parameters that took a step (torch creates it lazily, at the first one)."""
     import torch
 
     from ..checkpoint.format import LazyTensor, stream_torch_save
 
-    # AdamW's own defaults for the keys ZeroAdamW does not have (amsgrad, foreach, ...).
-    defaults = {k: v for k, v in torch.optim.AdamW([torch.zeros(1)]).param_groups[0].items()
-                if k != "params"}
-
-    def assemble(name: str, what: str) -> Any:
-        def make() -> torch.Tensor:
-            shape = meta["params"][name]["shape"]
-            full = torch.empty(math.prod(shape), dtype=torch.float32)
-            pos = 0
-            for t in stream(name, what, torch.float32):
-                full[pos:pos + t.numel()] = t
-                pos += t.numel()
-            return full.view(shape)
-        return LazyTensor(meta["params"][name]["shape"], torch.float32, make)
-
+    defaults = adamw_defaults()
+    meta = src.meta
     state: dict[int, Any] = {}
     groups, k = [], 0
     for g in meta["param_groups"]:
@@ -169,13 +218,17 @@ def _write_adamw(meta: dict[str, Any], stream: Any, out: str) -> int:
         for name in g["params"]:
             p = meta["params"][name]
             if p["managed"] and (p["step"] or 0) > 0:
-                state[k] = {"step": torch.tensor(float(p["step"])),
-                            "exp_avg": assemble(name, "exp_avg"),
-                            "exp_avg_sq": assemble(name, "exp_avg_sq")}
+                state[k] = {"step": torch.tensor(float(p["step"]))}
+                for what in ("exp_avg", "exp_avg_sq"):
+                    state[k][what] = LazyTensor(
+                        p["shape"], torch.float32, lambda n=name, w=what: src.full(n, w)
+                    )
             ids.append(k)
             k += 1
-        hyper = {kk: tuple(v) if isinstance(defaults.get(kk), tuple) else v
-                 for kk, v in g["hyper"].items()}
+        hyper = {
+            kk: tuple(v) if isinstance(defaults.get(kk), tuple) else v
+            for kk, v in g["hyper"].items()
+        }
         groups.append({**defaults, **hyper, "params": ids})
     stream_torch_save({"state": state, "param_groups": groups}, out)
     return os.path.getsize(out)
@@ -198,8 +251,9 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = configure_parser(argparse.ArgumentParser(prog="python -m zerokern consolidate",
-                                                      description=DESCRIPTION))
+    parser = configure_parser(
+        argparse.ArgumentParser(prog="python -m zerokern consolidate", description=DESCRIPTION)
+    )
     return run(parser.parse_args(argv))
 
 

@@ -83,16 +83,18 @@ class Comm:
         self.stats.add("broadcast", t.numel(), t.element_size())
 
     def all_reduce(self, t: torch.Tensor, label: str = "tensor", *, count: bool = True,
-                   op: Any = None) -> None:
+                   op: Any = None, async_op: bool = False) -> Any:
         """Sum (or `op`) in place. Counted twice, as the paper counts an all-reduce."""
         if self.world_size == 1:
-            return
+            return None
         with self._guard("all_reduce", label):
-            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group)
+            work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group,
+                                   async_op=async_op)
         if count:
             self.stats.add("all_reduce", t.numel(), t.element_size(), factor=2)
         else:
             self.stats.add("scalar_all_reduce", t.numel(), t.element_size())
+        return work
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, label: str = "bucket",
                        async_op: bool = False) -> Any:

@@ -102,6 +102,7 @@ def format_table(rows: list[dict], summary: dict) -> str:
     head = [
         "stage",
         "final loss",
+        "Ψ padded",
         "model states / rank: measured (+ padding)",
         "formula",
         "check",
@@ -117,6 +118,7 @@ def format_table(rows: list[dict], summary: dict) -> str:
             [
                 f"{r['stage']} {r['policy']}",
                 f"{r['final_loss']:.6f}",
+                f"{r['psi_padded']:,}",
                 f"{_mb(r['state_measured_bytes'])} (+ {_mb(r['padding_bytes'])})",
                 f"{r['state_formula']} = {_mb(r['state_formula_bytes'])}{extra}",
                 "ok" if r["state_check"] != "MISMATCH" else "MISMATCH",
@@ -127,7 +129,7 @@ def format_table(rows: list[dict], summary: dict) -> str:
             ]
         )
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    right = {1, 2, 5, 8}
+    right = {1, 2, 3, 6, 9}
 
     def line(cells: list[str]) -> str:
         out = [
@@ -144,11 +146,12 @@ def format_table(rows: list[dict], summary: dict) -> str:
     )
     lines = [line(head), sep, *(line(b) for b in body)]
     r0 = rows[0]
-    padded = ", ".join(f"{n:,}" for n in sorted({r["psi_padded"] for r in rows}))
+    n = r0["world_size"]
     lines.append("")
     lines.append(
-        f"Ψ = {r0['psi']:,} parameters; formulas use Ψ as zerokern pads it ({padded}), N = "
-        f"{r0['world_size']} ranks, {r0['precision']} parameters "
+        f"Ψ = {r0['psi']:,} parameters; the formulas use Ψ as zerokern pads it (stages 0-2: "
+        f"bucket rounding, stage 3: per block), N = {n} rank{'s' if n > 1 else ''}, "
+        f"{r0['precision']} parameters "
         f"(K = {12 if r0['precision'] == 'bf16' else 8} bytes of optimizer state per "
         f"parameter). MB = 1e6 bytes."
     )
@@ -172,6 +175,7 @@ def format_table(rows: list[dict], summary: dict) -> str:
         + ("all match" if summary["state_ok"] else "MISMATCH")
         + "; communication vs formula: "
         + ("all match" if summary["comm_ok"] else "MISMATCH")
+        + " (checked on every rank; measured columns: rank 0)"
     )
     return "\n".join(lines)
 

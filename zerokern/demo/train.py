@@ -31,7 +31,7 @@ STATE_KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 @dataclass(frozen=True)
 class DemoOptions:
     stages: tuple[int, ...] = (0, 1, 2, 3)
-    steps: int = 80
+    steps: int = 100
     model_size: str = "small"
     precision: str = "bf16"
     micro_batch: int = 8

@@ -39,7 +39,9 @@ class GradReducer:
         self.stage = layout.stage
         self.flat_grad, self.grad_shard = flat_grad, grad_shard
         self.alloc_bucket, self.backend = alloc_bucket, backend
-        self.overlap = overlap and comm.backend == "nccl"
+        # Asynchronous collectives overlap backward on every backend: NCCL runs them on its
+        # own stream, gloo on its worker threads (as DDP's reducer does).
+        self.overlap = overlap and comm.world_size > 1
         # Fragments of every parameter: (bucket, offset in bucket, param offset, numel).
         self.frags: list[list[tuple[int, int, int, int]]] = [[] for _ in params]
         self.bucket_frag_count = [0] * len(layout.buckets)
@@ -53,6 +55,7 @@ class GradReducer:
                 self.bucket_frag_count[b] += 1
             bstart += plan.num_buckets
         self.sync = True
+        self._callback_queued = False
         self.pool: list[torch.Tensor] = []
         self.reset()
 
@@ -66,6 +69,11 @@ class GradReducer:
         self.inflight: list[tuple[object, torch.Tensor, Bucket]] = []
         self._new_round()
 
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        while self.inflight:
+            self._wait_oldest()
+
     def _new_round(self) -> None:
         """A backward pass starts filling buckets from scratch (several per step when
         gradients are accumulated without no_sync)."""
@@ -74,9 +82,14 @@ class GradReducer:
         self.next_bucket = 0
 
     # -- hooks ------------------------------------------------------------------------------
-    def on_grad_ready(self, index: int) -> None:
+    def on_grad_ready(self, index: int, in_backward: bool = True) -> None:
         if not self.sync:
             return  # no_sync: autograd keeps accumulating into param.grad
+        if in_backward and not self._callback_queued:
+            # Like DDP's finalize: when this backward ends, wait for its asynchronous
+            # collectives, so gradients are final and no bucket is written while in flight.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
         frags = self.frags[index]
         if self.next_bucket >= len(self.layout.buckets) or (
             frags and index in self.filled[frags[0][0]]
@@ -148,8 +161,11 @@ class GradReducer:
         src = self._bucket_tensor(b)
         label = f"bucket {b} (group {bk.group}, {bk.numel} elements)"
         if self.stage == 0:
-            self.comm.all_reduce(src, label)
-            src.div_(self.comm.world_size)
+            work = self.comm.all_reduce(src, label, async_op=self.overlap)
+            if work is not None:
+                self.inflight.append((work, src, bk))
+            else:
+                src.div_(self.comm.world_size)
             return
         shard = self.grad_shard.narrow(0, bk.shard_start, bk.shard_numel)
         accumulate = self.stage == 2 and self.reduced_once[b]
@@ -167,6 +183,9 @@ class GradReducer:
         self._release(b, src)
 
     def _finish(self, buf: torch.Tensor, bk: Bucket) -> None:
+        if self.stage == 0:  # all-reduced in place
+            buf.div_(self.comm.world_size)
+            return
         self.grad_shard.narrow(0, bk.shard_start, bk.shard_numel).div_(self.comm.world_size)
         self._release(bk.index, buf)
 

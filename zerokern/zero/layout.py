@@ -98,7 +98,11 @@ def build_layout(
         total = sum(ready)
         unit = world_size * alignment
         cap = round_bucket_numel(bucket_numel or DEFAULT_BUCKET_NUMEL, world_size, alignment)
-        cap = min(cap, max(unit, -(-total // unit) * unit))  # a small group: one exact bucket
+        # As many buckets as the requested capacity needs, then the smallest equal capacity
+        # that holds the group: padding stays under one alignment unit per bucket instead of
+        # up to a whole bucket (13.8M parameters in 2^23 buckets: 0.0% instead of 21%).
+        nb = max(1, -(-total // cap))
+        cap = min(cap, max(unit, -(-(-(-total // nb)) // unit) * unit))
         plan = plan_buckets(ready, world_size, cap, alignment)
         plans.append(plan)
         orders.append(order)

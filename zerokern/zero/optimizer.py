@@ -179,7 +179,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._ensure_layout(order)
         for i in self.layout.ready_order:
             if self._params[i].grad is not None:
-                self._reducer.on_grad_ready(i)
+                self._reducer.on_grad_ready(i, in_backward=False)
 
     # -- construction -----------------------------------------------------------------------
     def _common_dtype_device(self) -> tuple[torch.dtype, torch.device]:

@@ -98,7 +98,8 @@ class Stage3Runtime:
         self.prev_order: list[int] = []
         self._hooks_ctx: Any = None
         self._callback_queued = False
-        self.overlap = comm.backend == "nccl"
+        # Prefetched gathers run asynchronously on every backend (NCCL stream, gloo threads).
+        self.overlap = comm.world_size > 1
         self._param_unit: dict[int, tuple[Unit, int]] = {}
         for u in self.units:
             for j, p in enumerate(u.params):
