@@ -112,16 +112,23 @@ def main() -> None:
     save_checkpoint(ck, model, opt, extra={"step": 1})
     dt = time.perf_counter() - t0
     size = sum(f.stat().st_size for f in Path(ck).iterdir()) / 1e6
-    rows.append({"what": "save_checkpoint (stage 2, 1 process)", "s": dt, "MB": size,
-                 "MB/s": size / dt})
+    rows.append(
+        {"what": "save_checkpoint (stage 2, 1 process)", "s": dt, "MB": size, "MB/s": size / dt}
+    )
     del model, opt
     for stage in (2, 0):
         model, opt = build(args, stage=stage)
         t0 = time.perf_counter()
         load_checkpoint(ck, model, opt)
         dt = time.perf_counter() - t0
-        rows.append({"what": f"load_checkpoint (into stage {stage})", "s": dt, "MB": size,
-                     "MB/s": size / dt})
+        rows.append(
+            {
+                "what": f"load_checkpoint (into stage {stage})",
+                "s": dt,
+                "MB": size,
+                "MB/s": size / dt,
+            }
+        )
         del model, opt
     mods = ["-m", "zerokern.cli.consolidate", ck, str(work / "model.safetensors")]
     runs = [
@@ -130,16 +137,30 @@ def main() -> None:
         ("consolidate --optimizer", mods + ["--optimizer", str(work / "adamw.pt")]),
         ("naive: load_file all + save_file", ["-c", NAIVE, ck, str(work / "naive.st")]),
     ]
+    const = None
     for what, cmd in runs:
         dt, rss = child(cmd, work / "hwm.txt")
-        rows.append({"what": what, "s": dt, "peak_rss_MB": rss, "rss/largest": rss / largest})
+        const = rss if const is None else const
+        rows.append(
+            {
+                "what": what,
+                "s": dt,
+                "peak_rss_MB": rss,
+                "above_imports_MB": rss - const,
+                "above/largest": (rss - const) / largest,
+            }
+        )
     out_size = os.path.getsize(work / "model.safetensors") / 1e6
     info = machine(torch.device("cpu"))
     print(f"\n{info['device']}, torch {info['torch']}, {info['date']}")
-    print(f"model: {psi / 1e6:.1f}M fp32 parameters = {psi * 4 / 1e6:.0f} MB "
-          f"(consolidated file {out_size:.0f} MB), largest parameter {largest:.1f} MB, "
-          f"checkpoint {size:.0f} MB\n")
-    print_table(rows, ["what", "s", "MB", "MB/s", "peak_rss_MB", "rss/largest"])
+    print(
+        f"model: {psi / 1e6:.1f}M fp32 parameters = {psi * 4 / 1e6:.0f} MB "
+        f"(consolidated file {out_size:.0f} MB), largest parameter {largest:.1f} MB, "
+        f"checkpoint {size:.0f} MB\n"
+    )
+    print_table(
+        rows, ["what", "s", "MB", "MB/s", "peak_rss_MB", "above_imports_MB", "above/largest"]
+    )
     for r in rows:
         r.update(info, params=psi, largest_param_MB=largest)
     path = write_csv(rows, f"bench_checkpoint_{info['date']}.csv", args.out or work)

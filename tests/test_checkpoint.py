@@ -12,7 +12,6 @@ import json
 import os
 
 import pytest
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
@@ -22,12 +21,14 @@ import zerokern
 from zerokern.checkpoint import CheckpointError, format, load_checkpoint, save_checkpoint
 from zerokern.cli import consolidate as cli
 
+st = pytest.importorskip("safetensors.torch")  # the [checkpoint] extra
+
 GLOBAL = 12
 SAVE_AT = 3
 RESHARD = dict(rtol=0.0, atol=1e-6)  # fp32, after resharding: only the sum order differs
 
 
-def build(stage, *, seed=0, dtype=torch.float32, **kw):
+def build(stage, *, seed=0, dtype=torch.float32, lr=1e-2, **kw):
     torch.manual_seed(seed)
     model = TinyGPT()
     with torch.no_grad():
@@ -40,10 +41,11 @@ def build(stage, *, seed=0, dtype=torch.float32, **kw):
         model = zerokern.shard_model(model, unit_classes=(Block,))
     else:
         kw.setdefault("bucket_numel", 96)  # parameters straddle buckets and shards
-    groups = [dict(params=[p for n, p in model.named_parameters() if n in decay]),
-              dict(params=[p for n, p in model.named_parameters() if n not in decay],
-                   weight_decay=0.0)]
-    opt = zerokern.ZeroAdamW(groups, lr=1e-2, weight_decay=0.1, stage=stage, **kw)
+    groups = [
+        dict(params=[p for n, p in model.named_parameters() if n in decay]),
+        dict(params=[p for n, p in model.named_parameters() if n not in decay], weight_decay=0.0),
+    ]
+    opt = zerokern.ZeroAdamW(groups, lr=lr, weight_decay=0.1, stage=stage, **kw)
     return model, opt
 
 
@@ -51,7 +53,9 @@ def train(model, opt, start, steps, rank=0, world=1):
     k = GLOBAL // world
     for step in range(start, start + steps):
         x, y = batch(step, 0, n=GLOBAL)
-        loss = F.cross_entropy(model(x[rank * k:(rank + 1) * k]).float(), y[rank * k:(rank + 1) * k])
+        loss = F.cross_entropy(
+            model(x[rank * k : (rank + 1) * k]).float(), y[rank * k : (rank + 1) * k]
+        )
         getattr(opt, "scale_loss", lambda v: v)(loss).backward()
         opt.step()
         opt.zero_grad()
@@ -93,8 +97,10 @@ def ckpt4(tmp_path_factory):
 
 
 def _resume(rank, world, root, stage):
-    model, opt = build(stage, seed=123)  # different values everywhere until loaded
+    model, opt = build(stage, seed=123, lr=0.5)  # everything differs until loaded
     assert load_checkpoint(os.path.join(root, "ck"), model, opt) == {"step": SAVE_AT}
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 1e-2]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     ref = torch.load(os.path.join(root, "ref.pt"))
     assert_states(full(model), ref["at_save"])  # fp32 values come back exactly
     train(model, opt, SAVE_AT, 5, rank, world)
@@ -111,8 +117,7 @@ def test_files_of_world4_stage3(ckpt4):
     assert meta["params"]["emb.weight"]["step"] == SAVE_AT
     # Each rank wrote only its 1/4: the optimizer state of all files adds up to the model once.
     trained = sum(torch.Size(p["shape"]).numel() for p in meta["params"].values() if p["managed"])
-    saved = [safetensors.torch.load_file(os.path.join(ck, f["name"]))["master"].numel()
-             for f in meta["files"]]
+    saved = [st.load_file(os.path.join(ck, f["name"]))["master"].numel() for f in meta["files"]]
     assert sum(saved) == trained and max(saved) < trained / 2
 
 
@@ -123,6 +128,19 @@ def test_world4_stage3_to_world3_stage2(ckpt4, tmp_path):
 @pytest.mark.parametrize("stage", [0, 2])
 def test_world4_stage3_to_one_plain_process(ckpt4, stage):
     _resume(0, 1, ckpt4, stage)
+
+
+def test_stage2_to_stage3_and_stage0_one_process(tmp_path):
+    """The other direction: frozen values saved whole by rank 0 land in a unit's slice."""
+    model, opt = build(2)
+    train(model, opt, 0, 2)
+    save_checkpoint(tmp_path / "ck", model, opt)
+    train(model, opt, 2, 3)
+    for stage in (3, 0):
+        model2, opt2 = build(stage, seed=11)
+        load_checkpoint(tmp_path / "ck", model2, opt2)
+        train(model2, opt2, 2, 3)
+        assert_states(full(model2), full(model), **RESHARD)
 
 
 def _two_ranks(rank, world, root):
@@ -324,18 +342,25 @@ def test_consolidate_into_plain_model_and_adamw(ckpt4, tmp_path, capsys):
     out, out_opt = str(tmp_path / "model.safetensors"), str(tmp_path / "adamw.pt")
     assert cli.main([os.path.join(ckpt4, "ck"), out, "--optimizer", out_opt]) == 0
     ref = torch.load(os.path.join(ckpt4, "ref.pt"))
-    sd = safetensors.torch.load_file(out)
+    sd = st.load_file(out)
     model, _ = build(0, seed=9)
     model.load_state_dict(sd)  # strict: every key, tied head.weight and the buffer included
     assert_states(_params(model), ref["at_save"])
     decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
     adamw = torch.optim.AdamW(
-        [dict(params=[p for n, p in model.named_parameters() if n in decay]),
-         dict(params=[p for n, p in model.named_parameters() if n not in decay])],
-        lr=0.5, foreach=False)  # lr and weight decay come from the file
+        [
+            dict(params=[p for n, p in model.named_parameters() if n in decay]),
+            dict(params=[p for n, p in model.named_parameters() if n not in decay]),
+        ],
+        lr=0.5,
+        foreach=False,
+    )  # lr and weight decay come from the file
     adamw.load_state_dict(torch.load(out_opt, weights_only=True))
-    assert cli.adamw_defaults() == {k: v for k, v in torch.optim.AdamW([torch.zeros(1)])
-                                    .param_groups[0].items() if k != "params"}
+    assert cli.adamw_defaults() == {
+        k: v
+        for k, v in torch.optim.AdamW([torch.zeros(1)]).param_groups[0].items()
+        if k != "params"
+    }
     assert adamw.param_groups[1]["weight_decay"] == 0.0 and adamw.param_groups[0]["lr"] == 1e-2
     train(model, adamw, SAVE_AT, 3)
     assert_states(_params(model), ref["plus3"], **RESHARD)
@@ -349,22 +374,35 @@ def test_consolidate_into_plain_model_and_adamw(ckpt4, tmp_path, capsys):
 
 
 def test_streaming_writers_match_the_reference_formats(tmp_path):
-    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64),
-               "c": torch.randn(4).to(torch.bfloat16), "e": torch.zeros(0), "s": torch.tensor(2.0)}
-    entries = sorted(((k, v.dtype, v.shape) for k, v in tensors.items()),
-                     key=lambda e: -torch.empty(0, dtype=e[1]).element_size())
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.randn(4).to(torch.bfloat16),
+        "e": torch.zeros(0),
+        "s": torch.tensor(2.0),
+    }
+    entries = sorted(
+        ((k, v.dtype, v.shape) for k, v in tensors.items()),
+        key=lambda e: -torch.empty(0, dtype=e[1]).element_size(),
+    )
     w = format.StreamWriter(str(tmp_path / "t.safetensors"), entries, {"k": "v"})
     for k, _, _ in entries:
         t = tensors[k].reshape(-1)
         for a in range(0, t.numel(), 2):  # in chunks
-            w.write(k, t[a:a + 2])
+            w.write(k, t[a : a + 2])
     w.close()
-    got = safetensors.torch.load_file(str(tmp_path / "t.safetensors"))
+    got = st.load_file(str(tmp_path / "t.safetensors"))
     assert_states(got, tensors)
-    obj = {"state": {0: {"step": torch.tensor(3.0),
-                         "m": format.LazyTensor((3, 5), torch.float32, lambda: tensors["a"])}},
-           "groups": [{"betas": (0.9, 0.99), "params": [0]}]}
-    format.stream_torch_save(obj, str(tmp_path / "o.pt"))
+    obj = {
+        "state": {
+            0: {
+                "step": torch.tensor(3.0),
+                "m": cli.LazyTensor((3, 5), torch.float32, lambda: tensors["a"]),
+            }
+        },
+        "groups": [{"betas": (0.9, 0.99), "params": [0]}],
+    }
+    cli.stream_torch_save(obj, str(tmp_path / "o.pt"))
     back = torch.load(str(tmp_path / "o.pt"), weights_only=True)
     assert torch.equal(back["state"][0]["m"], tensors["a"])
     assert back["state"][0]["step"].item() == 3.0 and back["groups"][0]["betas"] == (0.9, 0.99)

@@ -28,12 +28,21 @@ def gpt_parity(rank, world, *, checkpoint, accum=1, clip=None, prefetch=1):
     names = {n for n, p in base.named_parameters() if p.dim() >= 2}
     decay = [p for n, p in ours.named_parameters() if n in names]
     other = [p for n, p in ours.named_parameters() if n not in names]
-    opt = zerokern.ZeroAdamW([dict(params=decay), dict(params=other, weight_decay=0.0)],
-                             lr=1e-2, weight_decay=0.1, stage=3, max_grad_norm=clip)
+    opt = zerokern.ZeroAdamW(
+        [dict(params=decay), dict(params=other, weight_decay=0.0)],
+        lr=1e-2,
+        weight_decay=0.1,
+        stage=3,
+        max_grad_norm=clip,
+    )
     rdecay = [p for n, p in ref.named_parameters() if n in names]
     rother = [p for n, p in ref.named_parameters() if n not in names]
-    ropt = torch.optim.AdamW([dict(params=rdecay), dict(params=rother, weight_decay=0.0)],
-                             lr=1e-2, weight_decay=0.1, foreach=False)
+    ropt = torch.optim.AdamW(
+        [dict(params=rdecay), dict(params=rother, weight_decay=0.0)],
+        lr=1e-2,
+        weight_decay=0.1,
+        foreach=False,
+    )
     for step in range(STEPS):
         skip = 1 if step % 2 else None  # a unit that runs only on even steps
         for mb in range(accum):
@@ -47,7 +56,8 @@ def gpt_parity(rank, world, *, checkpoint, accum=1, clip=None, prefetch=1):
         _ref_average(ref, world)
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in ref.parameters() if p.grad is not None], clip)
+                [p for p in ref.parameters() if p.grad is not None], clip
+            )
         opt.step()
         ropt.step()
         if clip is not None:
@@ -56,8 +66,13 @@ def gpt_parity(rank, world, *, checkpoint, accum=1, clip=None, prefetch=1):
         ropt.zero_grad()
         full = zerokern.full_state_dict(ours, rank0_only=False)
         for k, v in ref.state_dict().items():
-            torch.testing.assert_close(full[k], v, rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1],
-                                       msg=lambda m, k=k, s=step: f"{k} step {s}: {m}")
+            torch.testing.assert_close(
+                full[k],
+                v,
+                rtol=TRAIN_FP32[0],
+                atol=TRAIN_FP32[1],
+                msg=lambda m, k=k, s=step: f"{k} step {s}: {m}",
+            )
     # Gathered units never exceeded prefetch + 1 (besides the root), from the arena's peak.
     rt = ours._zk_stage3
     assert rt.peak_units <= prefetch + 1, rt.peak_units
@@ -65,7 +80,8 @@ def gpt_parity(rank, world, *, checkpoint, accum=1, clip=None, prefetch=1):
     root = next(u.plan.padded_numel for u in rt.units if u.is_root)
     esz = 4
     assert rt.gather_arena.stats()["peak_in_use"] <= (
-        (root + (prefetch + 2) * big) * esz + 256 * (prefetch + 4))
+        (root + (prefetch + 2) * big) * esz + 256 * (prefetch + 4)
+    )
     assert rt.overflow_bytes == 0
 
 
@@ -76,8 +92,13 @@ def test_gpt_fp32_matches_adamw(world, tmp_path):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_checkpointing_accumulation_clipping(world, tmp_path):
-    run_ranks(world, gpt_parity, dict(checkpoint=True, accum=2, clip=0.1, prefetch=2),
-              tmp_path=tmp_path, kwargs=True)
+    run_ranks(
+        world,
+        gpt_parity,
+        dict(checkpoint=True, accum=2, clip=0.1, prefetch=2),
+        tmp_path=tmp_path,
+        kwargs=True,
+    )
 
 
 def bf16_parity(rank, world):
@@ -85,11 +106,11 @@ def bf16_parity(rank, world):
     base = IntGradNet().to(torch.bfloat16)
     ours = zerokern.shard_model(copy.deepcopy(base))
     ref = copy.deepcopy(base)
-    masters = [p.detach().float().clone().requires_grad_(p.requires_grad)
-               for p in ref.parameters()]
+    masters = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in ref.parameters()]
     opt = zerokern.ZeroAdamW(ours.parameters(), lr=1e-2, betas=(0.9, 0.95), stage=3)
-    ropt = torch.optim.AdamW([m for m in masters if m.requires_grad], lr=1e-2,
-                             betas=(0.9, 0.95), foreach=False)
+    ropt = torch.optim.AdamW(
+        [m for m in masters if m.requires_grad], lr=1e-2, betas=(0.9, 0.95), foreach=False
+    )
     for step in range(STEPS):
         ours(step, rank).backward()
         ref(step, rank).backward()
@@ -168,3 +189,37 @@ def test_misuse_errors():
     # Released parameters are empty outside the forward: full_state_dict shows them.
     assert model.head.weight.numel() == 0
     assert zerokern.full_state_dict(model)["head.weight"].shape == (37, 13)
+
+
+def state_dict_round_trip(rank, world):
+    torch.manual_seed(0)
+    m = zerokern.shard_model(TinyGPT(), unit_classes=(Block,))
+    opt = zerokern.ZeroAdamW(m.parameters(), lr=1e-2, stage=3)
+
+    def train(model, o, steps):
+        for step in steps:
+            x, y = batch(step, rank)
+            F.cross_entropy(model(x), y).backward()
+            o.step()
+            o.zero_grad()
+
+    train(m, opt, range(2))
+    sd = m.state_dict()  # full parameters, gathered unit by unit
+    assert sd["head.weight"].shape == (37, 13)
+    TinyGPT().load_state_dict(sd)  # loads into the unwrapped model
+    osd = copy.deepcopy(opt.state_dict())
+    train(m, opt, range(2, 4))
+    ref = m.state_dict()
+    torch.manual_seed(5)  # a different initialisation, overwritten by the load
+    m2 = zerokern.shard_model(TinyGPT(), unit_classes=(Block,))
+    m2.load_state_dict(sd)
+    opt2 = zerokern.ZeroAdamW(m2.parameters(), lr=1e-2, stage=3)
+    opt2.load_state_dict(osd)
+    train(m2, opt2, range(2, 4))
+    got = m2.state_dict()
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+
+
+def test_model_and_optimizer_state_dict_round_trip_bitwise(tmp_path):
+    run_ranks(2, state_dict_round_trip, tmp_path=tmp_path)

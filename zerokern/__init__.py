@@ -2,6 +2,7 @@
 
 from . import ops
 from ._native import has_cuda_kernels, has_native
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .memory import Arena, ArenaOutOfMemory, Block
 from .zero import ZeroAdamW, full_state_dict, shard_model
 
@@ -11,11 +12,14 @@ __all__ = [
     "Arena",
     "ArenaOutOfMemory",
     "Block",
+    "CheckpointError",
     "ZeroAdamW",
     "full_state_dict",
     "shard_model",
     "__version__",
     "has_cuda_kernels",
     "has_native",
+    "load_checkpoint",
     "ops",
+    "save_checkpoint",
 ]

@@ -13,8 +13,7 @@ import importlib
 import os
 import sys
 
-# (command name, module path, one-line help). Add "demo" and "consolidate" here once their
-# modules exist in zerokern/cli/.
+# (command name, module path, one-line help); modules are imported only when run.
 COMMANDS: list[tuple[str, str, str]] = [
     (
         "estimate",
@@ -25,6 +24,11 @@ COMMANDS: list[tuple[str, str, str]] = [
         "demo",
         "zerokern.cli.demo",
         "train a small GPT with ZeRO stages 0-3; memory and communication vs the paper",
+    ),
+    (
+        "consolidate",
+        "zerokern.cli.consolidate",
+        "turn a zerokern checkpoint into a plain fp32 state dict (+ AdamW state), streaming",
     ),
 ]
 

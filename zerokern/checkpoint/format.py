@@ -15,10 +15,9 @@ not manage (frozen, or left out of it), ``buffer/<name>`` a persistent buffer (r
 ``[param name, param offset, numel, tensor, offset in tensor]`` rows (tensor "state" means the
 master/exp_avg/exp_avg_sq triple), plus sizes and sha256 of every file.
 
-This module has no knowledge of ZeroAdamW: safetensors writing (streamed, with no copy of the
-data), header parsing and validation, the piece index that answers "which byte ranges hold
-elements [lo, hi) of parameter X", atomic publication of a directory, and a streaming writer of
-``torch.save``'s zip format.
+This module knows nothing of ZeroAdamW: a streaming safetensors writer (no copy of the data),
+header parsing with validation, the piece index ("which byte ranges hold elements [lo, hi) of
+parameter X") and atomic publication of a directory. meta.json checks are in load.py.
 """
 
 from __future__ import annotations
@@ -27,17 +26,14 @@ import bisect
 import ctypes
 import errno
 import hashlib
-import io
 import json
 import math
 import os
-import pickle
 import re
 import shutil
 import struct
 import sys
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,11 +45,13 @@ META = "meta.json"
 CHUNK_BYTES = 64 << 20  # reads and writes of one tensor are cut into pieces of this size
 _MAX_HEADER = 256 << 20
 
+# fmt: off
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }
+# fmt: on
 CODES = {v: k for k, v in DTYPES.items()}
 
 
@@ -107,8 +105,10 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 
 # -- safetensors, written and read by hand ----------------------------------------------------
-def safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
-                       metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
+def safetensors_header(
+    entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+    metadata: dict[str, str] | None = None,
+) -> tuple[bytes, list[int]]:
     """The 8-byte length + JSON header for tensors laid out in ``entries`` order, padded with
     spaces so the data starts on an 8-byte boundary; and each tensor's size in bytes."""
     header: dict[str, Any] = {}
@@ -119,8 +119,11 @@ def safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]]
         if name in header or name == "__metadata__":
             raise ValueError(f"duplicate tensor name {name!r}")
         n = math.prod(int(s) for s in shape) * torch.empty(0, dtype=dtype).element_size()
-        header[name] = {"dtype": CODES[dtype], "shape": [int(s) for s in shape],
-                        "data_offsets": [off, off + n]}
+        header[name] = {
+            "dtype": CODES[dtype],
+            "shape": [int(s) for s in shape],
+            "data_offsets": [off, off + n],
+        }
         sizes.append(n)
         off += n
     js = json.dumps(header, separators=(",", ":")).encode()
@@ -133,8 +136,12 @@ class StreamWriter:
     more than the chunk given: the header is computed from the shapes first. The data go to
     ``path.partial`` (sha256 computed on the way), which close() fsyncs and renames."""
 
-    def __init__(self, path: str, entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
-                 metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         self.path, self.tmp = path, path + ".partial"
         header, self._sizes = safetensors_header(entries, metadata)
         self._names = [e[0] for e in entries]
@@ -243,45 +250,6 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     return out, meta
 
 
-class RangeReader:
-    """Element ranges of a safetensors file read with pread: no memory map, so what was read
-    is freed when the caller drops it (the consolidation keeps its peak memory to one chunk)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.tensors, self.metadata = read_header(path)
-        self._fd = os.open(path, os.O_RDONLY)
-
-    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        t = self.tensors[name]
-        out = torch.empty(max(hi - lo, 0), dtype=t.dtype)
-        self.read_into(name, lo, out)
-        return out
-
-    def read_into(self, name: str, lo: int, dst: torch.Tensor) -> None:
-        """Elements [lo, lo + dst.numel()) of ``name`` straight into ``dst`` (contiguous, CPU,
-        the stored dtype): no intermediate buffer."""
-        t, hi = self.tensors[name], lo + dst.numel()
-        if not 0 <= lo <= hi <= t.numel or dst.dtype != t.dtype or not dst.is_contiguous():
-            raise CheckpointError(
-                f"{os.path.basename(self.path)}: cannot read elements [{lo}, {hi}) of {name!r} "
-                f"({t.numel} elements of {t.dtype}) into a {dst.dtype} tensor"
-            )
-        if dst.numel() == 0:
-            return
-        view = memoryview(dst.view(torch.uint8).numpy()).cast("B")
-        off = t.begin + lo * dst.element_size()
-        got = 0
-        while got < view.nbytes:
-            k = os.preadv(self._fd, [view[got:]], off + got)
-            if k <= 0:
-                raise CheckpointError(f"{os.path.basename(self.path)}: unexpected end of file")
-            got += k
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
 def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -322,12 +290,15 @@ class PieceIndex:
             spans = self.by_name.get(name, [])
             for s in spans:
                 if s.param_offset != pos or s.numel <= 0:
-                    raise CheckpointError(f"{META}: the pieces of {name!r} leave a gap or overlap "
-                                          f"at element {pos} (in {s.file})")
+                    raise CheckpointError(
+                        f"{META}: the pieces of {name!r} leave a gap or overlap "
+                        f"at element {pos} (in {s.file})"
+                    )
                 pos += s.numel
             if pos != numel:
-                raise CheckpointError(f"{META}: the pieces of {name!r} cover {pos} of its "
-                                      f"{numel} elements")
+                raise CheckpointError(
+                    f"{META}: the pieces of {name!r} cover {pos} of its {numel} elements"
+                )
             if len({s.tensor for s in spans}) > 1:
                 raise CheckpointError(f"{META}: {name!r} is stored in more than one tensor kind")
 
@@ -343,8 +314,8 @@ class PieceIndex:
             s = spans[k]
             a, b = max(lo, s.param_offset), min(hi, s.param_offset + s.numel)
             if a < b:
-                yield a - lo, s.file, s.tensor, s.offset + a - s.param_offset, \
-                    s.offset + b - s.param_offset
+                d = s.offset - s.param_offset
+                yield a - lo, s.file, s.tensor, a + d, b + d
             k += 1
 
 
@@ -352,54 +323,6 @@ def chunks(begin: int, end: int, element_size: int) -> Iterator[tuple[int, int]]
     step = max(1, CHUNK_BYTES // element_size)
     for a in range(begin, end, step):
         yield a, min(end, a + step)
-
-
-# -- meta.json and validation -------------------------------------------------------------------
-def read_meta(ckpt: str) -> dict[str, Any]:
-    path = os.path.join(ckpt, META)
-    if not os.path.isfile(path):
-        raise CheckpointError(
-            f"{ckpt}: {META} is missing: the checkpoint is incomplete (a save did not finish; "
-            f"{META} is written last) or this is not a zerokern checkpoint")
-    try:
-        with open(path, "rb") as f:
-            meta = json.load(f)
-    except ValueError as exc:
-        raise CheckpointError(f"{META} is corrupt ({path}): {exc}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a zerokern checkpoint's {META}")
-    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format version {meta['format_version']} was written by "
-                              f"a newer zerokern (this one reads up to {FORMAT_VERSION})")
-    return meta
-
-
-def check_files(ckpt: str, meta: dict[str, Any], *, checksum: Callable[[int], bool]) -> None:
-    """Every file meta.json names exists with the recorded size and a consistent header, and
-    its sha256 matches for the files ``checksum(index)`` selects."""
-    for i, f in enumerate(meta["files"]):
-        path = os.path.join(ckpt, f["name"])
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{f['name']} is missing from {ckpt} ({META} lists it): the "
-                                  f"checkpoint is incomplete")
-        size = os.path.getsize(path)
-        if size != f["bytes"]:
-            raise CheckpointError(f"{f['name']} is truncated or modified ({path}): {size} bytes, "
-                                  f"{META} records {f['bytes']}")
-        tensors, _ = read_header(path)
-        need: dict[str, int] = {}
-        for _name, _po, n, tensor, off in f["pieces"]:
-            for t in (("master", "exp_avg", "exp_avg_sq") if tensor == "state" else (tensor,)):
-                need[t] = max(need.get(t, 0), off + n)
-        for b in f.get("buffers", []):
-            need["buffer/" + b] = 0
-        for t, n in need.items():
-            if t not in tensors or tensors[t].numel < n:
-                raise CheckpointError(f"{f['name']} is corrupt ({path}): tensor {t!r} is "
-                                      f"missing or shorter than {META} says")
-        if checksum(i) and sha256_file(path) != f["sha256"]:
-            raise CheckpointError(f"{f['name']} is corrupt ({path}): its sha256 does not match "
-                                  f"the one recorded in {META}")
 
 
 # -- publishing a directory atomically ----------------------------------------------------------
@@ -441,7 +364,7 @@ def publish(tmp: str, path: str, nonce: str) -> None:
     With RENAME_EXCHANGE (Linux, most local filesystems) ``path`` switches from the old to the
     new checkpoint in one atomic step. Otherwise: rename old to ``path.old-<nonce>``, rename new
     to ``path``; a crash between the two leaves no ``path`` but two complete siblings, and
-    ``resolve`` (used by load_checkpoint) picks the newer one."""
+    load.resolve (used by load_checkpoint) picks the newer one."""
     fsync_dir(tmp)
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.lexists(path):
@@ -469,124 +392,8 @@ def siblings(path: str) -> list[str]:
         names = os.listdir(parent)
     except FileNotFoundError:
         return []
-    return [os.path.join(parent, n) for n in names
-            if n.startswith(base + ".") and _NONCE.fullmatch(n[len(base):])]
-
-
-def resolve(path: str) -> str:
-    """The directory to load for ``path``: itself, or after a save that crashed between its
-    two renames (filesystems without RENAME_EXCHANGE), the newest complete sibling."""
-    if os.path.isdir(path) or os.path.lexists(path):
-        return path
-    found = []
-    for d in siblings(path):
-        try:
-            meta = read_meta(d)
-            check_files(d, meta, checksum=lambda i: False)
-        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
-            continue
-        found.append((int(meta.get("created_ns", 0)), d))
-    if not found:
-        raise CheckpointError(f"no checkpoint at {path}")
-    return max(found)[1]
-
-
-# -- torch.save's zip format, one tensor in memory at a time ------------------------------------
-class LazyTensor:
-    """Stands for a tensor in an object given to ``stream_torch_save``: pickled exactly like a
-    CPU tensor, its data produced by ``make()`` only when its record is written."""
-
-    def __init__(self, shape: Sequence[int], dtype: torch.dtype,
-                 make: Callable[[], torch.Tensor]) -> None:
-        self.shape, self.dtype, self.make = tuple(int(s) for s in shape), dtype, make
-        self.key: str | None = None
-
-    def __reduce_ex__(self, protocol: int) -> Any:
-        stride = tuple(int(s) for s in torch.empty(self.shape, device="meta").stride())
-        return (torch._utils._rebuild_tensor_v2,
-                (_StorageRef(self), 0, self.shape, stride, False, OrderedDict()))
-
-
-class _StorageRef:
-    def __init__(self, t: LazyTensor) -> None:
-        self.t = t
-
-
-def stream_torch_save(obj: Any, path: str) -> None:
-    """``torch.save(obj, path)`` where ``obj`` holds LazyTensors: the same pickle and zip
-    records torch.save writes (loads with ``torch.load(weights_only=True)``), but each tensor is
-    made, written and dropped in turn. Uses torch's zip writer (torch.serialization internals);
-    if they are missing, falls back to materialising everything and calling torch.save."""
-    tmp = path + ".partial"
-    try:
-        opener = torch.serialization._open_zipfile_writer
-        alignment = str(torch.serialization._get_storage_alignment())
-    except AttributeError:
-        torch.save(_materialize(obj), tmp)
-        _fsync_replace(tmp, path)
-        return
-    records: list[tuple[str, Callable[[], Any]]] = []
-    seen: dict[int, str] = {}
-    storage_types = torch.storage._dtype_to_storage_type_map()
-
-    def lazy(t: LazyTensor) -> torch.Tensor:
-        v = t.make().detach().to("cpu", t.dtype).contiguous()
-        if tuple(v.shape) != t.shape:
-            raise ValueError(f"tensor {t.key}: made {tuple(v.shape)}, expected {t.shape}")
-        return v  # may view a larger buffer: only its own bytes are written
-
-    class Pickler(pickle.Pickler):
-        def persistent_id(self, o: Any) -> Any:
-            if isinstance(o, _StorageRef):  # as torch.save's persistent_id, for a LazyTensor
-                t = o.t
-                if t.key is None:
-                    t.key = str(len(records))
-                    records.append((t.key, lambda t=t: lazy(t)))
-                st = getattr(torch, storage_types[t.dtype])
-                return ("storage", st, t.key, "cpu", math.prod(t.shape))
-            if isinstance(o, torch.storage.TypedStorage):  # a real (small) tensor
-                key = seen.get(o._untyped_storage._cdata)
-                if key is None:
-                    key = seen[o._untyped_storage._cdata] = str(len(records))
-                    u = o._untyped_storage.cpu()
-                    records.append((key, lambda u=u: u))
-                st = getattr(torch, o._pickle_storage_type())
-                return ("storage", st, key, "cpu", o._size())
-            return None
-
-    buf = io.BytesIO()
-    Pickler(buf, protocol=2).dump(obj)
-    data = buf.getvalue()
-    with opener(tmp) as zf:
-        zf.write_record("data.pkl", data, len(data))
-        zf.write_record(".format_version", "1", 1)
-        zf.write_record(".storage_alignment", alignment, len(alignment))
-        zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        for key, make in records:
-            v = make()
-            if isinstance(v, torch.Tensor):  # its bytes: the first ones of its storage
-                v = v if v.storage_offset() == 0 else v.clone()
-                zf.write_record(f"data/{key}", v.untyped_storage(), v.numel() * v.element_size())
-            else:
-                zf.write_record(f"data/{key}", v, v.nbytes())
-            del v
-    _fsync_replace(tmp, path)
-
-
-def _materialize(obj: Any) -> Any:
-    if isinstance(obj, LazyTensor):
-        return obj.make().to("cpu", obj.dtype).reshape(obj.shape)
-    if isinstance(obj, dict):
-        return {k: _materialize(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_materialize(v) for v in obj)
-    return obj
-
-
-def _fsync_replace(tmp: str, path: str) -> None:
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    return [
+        os.path.join(parent, n)
+        for n in names
+        if n.startswith(base + ".") and _NONCE.fullmatch(n[len(base) :])
+    ]

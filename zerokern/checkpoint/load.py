@@ -23,8 +23,10 @@ reported as such.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -32,14 +34,94 @@ from typing import Any
 import torch
 
 from .format import (
+    FORMAT,
+    FORMAT_VERSION,
+    META,
     CheckpointError,
     PieceIndex,
-    check_files,
     chunks,
-    read_meta,
-    resolve,
+    read_header,
+    sha256_file,
+    siblings,
 )
 from .save import ModelNames, _values, agree, attempt, model_names
+
+
+# -- meta.json and the files it names ----------------------------------------------------------
+def read_meta(ckpt: str) -> dict[str, Any]:
+    path = os.path.join(ckpt, META)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"{ckpt}: {META} is missing: the checkpoint is incomplete (a save did not finish; "
+            f"{META} is written last) or this is not a zerokern checkpoint"
+        )
+    try:
+        with open(path, "rb") as f:
+            meta = json.load(f)
+    except ValueError as exc:
+        raise CheckpointError(f"{META} is corrupt ({path}): {exc}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a zerokern checkpoint's {META}")
+    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format version {meta['format_version']} was written by "
+            f"a newer zerokern (this one reads up to {FORMAT_VERSION})"
+        )
+    return meta
+
+
+def check_files(ckpt: str, meta: dict[str, Any], *, checksum: Callable[[int], bool]) -> None:
+    """Every file meta.json names exists with the recorded size and a consistent header, and
+    its sha256 matches for the files ``checksum(index)`` selects."""
+    for i, f in enumerate(meta["files"]):
+        path = os.path.join(ckpt, f["name"])
+        if not os.path.isfile(path):
+            raise CheckpointError(
+                f"{f['name']} is missing from {ckpt} ({META} lists it): the "
+                f"checkpoint is incomplete"
+            )
+        size = os.path.getsize(path)
+        if size != f["bytes"]:
+            raise CheckpointError(
+                f"{f['name']} is truncated or modified ({path}): {size} bytes, "
+                f"{META} records {f['bytes']}"
+            )
+        tensors, _ = read_header(path)
+        need: dict[str, int] = {}
+        for _name, _po, n, tensor, off in f["pieces"]:
+            for t in ("master", "exp_avg", "exp_avg_sq") if tensor == "state" else (tensor,):
+                need[t] = max(need.get(t, 0), off + n)
+        for b in f.get("buffers", []):
+            need["buffer/" + b] = 0
+        for t, n in need.items():
+            if t not in tensors or tensors[t].numel < n:
+                raise CheckpointError(
+                    f"{f['name']} is corrupt ({path}): tensor {t!r} is "
+                    f"missing or shorter than {META} says"
+                )
+        if checksum(i) and sha256_file(path) != f["sha256"]:
+            raise CheckpointError(
+                f"{f['name']} is corrupt ({path}): its sha256 does not match "
+                f"the one recorded in {META}"
+            )
+
+
+def resolve(path: str) -> str:
+    """The directory to load for ``path``: itself, or after a save that crashed between its
+    two renames (filesystems without RENAME_EXCHANGE), the newest complete sibling."""
+    if os.path.isdir(path) or os.path.lexists(path):
+        return path
+    found = []
+    for d in siblings(path):
+        try:
+            meta = read_meta(d)
+            check_files(d, meta, checksum=lambda i: False)
+        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+            continue
+        found.append((int(meta.get("created_ns", 0)), d))
+    if not found:
+        raise CheckpointError(f"no checkpoint at {path}")
+    return max(found)[1]
 
 
 @dataclass
@@ -50,8 +132,7 @@ class Opened:
     buffer_file: dict[str, str]
 
 
-def open_checkpoint(path: str, *, rank: int = 0, world: int = 1,
-                    verify: bool = True) -> Opened:
+def open_checkpoint(path: str, *, rank: int = 0, world: int = 1, verify: bool = True) -> Opened:
     """meta.json plus every check that needs no model; sha256 of files index % world == rank."""
     d = resolve(path)
     meta = read_meta(d)
@@ -77,15 +158,18 @@ class Match:
 
 
 def _names_list(names: list[str]) -> str:
-    return ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more"
-                                                    if len(names) > 5 else "")
+    return ", ".join(repr(n) for n in names[:5]) + (
+        f" and {len(names) - 5} more" if len(names) > 5 else ""
+    )
 
 
 def match(ck: Opened, model: torch.nn.Module, opt: Any) -> Match:
     meta, rt = ck.meta, opt._rt
     if rt is not None and getattr(model, "_zk_stage3", None) is not rt:
-        raise ValueError("model: the optimizer is stage 3 but this model is not the one it "
-                         "was built on (pass the shard_model'ed model)")
+        raise ValueError(
+            "model: the optimizer is stage 3 but this model is not the one it "
+            "was built on (pass the shard_model'ed model)"
+        )
     names = model_names(model)
     saved = meta["params"]
     missing = [n for n in names.params if n not in saved]
@@ -95,42 +179,56 @@ def match(ck: Opened, model: torch.nn.Module, opt: Any) -> Match:
             f"{ck.dir} does not fit the model: "
             + (f"missing parameters {_names_list(missing)}" if missing else "")
             + ("; " if missing and unexpected else "")
-            + (f"unexpected parameters {_names_list(unexpected)}" if unexpected else ""))
+            + (f"unexpected parameters {_names_list(unexpected)}" if unexpected else "")
+        )
     for n, p in names.params.items():
         shape = list(rt.shape_of(p) if rt is not None else p.shape)
         if shape != saved[n]["shape"]:
-            raise CheckpointError(f"{ck.dir}: parameter {n!r} has shape {saved[n]['shape']} in "
-                                  f"the checkpoint, {shape} in the model")
+            raise CheckpointError(
+                f"{ck.dir}: parameter {n!r} has shape {saved[n]['shape']} in "
+                f"the checkpoint, {shape} in the model"
+            )
     bmiss = [n for n in names.buffers if n not in meta["buffers"]]
     bextra = [n for n in meta["buffers"] if n not in names.buffers]
     if bmiss or bextra:
-        raise CheckpointError(f"{ck.dir} does not fit the model's buffers: missing "
-                              f"{_names_list(bmiss) or 'none'}, unexpected "
-                              f"{_names_list(bextra) or 'none'}")
+        raise CheckpointError(
+            f"{ck.dir} does not fit the model's buffers: missing "
+            f"{_names_list(bmiss) or 'none'}, unexpected "
+            f"{_names_list(bextra) or 'none'}"
+        )
     for n, b in names.buffers.items():
         if list(b.shape) != meta["buffers"][n]["shape"]:
-            raise CheckpointError(f"{ck.dir}: buffer {n!r} has shape "
-                                  f"{meta['buffers'][n]['shape']} in the checkpoint, "
-                                  f"{list(b.shape)} in the model")
+            raise CheckpointError(
+                f"{ck.dir}: buffer {n!r} has shape "
+                f"{meta['buffers'][n]['shape']} in the checkpoint, "
+                f"{list(b.shape)} in the model"
+            )
     managed = {id(p): i for i, p in enumerate(opt._params)}
     for p in opt._params:
         n = names.param.get(id(p))
         if n is None:
             raise ValueError("the optimizer manages a parameter that is not in the model")
         if ck.index.kind(n) != "state":
-            raise CheckpointError(f"{ck.dir}: {n!r} was not trained when saved (no optimizer "
-                                  f"state), but this optimizer trains it")
+            raise CheckpointError(
+                f"{ck.dir}: {n!r} was not trained when saved (no optimizer "
+                f"state), but this optimizer trains it"
+            )
     groups: list[int | None] = []
     for g, grp in enumerate(opt.param_groups):
         src = {saved[names.param[id(p)]]["group"] for p in grp["params"] if id(p) in managed}
         if len(src) > 1:
-            raise CheckpointError(f"param group {g} mixes parameters of saved param groups "
-                                  f"{sorted(src)}; build the groups as when saving")
+            raise CheckpointError(
+                f"param group {g} mixes parameters of saved param groups "
+                f"{sorted(src)}; build the groups as when saving"
+            )
         groups.append(src.pop() if src else None)
     order = None
     if rt is None and opt.layout is None and meta.get("ready_order"):
-        order = [managed[id(names.params[n])] for n in meta["ready_order"]
-                 if n in names.params and id(names.params[n]) in managed]
+        order = [
+            managed[id(names.params[n])]
+            for n in meta["ready_order"]
+            if n in names.params and id(names.params[n]) in managed
+        ]
     return Match(names, managed, groups, order)
 
 
@@ -203,8 +301,11 @@ def apply(ck: Opened, m: Match, model: torch.nn.Module, opt: Any) -> None:
         if opt.scaler is not None:
             opt.scaler.load_state_dict(meta["scaler"])
         else:
-            warnings.warn("the checkpoint has loss-scaler state but this optimizer has no "
-                          "loss_scale; it is ignored", stacklevel=3)
+            warnings.warn(
+                "the checkpoint has loss-scaler state but this optimizer has no "
+                "loss_scale; it is ignored",
+                stacklevel=3,
+            )
 
 
 def _read_param(rd: _Reader, name: str, p: torch.Tensor) -> None:
@@ -234,8 +335,9 @@ def _apply_stage3(rd: _Reader, m: Match, opt: Any, vals: torch.Tensor) -> None:
                 rt.local_params.narrow(0, s, k).copy_(opt.master.narrow(0, s, k))
 
 
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, *,
-                    verify: bool = True) -> Any:
+def load_checkpoint(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, *, verify: bool = True
+) -> Any:
     """Restore ``model`` and its ``ZeroAdamW`` from ``path`` (call on every rank) and return
     the ``extra`` given to save_checkpoint. The world size, the stage and the parameter dtype
     may differ from the run that saved it; parameter names and shapes must match.
@@ -247,12 +349,12 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     opt, comm = optimizer, optimizer.comm
     path = os.path.normpath(os.fspath(path))
     what = f"load_checkpoint({path})"
-    msg, exc, ck = attempt(lambda: open_checkpoint(path, rank=comm.rank, world=comm.world_size,
-                                                   verify=verify))
+    msg, exc, ck = attempt(
+        lambda: open_checkpoint(path, rank=comm.rank, world=comm.world_size, verify=verify)
+    )
     agree(comm, what, msg, exc)
     msg, exc, m = attempt(lambda: match(ck, model, opt))
     agree(comm, what, msg, exc)
     msg, exc, _ = attempt(lambda: apply(ck, m, model, opt))
-    agree(comm, what + " failed part-way; the model and optimizer are partially loaded", msg,
-          exc)
+    agree(comm, what + " failed part-way; the model and optimizer are partially loaded", msg, exc)
     return ck.meta.get("extra")

@@ -103,8 +103,9 @@ def _jsonable(key: str, v: Any) -> Any:
     try:
         json.dumps(v)
     except (TypeError, ValueError):
-        raise TypeError(f"param group entry {key!r} ({type(v).__name__}) cannot be written to "
-                        f"{META}") from None
+        raise TypeError(
+            f"param group entry {key!r} ({type(v).__name__}) cannot be written to {META}"
+        ) from None
     return v
 
 
@@ -121,8 +122,10 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
     rank, world = opt.comm.rank, opt.comm.world_size
     rt = opt._rt
     if rt is not None and getattr(model, "_zk_stage3", None) is not rt:
-        raise ValueError("model: the optimizer is stage 3 but this model is not the one it "
-                         "was built on (pass the shard_model'ed model)")
+        raise ValueError(
+            "model: the optimizer is stage 3 but this model is not the one it "
+            "was built on (pass the shard_model'ed model)"
+        )
     names = model_names(model)
     managed = {id(p): i for i, p in enumerate(opt._params)}
     for i, p in enumerate(opt._params):
@@ -142,8 +145,10 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
                 mine.append(pc)
             acc += pc.numel
         pieces = mine
-    state = [(names.param[id(opt._params[pc.param])], pc.param_offset, pc.numel, pc.local_start)
-             for pc in pieces]
+    state = [
+        (names.param[id(opt._params[pc.param])], pc.param_offset, pc.numel, pc.local_start)
+        for pc in pieces
+    ]
     frozen: dict[torch.dtype, list] = {}
     if rt is not None:  # stage 3: frozen parameters are sharded in the units like the rest
         for u in rt.units:
@@ -151,8 +156,14 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
                 p = u.params[sp.param_index]
                 if id(p) not in managed:
                     frozen.setdefault(rt.dtype, []).append(
-                        (names.param[id(p)], sp.param_offset, sp.numel, rt.local_params,
-                         u.shard_start + sp.local_offset))
+                        (
+                            names.param[id(p)],
+                            sp.param_offset,
+                            sp.numel,
+                            rt.local_params,
+                            u.shard_start + sp.local_offset,
+                        )
+                    )
     elif rank == 0:
         for n, p in names.params.items():
             if id(p) not in managed:
@@ -162,24 +173,42 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
     for n, p in names.params.items():
         i = managed.get(id(p))
         shape = rt.shape_of(p) if rt is not None else p.shape
-        params[n] = {"shape": list(shape), "dtype": dtype_name(p.dtype), "managed": i is not None,
-                     "group": group_of.get(id(p)), "step": None if i is None else opt._steps[i]}
+        params[n] = {
+            "shape": list(shape),
+            "dtype": dtype_name(p.dtype),
+            "managed": i is not None,
+            "group": group_of.get(id(p)),
+            "step": None if i is None else opt._steps[i],
+        }
     groups = []
     for g, grp in enumerate(opt.param_groups):
         missing = [k for k, p in enumerate(grp["params"]) if id(p) not in names.param]
         if missing:
             raise ValueError(f"param group {g}: parameter {missing[0]} is not in the model")
-        groups.append({"hyper": {k: _jsonable(k, v) for k, v in grp.items() if k != "params"},
-                       "params": [names.param[id(p)] for p in grp["params"]]})
+        groups.append(
+            {
+                "hyper": {k: _jsonable(k, v) for k, v in grp.items() if k != "params"},
+                "params": [names.param[id(p)] for p in grp["params"]],
+            }
+        )
     from .. import __version__
 
     meta = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "zerokern_version": __version__,
-        "torch_version": torch.__version__, "created_ns": time.time_ns(),
-        "world_size": world, "stage": opt.stage, "param_dtype": dtype_name(opt.dtype),
-        "params": params, "aliases": names.aliases, "state_dict_keys": names.state_dict_keys,
-        "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
-                    for n, b in names.buffers.items()},
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "zerokern_version": __version__,
+        "torch_version": torch.__version__,
+        "created_ns": time.time_ns(),
+        "world_size": world,
+        "stage": opt.stage,
+        "param_dtype": dtype_name(opt.dtype),
+        "params": params,
+        "aliases": names.aliases,
+        "state_dict_keys": names.state_dict_keys,
+        "buffers": {
+            n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
+            for n, b in names.buffers.items()
+        },
         "param_groups": groups,
         "ready_order": [names.param[id(opt._params[i])] for i in L.ready_order] or None,
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
@@ -202,6 +231,7 @@ def write_rank_file(path: str, rank: int, opt: Any, plan: Plan, nonce: str) -> d
         def run(w: StreamWriter) -> None:
             for _, _, k, start in plan.state:
                 _write_range(w, key, src, start, k)
+
         return run
 
     for key, src in (("master", vals), ("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
@@ -215,15 +245,23 @@ def write_rank_file(path: str, rank: int, opt: Any, plan: Plan, nonce: str) -> d
         def frozen_job(w: StreamWriter, key: str = key, rows: list = rows) -> None:
             for _, _, k, src, start in rows:
                 _write_range(w, key, src, start, k)
+
         jobs.append(((key, dt, [off]), frozen_job))
     for name, b in plan.buffers.items():
-        jobs.append(((f"buffer/{name}", b.dtype, list(b.shape)),
-                     lambda w, key=f"buffer/{name}", b=b: w.write(key, b)))
+        jobs.append(
+            (
+                (f"buffer/{name}", b.dtype, list(b.shape)),
+                lambda w, key=f"buffer/{name}", b=b: w.write(key, b),
+            )
+        )
     # Wider elements first, so every tensor starts aligned to its element size.
     jobs.sort(key=lambda j: -torch.empty(0, dtype=j[0][1]).element_size())
     name = rank_file(rank)
-    w = StreamWriter(os.path.join(path, name), [j[0] for j in jobs],
-                     {"format": FORMAT, "rank": str(rank), "save_id": nonce})
+    w = StreamWriter(
+        os.path.join(path, name),
+        [j[0] for j in jobs],
+        {"format": FORMAT, "rank": str(rank), "save_id": nonce},
+    )
     try:
         with torch.no_grad():
             for _, job in jobs:
@@ -232,8 +270,14 @@ def write_rank_file(path: str, rank: int, opt: Any, plan: Plan, nonce: str) -> d
     except Exception:  # a kill leaves the .partial file, like a real crash
         w.abort()
         raise
-    return {"name": name, "rank": rank, "bytes": size, "sha256": sha, "pieces": table,
-            "buffers": list(plan.buffers)}
+    return {
+        "name": name,
+        "rank": rank,
+        "bytes": size,
+        "sha256": sha,
+        "pieces": table,
+        "buffers": list(plan.buffers),
+    }
 
 
 def _write_range(w: StreamWriter, key: str, src: torch.Tensor, start: int, numel: int) -> None:
@@ -268,8 +312,10 @@ def _prepare(path: str) -> str:
         if not os.path.isdir(path):
             raise CheckpointError(f"{path} exists and is not a directory; not overwriting it")
         if os.listdir(path) and not os.path.exists(os.path.join(path, META)):
-            raise CheckpointError(f"{path} is a non-empty directory that is not a zerokern "
-                                  f"checkpoint (no {META}); not overwriting it")
+            raise CheckpointError(
+                f"{path} is a non-empty directory that is not a zerokern "
+                f"checkpoint (no {META}); not overwriting it"
+            )
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     nonce = secrets.token_hex(8)
@@ -284,19 +330,24 @@ def _finish(path: str, tmp: str, nonce: str, meta: dict[str, Any], files: list[d
             raise CheckpointError(
                 f"rank 0 cannot see {f['name']} (written by rank {f['rank']}) with its "
                 f"{f['bytes']} bytes in {tmp}: save_checkpoint needs a directory on a "
-                f"filesystem shared by all ranks")
+                f"filesystem shared by all ranks"
+            )
     meta = {**meta, "save_id": nonce, "files": files}
     PieceIndex(meta).check(meta["params"])  # every element of every parameter, exactly once
-    atomic_write_bytes(os.path.join(tmp, META),
-                       json.dumps(meta, indent=1, sort_keys=False).encode())
+    # One top-level key per line, values compact: readable, and small for big piece tables.
+    body = ",\n".join(
+        f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in meta.items()
+    )
+    atomic_write_bytes(os.path.join(tmp, META), ("{\n" + body + "\n}\n").encode())
     fsync_dir(tmp)
     publish(tmp, path, nonce)
     for d in siblings(path):  # leftovers of interrupted saves; ours are gone by now
         remove_checkpoint_dir(d)
 
 
-def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, *,
-                    extra: Any = None) -> str:
+def save_checkpoint(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, *, extra: Any = None
+) -> str:
     """Save ``model`` and its ``ZeroAdamW`` optimizer to the directory ``path``; call on every
     rank. Each rank writes only what it owns; nothing is gathered. ``extra`` (JSON-serialisable:
     step counters, scheduler state, data-loader position) comes back from load_checkpoint.
@@ -312,7 +363,12 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     nonce = None
     if comm.rank == 0 and msg is None:
         msg, exc, nonce = attempt(lambda: _prepare(path))
-    agree(comm, what, msg, exc)
+    try:
+        agree(comm, what, msg, exc)
+    except CheckpointError:
+        if nonce is not None:  # rank 0 made the directory before another rank failed
+            remove_checkpoint_dir(tmp_dir(path, nonce))
+        raise
     nonce = comm.all_gather_object(nonce)[0]
     tmp = tmp_dir(path, nonce)
     msg, exc, info = attempt(lambda: write_rank_file(tmp, comm.rank, opt, plan, nonce))

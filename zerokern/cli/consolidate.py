@@ -20,11 +20,26 @@ the ZeroAdamW that saved it (for one group over ``model.parameters()``: indices 
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
+import pickle
 import sys
 import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import torch
+
+from ..checkpoint.format import (
+    CheckpointError,
+    StreamWriter,
+    chunks,
+    dtype_from_name,
+    read_header,
+)
+from ..checkpoint.load import Opened, open_checkpoint
 
 HELP = "turn a zerokern checkpoint into a plain fp32 state dict (+ AdamW state), streaming"
 DESCRIPTION = (
@@ -59,25 +74,164 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return configure_parser(p)
 
 
+# -- reading and writing, one tensor at a time -------------------------------------------------
+class RangeReader:
+    """Element ranges of a safetensors file read with pread into the caller's buffer: no
+    memory map, whose touched pages would stay resident until the file is closed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.tensors, self.metadata = read_header(path)
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        t = self.tensors[name]
+        out = torch.empty(max(hi - lo, 0), dtype=t.dtype)
+        self.read_into(name, lo, out)
+        return out
+
+    def read_into(self, name: str, lo: int, dst: torch.Tensor) -> None:
+        """Elements [lo, lo + dst.numel()) of ``name`` straight into ``dst`` (contiguous, CPU,
+        the stored dtype): no intermediate buffer."""
+        t, hi = self.tensors[name], lo + dst.numel()
+        if not 0 <= lo <= hi <= t.numel or dst.dtype != t.dtype or not dst.is_contiguous():
+            raise CheckpointError(
+                f"{os.path.basename(self.path)}: cannot read elements [{lo}, {hi}) of {name!r} "
+                f"({t.numel} elements of {t.dtype}) into a {dst.dtype} tensor"
+            )
+        if dst.numel() == 0:
+            return
+        view = memoryview(dst.view(torch.uint8).numpy()).cast("B")
+        off = t.begin + lo * dst.element_size()
+        got = 0
+        while got < view.nbytes:
+            k = os.preadv(self._fd, [view[got:]], off + got)
+            if k <= 0:
+                raise CheckpointError(f"{os.path.basename(self.path)}: unexpected end of file")
+            got += k
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class LazyTensor:
+    """Stands for a tensor in an object given to ``stream_torch_save``: pickled exactly like a
+    CPU tensor, its data produced by ``make()`` only when its record is written."""
+
+    def __init__(
+        self, shape: Sequence[int], dtype: torch.dtype, make: Callable[[], torch.Tensor]
+    ) -> None:
+        self.shape, self.dtype, self.make = tuple(int(s) for s in shape), dtype, make
+        self.key: str | None = None
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        stride = tuple(int(s) for s in torch.empty(self.shape, device="meta").stride())
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (_StorageRef(self), 0, self.shape, stride, False, OrderedDict()),
+        )
+
+
+class _StorageRef:
+    def __init__(self, t: LazyTensor) -> None:
+        self.t = t
+
+
+def stream_torch_save(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)`` where ``obj`` holds LazyTensors: the same pickle and zip
+    records torch.save writes (loads with ``torch.load(weights_only=True)``), but each tensor is
+    made, written and dropped in turn. Uses torch's zip writer (torch.serialization internals);
+    if they are missing, falls back to materialising everything and calling torch.save."""
+    tmp = path + ".partial"
+    try:
+        opener = torch.serialization._open_zipfile_writer
+        alignment = str(torch.serialization._get_storage_alignment())
+    except AttributeError:
+        torch.save(_materialize(obj), tmp)
+        _fsync_replace(tmp, path)
+        return
+    records: list[tuple[str, Callable[[], Any]]] = []
+    seen: dict[int, str] = {}
+    storage_types = torch.storage._dtype_to_storage_type_map()
+
+    def lazy(t: LazyTensor) -> torch.Tensor:
+        v = t.make().detach().to("cpu", t.dtype).contiguous()
+        if tuple(v.shape) != t.shape:
+            raise ValueError(f"tensor {t.key}: made {tuple(v.shape)}, expected {t.shape}")
+        return v  # may view a larger buffer: only its own bytes are written
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, o: Any) -> Any:
+            if isinstance(o, _StorageRef):  # as torch.save's persistent_id, for a LazyTensor
+                t = o.t
+                if t.key is None:
+                    t.key = str(len(records))
+                    records.append((t.key, lambda t=t: lazy(t)))
+                st = getattr(torch, storage_types[t.dtype])
+                return ("storage", st, t.key, "cpu", math.prod(t.shape))
+            if isinstance(o, torch.storage.TypedStorage):  # a real (small) tensor
+                key = seen.get(o._untyped_storage._cdata)
+                if key is None:
+                    key = seen[o._untyped_storage._cdata] = str(len(records))
+                    u = o._untyped_storage.cpu()
+                    records.append((key, lambda u=u: u))
+                st = getattr(torch, o._pickle_storage_type())
+                return ("storage", st, key, "cpu", o._size())
+            return None
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump(obj)
+    data = buf.getvalue()
+    with opener(tmp) as zf:
+        zf.write_record("data.pkl", data, len(data))
+        zf.write_record(".format_version", "1", 1)
+        zf.write_record(".storage_alignment", alignment, len(alignment))
+        zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key, make in records:
+            v = make()
+            if isinstance(v, torch.Tensor):  # its bytes: the first ones of its storage
+                v = v if v.storage_offset() == 0 else v.clone()
+                zf.write_record(f"data/{key}", v.untyped_storage(), v.numel() * v.element_size())
+            else:
+                zf.write_record(f"data/{key}", v, v.nbytes())
+            del v
+    _fsync_replace(tmp, path)
+
+
+def _materialize(obj: Any) -> Any:
+    if isinstance(obj, LazyTensor):
+        return obj.make().to("cpu", obj.dtype).reshape(obj.shape)
+    if isinstance(obj, dict):
+        return {k: _materialize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_materialize(v) for v in obj)
+    return obj
+
+
+def _fsync_replace(tmp: str, path: str) -> None:
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
 class _Source:
     """Reads parameter elements out of the rank files (pread, no memory map) into one scratch
     buffer that is reused: every tensor is written out before the next read, and one long-lived
     buffer does not fragment the heap the way a fresh allocation per chunk does."""
 
-    def __init__(self, ck: Any) -> None:
+    def __init__(self, ck: Opened) -> None:
         self.ck, self.meta, self.readers = ck, ck.meta, {}
         self._scratch: Any = None
 
-    def reader(self, fname: str) -> Any:
-        from ..checkpoint.format import RangeReader
-
+    def reader(self, fname: str) -> RangeReader:
         if fname not in self.readers:
             self.readers[fname] = RangeReader(os.path.join(self.ck.dir, fname))
         return self.readers[fname]
 
-    def scratch(self, numel: int, dtype: Any) -> Any:
-        import torch
-
+    def scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
         if self._scratch is None or self._scratch.numel() < nbytes:
             self._scratch = None
@@ -90,10 +244,8 @@ class _Source:
             tensor = kind if kind != "state" else ("master" if what == "values" else what)
             yield rel, self.reader(fname), tensor, a, b
 
-    def chunks(self, name: str, dtype: Any) -> Any:
+    def chunks(self, name: str, dtype: torch.dtype) -> Iterator[torch.Tensor]:
         """The values of ``name`` as ``dtype``, chunk after chunk (each valid until the next)."""
-        from ..checkpoint.format import chunks
-
         for _, rd, tensor, a, b in self.spans(name, "values"):
             stored = rd.tensors[tensor].dtype
             for ca, cb in chunks(a, b, 4):
@@ -101,10 +253,8 @@ class _Source:
                 rd.read_into(tensor, ca, buf)
                 yield buf.to(dtype)
 
-    def full(self, name: str, what: str) -> Any:
+    def full(self, name: str, what: str) -> torch.Tensor:
         """exp_avg or exp_avg_sq of ``name`` (fp32), read straight into the scratch buffer."""
-        import torch
-
         shape = self.meta["params"][name]["shape"]
         out = self.scratch(math.prod(shape), torch.float32)
         for rel, rd, tensor, a, b in self.spans(name, what):
@@ -122,8 +272,6 @@ def consolidate(
 ) -> dict[str, Any]:
     """Write the consolidated files; returns sizes. Raises CheckpointError for a bad
     checkpoint (before writing anything)."""
-    from ..checkpoint.load import open_checkpoint
-
     ck = open_checkpoint(path, verify=verify)
     src = _Source(ck)
     try:
@@ -143,10 +291,6 @@ def consolidate(
 
 
 def _write_model(out: str, src: _Source) -> int:
-    import torch
-
-    from ..checkpoint.format import StreamWriter, chunks, dtype_from_name
-
     meta = src.meta
     entries, sources = [], []
     for key in meta["state_dict_keys"]:  # tied names and buffers included, as state_dict()
@@ -162,8 +306,11 @@ def _write_model(out: str, src: _Source) -> int:
     w = StreamWriter(
         out,
         [entries[i] for i in order],
-        {"format": "pt", "source": "zerokern consolidate",
-         "zerokern_version": meta.get("zerokern_version", "")},
+        {
+            "format": "pt",
+            "source": "zerokern consolidate",
+            "zerokern_version": meta.get("zerokern_version", ""),
+        },
     )
     try:
         for i in order:
@@ -188,8 +335,6 @@ def adamw_defaults() -> dict[str, Any]:
     ...), from its signature: constructing one would import torch._dynamo (+150 MB resident)."""
     import inspect
 
-    import torch
-
     sig = inspect.signature(torch.optim.AdamW.__init__).parameters
     out = {
         k: v.default
@@ -205,10 +350,6 @@ def _write_adamw(src: _Source, out: str) -> int:
     """{"state": {i: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]} with i counting
     the parameters of the saved param groups in order, as torch's state_dict() numbers them;
     state only for parameters that took a step (torch creates it lazily, at the first one)."""
-    import torch
-
-    from ..checkpoint.format import LazyTensor, stream_torch_save
-
     defaults = adamw_defaults()
     meta = src.meta
     state: dict[int, Any] = {}
@@ -235,8 +376,6 @@ def _write_adamw(src: _Source, out: str) -> int:
 
 
 def run(args) -> int:
-    from ..checkpoint.format import CheckpointError
-
     t0 = time.perf_counter()
     try:
         r = consolidate(args.path, args.out, args.optimizer, verify=not args.no_verify)

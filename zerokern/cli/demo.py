@@ -101,7 +101,8 @@ def _describe(opts, world: int, backend: str, device: str) -> str:
         f"sequence {cfg.seq}), {world} {device} rank{'s' if world > 1 else ''} over "
         f"{backend}, {opts.precision}, "
         f"global batch {world} x {opts.micro_batch} x {cfg.seq} characters, "
-        f"{opts.steps} steps x {len(opts.stages)} policies (stages "
+        f"{opts.steps} steps x {len(opts.stages)} "
+        f"{'policies (stages' if len(opts.stages) > 1 else 'policy (stage'} "
         f"{' '.join(map(str, opts.stages))})"
     )
 

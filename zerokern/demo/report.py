@@ -228,13 +228,13 @@ def write_png(rows: list[dict], results: list[dict], path: str, title: str) -> s
         hatch="//",
         label="paper formula",
     )
-    extra = [r["state_extra_bytes"] / 1e6 for r in rows]
-    if any(extra):
+    with_extra = [(x, r) for x, r in zip(xs, rows) if r["state_extra_bytes"]]
+    if with_extra:
         ax.bar(
-            [x + 0.2 for x in xs],
-            extra,
+            [x + 0.2 for x, _ in with_extra],
+            [r["state_extra_bytes"] / 1e6 for _, r in with_extra],
             0.4,
-            bottom=[r["state_formula_bytes"] / 1e6 for r in rows],
+            bottom=[r["state_formula_bytes"] / 1e6 for _, r in with_extra],
             color="white",
             edgecolor="red",
             hatch="..",

@@ -25,8 +25,6 @@ from .gpt import GPT, Block, config_for
 
 __all__ = ["DemoOptions", "lr_at", "train_all", "train_policy"]
 
-STATE_KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
-
 
 @dataclass(frozen=True)
 class DemoOptions:
@@ -59,7 +57,7 @@ def _progress(stage: int, done: int, total: int, loss: float, secs: float) -> No
     fill = width * done // total
     bar = "#" * fill + "-" * (width - fill)
     line = (
-        f"stage {stage} [{bar}] {done:>4}/{total} loss {loss:6.3f} "
+        f"stage {stage} [{bar}] {done:>4}/{total} rank-0 loss {loss:6.3f} "
         f"{secs / max(done, 1):5.2f} s/step"
     )
     end = "\n" if done == total else ""

@@ -22,6 +22,10 @@ ALIGN_ELEMS = 32
 DEFAULT_BUCKET_NUMEL = 1 << 23
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 @dataclass(frozen=True)
 class Bucket:
     index: int  # global bucket index (issue order of its collective)
@@ -101,8 +105,8 @@ def build_layout(
         # As many buckets as the requested capacity needs, then the smallest equal capacity
         # that holds the group: padding stays under one alignment unit per bucket instead of
         # up to a whole bucket (13.8M parameters in 2^23 buckets: 0.0% instead of 21%).
-        nb = max(1, -(-total // cap))
-        cap = min(cap, max(unit, -(-(-(-total // nb)) // unit) * unit))
+        nb = max(1, _ceil_div(total, cap))
+        cap = min(cap, max(unit, _ceil_div(_ceil_div(total, nb), unit) * unit))
         plan = plan_buckets(ready, world_size, cap, alignment)
         plans.append(plan)
         orders.append(order)

@@ -65,8 +65,10 @@ def shard_model(
     Use with ``ZeroAdamW(model.parameters(), stage=3)``.
     """
     if getattr(model, "_zk_stage3", None) is not None:
-        raise RuntimeError("shard_model: this model is already sharded (shard_model was called "
-                           "twice); call it once, right after building the model")
+        raise RuntimeError(
+            "shard_model: this model is already sharded (shard_model was called "
+            "twice); call it once, right after building the model"
+        )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     if unit_classes is None:
@@ -78,8 +80,10 @@ def shard_model(
         unit_modules = _outermost(model, classes)
         if not unit_modules:
             names = ", ".join(c.__name__ for c in classes)
-            raise ValueError(f"unit_classes ({names}) match no submodule of "
-                             f"{type(model).__name__}; pass the class of its repeated blocks")
+            raise ValueError(
+                f"unit_classes ({names}) match no submodule of "
+                f"{type(model).__name__}; pass the class of its repeated blocks"
+            )
     params = list(model.parameters())
     if not params:
         raise ValueError("model: it has no parameters to shard")
@@ -113,15 +117,56 @@ def shard_model(
             units.append((module_names.get(id(um), type(um).__name__), um, ps))
     units.append(("<root>", model, root_params))
     comm = Comm(process_group)
-    rt = Stage3Runtime(model, units, comm, prefetch=prefetch,
-                       reshard_after_forward=reshard_after_forward)
+    rt = Stage3Runtime(
+        model, units, comm, prefetch=prefetch, reshard_after_forward=reshard_after_forward
+    )
     rt.param_names = {id(p): names[id(p)] for p in params}
     for p in params:
         p._zk_rt = rt  # lets ZeroAdamW(stage=3) find the runtime from model.parameters()
     rt.shard_parameters()
     rt.install_hooks()
     model._zk_stage3 = rt
+    model.register_state_dict_post_hook(_state_dict_hook)
+    model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     return model
+
+
+def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """model.state_dict() of a sharded model holds the full parameters, gathered one unit at a
+    time. Collective: every rank must call it (as with FSDP's full state dict)."""
+    for k, v in full_state_dict(module, rank0_only=False).items():
+        state_dict[prefix + k] = v
+
+
+def _load_state_dict_pre_hook(
+    module: nn.Module,
+    state_dict: dict,
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing: list,
+    unexpected: list,
+    errors: list,
+) -> None:
+    """model.load_state_dict(full) of a sharded model: each rank copies its slice of every unit;
+    the entries then become empty tensors matching the released parameters, so the default
+    copy has nothing left to do. Load the model before building the optimizer (or restore the
+    optimizer's state dict after), since the optimizer keeps its own fp32 master."""
+    rt = module._zk_stage3
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    with torch.no_grad():
+        for u in rt.units:
+            for sp in u.plan.rank_pieces(rt.comm.rank):
+                p = u.params[sp.param_index]
+                full = state_dict.get(prefix + names[id(p)])
+                if full is None:
+                    continue  # load_state_dict reports it as missing
+                rt.local_params.narrow(0, u.shard_start + sp.local_offset, sp.numel).copy_(
+                    full.reshape(-1)[sp.param_offset : sp.param_offset + sp.numel]
+                )
+    for n, _ in module.named_parameters(remove_duplicate=False):
+        if prefix + n in state_dict:
+            state_dict[prefix + n] = torch.empty(0, dtype=rt.dtype)
 
 
 def runtime_of(model_or_params: Any) -> Stage3Runtime | None:
