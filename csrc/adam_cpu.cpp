@@ -34,11 +34,40 @@ inline void adam_scalar(float* p, const G* g, float* m, float* v, LP* lp, int64_
   if constexpr (!std::is_same_v<LP, void>) Scalar<LP>::store(lp + i, pi);
 }
 
-template <typename G, typename LP>
+// LERP_LOW is a template parameter so the inner loops carry no branch on it.
+template <typename G, typename LP, bool LERP_LOW>
 void adam_range(float* p, const G* g, float* m, float* v, LP* lp, int64_t begin, int64_t end,
                 const AdamScalars& s) {
-  const bool lerp_low = s.one_minus_beta1 < 0.5f;
+  constexpr bool lerp_low = LERP_LOW;
   int64_t i = begin;
+#ifdef ZK_AVX512
+  {
+    const __m512 inv_scale = _mm512_set1_ps(s.inv_grad_scale);
+    const __m512 decay = _mm512_set1_ps(s.decay);
+    const __m512 w = _mm512_set1_ps(s.one_minus_beta1);
+    const __m512 one_minus_w = _mm512_set1_ps(1.0f - s.one_minus_beta1);
+    const __m512 b2 = _mm512_set1_ps(s.beta2);
+    const __m512 omb2 = _mm512_set1_ps(s.one_minus_beta2);
+    const __m512 bc2 = _mm512_set1_ps(s.bc2_sqrt);
+    const __m512 eps = _mm512_set1_ps(s.eps);
+    const __m512 step = _mm512_set1_ps(s.step_size);
+    for (; i + 16 <= end; i += 16) {
+      __m512 gi = _mm512_mul_ps(Vec16<G>::load(g + i), inv_scale);
+      __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + i), decay);
+      __m512 mi = _mm512_loadu_ps(m + i);
+      __m512 d = _mm512_sub_ps(gi, mi);
+      mi = lerp_low ? _mm512_fmadd_ps(w, d, mi) : _mm512_fnmadd_ps(d, one_minus_w, gi);
+      __m512 vi = _mm512_mul_ps(_mm512_loadu_ps(v + i), b2);
+      vi = _mm512_fmadd_ps(_mm512_mul_ps(omb2, gi), gi, vi);
+      __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
+      pi = _mm512_fnmadd_ps(step, _mm512_div_ps(mi, denom), pi);
+      _mm512_storeu_ps(p + i, pi);
+      _mm512_storeu_ps(m + i, mi);
+      _mm512_storeu_ps(v + i, vi);
+      if constexpr (!std::is_same_v<LP, void>) Vec16<LP>::store(lp + i, pi);
+    }
+  }
+#endif
 #ifdef ZK_AVX2
   const __m256 inv_scale = _mm256_set1_ps(s.inv_grad_scale);
   const __m256 decay = _mm256_set1_ps(s.decay);
@@ -73,8 +102,9 @@ void adam_launch(float* p, const void* g, float* m, float* v, void* lp, int64_t 
                  const AdamScalars& s) {
   const G* gt = static_cast<const G*>(g);
   LP* lpt = static_cast<LP*>(lp);
+  auto range = s.one_minus_beta1 < 0.5f ? &adam_range<G, LP, true> : &adam_range<G, LP, false>;
   if (n < kParallelMin) {
-    adam_range<G, LP>(p, gt, m, v, lpt, 0, n, s);
+    range(p, gt, m, v, lpt, 0, n, s);
     return;
   }
 #pragma omp parallel
@@ -84,7 +114,7 @@ void adam_launch(float* p, const void* g, float* m, float* v, void* lp, int64_t 
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t per = ((n + nt - 1) / nt + 63) / 64 * 64;
     const int64_t b = std::min(n, t * per), e = std::min(n, b + per);
-    adam_range<G, LP>(p, gt, m, v, lpt, b, e, s);
+    range(p, gt, m, v, lpt, b, e, s);
   }
 }
 

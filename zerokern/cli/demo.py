@@ -67,6 +67,8 @@ def _spawned(rank: int, world: int, port: int, opts, backend: str, result_path: 
     import torch
     import torch.distributed as dist
 
+    from ..demo.train import release_all
+
     _quiet_torch_warnings()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "gloo":
@@ -82,7 +84,7 @@ def _spawned(rank: int, world: int, port: int, opts, backend: str, result_path: 
             with open(result_path, "w") as f:
                 json.dump(results, f)
     finally:
-        dist.destroy_process_group()
+        release_all()
 
 
 def _free_port() -> int:
@@ -150,6 +152,8 @@ def _run_launched(opts, args) -> int:
     import torch
     import torch.distributed as dist
 
+    from ..demo.train import release_all
+
     _quiet_torch_warnings()
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -173,7 +177,7 @@ def _run_launched(opts, args) -> int:
         dist.broadcast_object_list(code, src=0)  # every rank exits like rank 0
         return int(code[0])
     finally:
-        dist.destroy_process_group()
+        release_all()
 
 
 def run(args) -> int:
