@@ -360,13 +360,13 @@ def test_dispatcher_skips_missing_command_module(monkeypatch, capsys):
     monkeypatch.setattr(
         zmain,
         "COMMANDS",
-        [*zmain.COMMANDS, ("demo", "zerokern.cli._no_such_demo_module", "not written yet")],
+        [*zmain.COMMANDS, ("nosuchcmd", "zerokern.cli._no_such_demo_module", "not written yet")],
     )
     assert zmain.main(["estimate", "--params", "8", "--gpus", "4", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["rows"][0]["bytes"] == {"stage0": 128, "stage1": 56, "stage2": 44, "stage3": 32}
     with pytest.raises(SystemExit) as exc:
-        zmain.main(["demo"])
+        zmain.main(["nosuchcmd"])
     assert exc.value.code == 2
     assert "not available" in capsys.readouterr().err
 

@@ -244,7 +244,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="ZeRO stages to train, in this order (default: 0 1 2 3)",
     )
     p.add_argument(
-        "--steps", type=int, default=100, help="training steps per policy (default: %(default)s)"
+        "--steps", type=int, default=200, help="training steps per policy (default: %(default)s)"
     )
     p.add_argument(
         "--model-size",

@@ -30,7 +30,7 @@ __all__ = ["DemoOptions", "lr_at", "release_all", "train_all", "train_policy"]
 @dataclass(frozen=True)
 class DemoOptions:
     stages: tuple[int, ...] = (0, 1, 2, 3)
-    steps: int = 100
+    steps: int = 200
     model_size: str = "small"
     precision: str = "bf16"
     micro_batch: int = 8
@@ -144,7 +144,7 @@ def train_all(opts: DemoOptions, device: torch.device) -> list[dict] | None:
         mine = train_policy(stage, opts, device, progress)
         # ZeroAdamW and shard_model leave reference cycles (hooks that hold the optimizer or
         # runtime): collect them now, so that one policy's buffers are gone before the next
-        # starts and nothing of them is left for the interpreter's exit (see release_all).
+        # starts.
         gc.collect()
         everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
         dist.all_gather_object(everyone, mine)
@@ -164,9 +164,10 @@ def train_all(opts: DemoOptions, device: torch.device) -> list[dict] | None:
 def release_all() -> None:
     """Collect garbage, then destroy the process group.
 
-    Without the collection, optimizers kept alive by reference cycles are freed only by the
-    garbage collection that runs while the interpreter exits; with gloo that races with the
-    process group's worker threads, which then abort the process ("terminate called without
-    an active exception", SIGABRT; seen in about one run of ten on 2 CPU ranks)."""
+    Without the collection, about one 2-rank gloo run in seven aborted while its processes
+    exited ("terminate called without an active exception", SIGABRT): a gloo worker thread
+    released its last collective's tensors after the interpreter had begun to shut down, and
+    needed the GIL to do so. With it, 44 runs (24 of them the demo) exited cleanly. The cause (a
+    race in torch's gloo process group at exit) is not pinned down; this is a workaround."""
     gc.collect()
     dist.destroy_process_group()

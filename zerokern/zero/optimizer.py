@@ -486,7 +486,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         return {"per_kind": d, "elements": paper,
                 "bytes": sum(v["bytes"] for k, v in d.items()
                              if k in ("reduce_scatter", "all_gather", "all_reduce")),
-                "numel": sum(p.numel() for p in self._params)}
+                "numel": sum(sh.numel() for sh in self._shapes)}
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds for model states, by kind, from the arenas' accounting.
