@@ -2,8 +2,10 @@
 
 Token + learned position embeddings, ``n_layer`` pre-LN blocks (causal self-attention through
 ``F.scaled_dot_product_attention``, then a 4x GELU MLP, each added to the residual stream), a
-final LayerNorm and an LM head tied to the token embedding. Seed the global RNG
-(``torch.manual_seed``) before building it for reproducible weights.
+final LayerNorm and an LM head tied to the token embedding (``tie_head=False`` unties it: the
+benchmarks' reference workload of DESIGN.md §7, 13.84M parameters, is the untied 6 x 384
+model). Seed the global RNG (``torch.manual_seed``) before building it for reproducible
+weights.
 """
 
 from __future__ import annotations
@@ -25,18 +27,20 @@ class GPTConfig:
     n_head: int = 4
     vocab: int = 32
     seq: int = 64
+    tie_head: bool = True  # the LM head shares the token embedding (GPT-2)
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
     def num_params(self) -> int:
-        """Parameter count from the shapes alone (the tied head counted once)."""
+        """Parameter count from the shapes alone (a tied head counted once)."""
         d = self.n_embd
         attn = (3 * d * d + 3 * d) + (d * d + d)  # qkv and output projection
         mlp = (4 * d * d + 4 * d) + (4 * d * d + d)
         block = 2 * 2 * d + attn + mlp  # + two LayerNorms
-        return self.vocab * d + self.seq * d + self.n_layer * block + 2 * d
+        head = 0 if self.tie_head else self.vocab * d
+        return self.vocab * d + self.seq * d + self.n_layer * block + 2 * d + head
 
 
 # --model-size presets. "small" (the demo's default) trains 4 policies in about two minutes on
@@ -107,7 +111,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)
-        self.head.weight = self.tok_emb.weight  # tied, as in GPT-2
+        if cfg.tie_head:
+            self.head.weight = self.tok_emb.weight  # tied, as in GPT-2
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):  # residual projections: GPT-2's scaled init
