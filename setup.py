@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,12 +26,34 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def _find_nvcc() -> str | None:
+def _toolkit_of(nvcc: str) -> Path | None:
+    """The CUDA toolkit root behind an nvcc, which may be a wrapper script elsewhere (e.g.
+    /usr/local/bin/nvcc exec'ing /usr/local/cuda-13.0/bin/nvcc): ask nvcc itself."""
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in (out.stdout + out.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            return Path(line.split("=", 1)[1].strip()).resolve()
+    return None
+
+
+def _find_cuda_home() -> str | None:
+    """CUDA_HOME (or CUDA_PATH) if set, else the toolkit of the nvcc on PATH; None if none.
+    A toolkit counts only with bin/nvcc and include/cuda_runtime_api.h."""
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home:
-        cand = Path(home) / "bin" / "nvcc"
-        return str(cand) if cand.exists() else None
-    return shutil.which("nvcc")
+    cands = [Path(home)] if home else []
+    if not home and shutil.which("nvcc"):
+        nvcc = shutil.which("nvcc")
+        top = _toolkit_of(nvcc)
+        cands += [top] if top else []
+        cands.append(Path(nvcc).resolve().parent.parent)
+    for c in cands:
+        if (c / "bin" / "nvcc").exists() and (c / "include" / "cuda_runtime_api.h").exists():
+            return str(c)
+    return None
 
 
 def _say(msg: str) -> None:
@@ -42,6 +65,11 @@ def _extensions():
     if _flag("ZEROKERN_NO_NATIVE"):
         _say("native module disabled (ZEROKERN_NO_NATIVE); pure Python + Triton only")
         return [], {}
+    cuda_home = None if _flag("ZEROKERN_NO_CUDA") else _find_cuda_home()
+    if cuda_home:
+        # Before torch.utils.cpp_extension is imported: it reads CUDA_HOME once, at import.
+        os.environ["CUDA_HOME"] = cuda_home
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     march = os.environ.get("ZEROKERN_MARCH", "native")
@@ -56,14 +84,10 @@ def _extensions():
         f"{CSRC}/flatten_cpu.cpp",
         f"{CSRC}/arena.cpp",
     ]
-    nvcc = None if _flag("ZEROKERN_NO_CUDA") else _find_nvcc()
     cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
-    if nvcc:
-        os.environ.setdefault("CUDA_HOME", str(Path(nvcc).resolve().parent.parent))
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-        _say(
-            f"building CPU + CUDA kernels (nvcc {nvcc}, archs {os.environ['TORCH_CUDA_ARCH_LIST']})"
-        )
+    if cuda_home:
+        archs = os.environ["TORCH_CUDA_ARCH_LIST"]
+        _say(f"building CPU + CUDA kernels (CUDA_HOME {cuda_home}, archs {archs})")
         ext = CUDAExtension(
             "zerokern._C",
             cpu_sources

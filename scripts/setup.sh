@@ -20,11 +20,8 @@ python -m pip install -q "setuptools>=64" wheel "pybind11>=2.10" ninja pytest ru
   safetensors matplotlib
 
 # nvcc is optional: with it the CUDA kernels compile (they cannot run without a GPU).
-if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null 2>&1; then
-  CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
-  export CUDA_HOME
-fi
+# setup.py finds the toolkit behind the nvcc on PATH (CUDA_HOME overrides).
 export MAX_JOBS=${MAX_JOBS:-2}
-echo "setup: building zerokern._C (CUDA_HOME=${CUDA_HOME:-none})"
+echo "setup: building zerokern._C"
 python -m pip install -q --no-build-isolation --no-deps -e .
 python -c "import zerokern as z; print('setup: zerokern', z.__version__, '| native:', z.has_native(), '| cuda kernels:', z.has_cuda_kernels())"
