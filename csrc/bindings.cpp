@@ -10,7 +10,7 @@
 #include "kernels.h"
 
 #ifdef ZK_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -67,7 +67,7 @@ void adamw(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at::Ten
   c10::cuda::CUDAGuard guard(dev);
   zk::adamw_cuda(param.data_ptr<float>(), grad.data_ptr(), gdt, exp_avg.data_ptr<float>(),
                  exp_avg_sq.data_ptr<float>(), lp, lpdt, n, s,
-                 at::cuda::getCurrentCUDAStream().stream());
+                 c10::cuda::getCurrentCUDAStream().stream());
 #else
   TORCH_CHECK(false, "adamw: zerokern._C was built without CUDA kernels");
 #endif
@@ -87,7 +87,7 @@ at::Tensor sq_norm(const at::Tensor& x) {
   at::Tensor out = at::empty({}, opts);
   at::Tensor ws = at::empty({zk::sq_norm_cuda_workspace_floats()}, opts);
   zk::sq_norm_cuda(x.data_ptr(), dt, x.numel(), out.data_ptr<float>(), ws.data_ptr<float>(),
-                   at::cuda::getCurrentCUDAStream().stream());
+                   c10::cuda::getCurrentCUDAStream().stream());
   return out;
 #else
   TORCH_CHECK(false, "sq_norm: zerokern._C was built without CUDA kernels");
@@ -131,7 +131,7 @@ void copy_segments(const std::vector<at::Tensor>& srcs, const std::vector<at::Te
   std::memcpy(host.data_ptr(), chunks.data(), size_t(table_bytes));
   at::Tensor table = host.to(dev, /*non_blocking=*/true);
   zk::copy_chunks_cuda(static_cast<const zk::CopySegment*>(table.data_ptr()),
-                       int64_t(chunks.size()), at::cuda::getCurrentCUDAStream().stream());
+                       int64_t(chunks.size()), c10::cuda::getCurrentCUDAStream().stream());
 #else
   TORCH_CHECK(false, "copy_segments: zerokern._C was built without CUDA kernels");
 #endif
