@@ -47,8 +47,8 @@ def _options(args):
 
 
 def _quiet_torch_warnings() -> None:
-    # zerokern.comm calls reduce_scatter_tensor / all_gather_into_tensor, which torch 2.14
-    # marks as deprecated on every call: one line per rank per policy in the demo's output.
+    # Other torch.distributed deprecation notices (e.g. from DDP or torch 2.11's names) would
+    # print one line per rank per policy in the demo's output.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\..*` is deprecated")
 
 

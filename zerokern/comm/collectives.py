@@ -19,6 +19,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.14 renamed the flat-tensor collectives (the old names warn); 2.11 has only the old.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @dataclass
 class CommStats:
     """Per-kind totals: elements as the paper counts them, bytes on the wire of our tensors."""
@@ -104,7 +109,7 @@ class Comm:
                 out.copy_(inp)
             return None
         with self._guard("reduce_scatter", label):
-            work = dist.reduce_scatter_tensor(out, inp, group=self.group, async_op=async_op)
+            work = _reduce_scatter(out, inp, group=self.group, async_op=async_op)
         self.stats.add("reduce_scatter", inp.numel(), inp.element_size())
         return work
 
@@ -116,7 +121,7 @@ class Comm:
                 out.copy_(inp)
             return None
         with self._guard("all_gather", label):
-            work = dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op)
+            work = _all_gather(out, inp, group=self.group, async_op=async_op)
         self.stats.add("all_gather", out.numel(), out.element_size())
         return work
 
