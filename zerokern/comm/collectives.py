@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
 # torch 2.14 renamed the flat-tensor collectives (the old names warn); 2.11 has only the old.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
