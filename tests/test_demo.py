@@ -60,7 +60,7 @@ def test_comm_and_extras() -> None:
     assert zerokern_extra_bytes(0, 64, 2, 2) == {}
     assert zerokern_extra_bytes(1, 64, 2, 2) == {"stage-1 gradient shard": 64}
     assert zerokern_extra_bytes(2, 64, 2, 2) == {}
-    assert zerokern_extra_bytes(2, 64, 2, 4) == {"fp32 master copy": 128}
+    assert zerokern_extra_bytes(2, 64, 2, 4) == {}  # fp32 params: updated in place, no master
     assert zerokern_extra_bytes(3, 64, 2, 4) == {}
 
 

@@ -86,11 +86,7 @@ def model_names(model: torch.nn.Module) -> ModelNames:
 
 def _values(opt: Any) -> torch.Tensor:
     """This rank's fp32 values of its pieces: the master, or the fp32 params themselves."""
-    if opt.master is not None:
-        return opt.master
-    if opt._rt is not None:
-        return opt._rt.local_params
-    return opt.flat_param  # stage 0, fp32: local index == flat index
+    return opt._local_values()
 
 
 def _jsonable(key: str, v: Any) -> Any:

@@ -82,16 +82,13 @@ def zerokern_extra_bytes(
     * stage 1: a separate gradient shard (p Psi/N), the reduce-scatter output and, for 16-bit
       params, the all-gather source of the new parameters. The paper's P_os keeps it inside
       the full-size gradient.
-    * stages 1 and 2 with fp32 params: an fp32 master shard (4 Psi/N) that duplicates this
-      rank's slice of the fp32 parameters (stage 3 updates the parameter shard in place).
+    (fp32 params keep no master copy: every stage updates this rank's parameters in place.)
     The demo accepts measured == formula or measured == formula + these, and says which.
     """
     _check(stage, psi, world, param_bytes)
     out: dict[str, int | float] = {}
     if stage == 1:
         out["stage-1 gradient shard"] = _exact(param_bytes * Fraction(psi, world))
-    if stage in (1, 2) and param_bytes == 4:
-        out["fp32 master copy"] = _exact(4 * Fraction(psi, world))
     return out
 
 

@@ -235,7 +235,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             need.append(L.flat_numel * esz)
         if st in (1, 2):
             need.append(L.local_numel * esz)
-        self._has_master = pdt != torch.float32 or st in (1, 2)
+        # fp32 params need no master: the kernel updates this rank's slices of the flat
+        # parameters in place (stage 0: all of them) and the all-gather runs in place.
+        self._has_master = pdt != torch.float32
         need += [L.local_numel * 4] * (3 if self._has_master else 2)
         need += [max_bucket * esz] * self._pool_reserve
         align = 256
@@ -445,21 +447,55 @@ class ZeroAdamW(torch.optim.Optimizer):
             lp = own if lowp else None
         else:
             grad = self.grad_shard.narrow(0, s, n)
+            if not lowp:  # fp32: this rank's slice of each bucket in the flat params
+                for ls, fs, k in self._flat_slices(s, e):
+                    self._adamw(grp, self.flat_param.narrow(0, fs, k),
+                                self.grad_shard.narrow(0, ls, k), ls, k, step, grad_scale, None)
+                return
             param = self.master.narrow(0, s, n)
             # The new 16-bit shard overwrites the gradient it was computed from, element by
             # element in the same pass: no extra Ψ/N buffer for the all-gather source.
-            lp = grad if lowp else None
-        lr = float(grp["lr"])
+            lp = grad
+        self._adamw(grp, param, grad, s, n, step, grad_scale, lp)
+
+    def _adamw(self, grp: dict, param: torch.Tensor, grad: torch.Tensor, s: int, n: int,
+               step: int, grad_scale: float, lp: torch.Tensor | None) -> None:
         ops.fused_adamw_(
             param, grad, self.exp_avg.narrow(0, s, n), self.exp_avg_sq.narrow(0, s, n),
-            lr=lr, beta1=float(grp["betas"][0]), beta2=float(grp["betas"][1]),
+            lr=float(grp["lr"]), beta1=float(grp["betas"][0]), beta2=float(grp["betas"][1]),
             eps=float(grp["eps"]), weight_decay=float(grp["weight_decay"]), step=step,
             grad_scale=grad_scale, param_lp=lp, backend=self.backend,
         )
 
+    def _flat_slices(self, s: int, e: int) -> list[tuple[int, int, int]]:
+        """(local start, flat start, numel) of local range [s, e) in stages 1-2: this rank's
+        slice of each bucket sits at flat_start + rank * shard_numel."""
+        out = []
+        r = self.comm.rank
+        for bk in self.layout.buckets:
+            lo, hi = max(s, bk.shard_start), min(e, bk.shard_start + bk.shard_numel)
+            if lo < hi:
+                out.append((lo, bk.flat_start + r * bk.shard_numel + lo - bk.shard_start,
+                            hi - lo))
+        return out
+
+    def _local_values(self) -> torch.Tensor:
+        """This rank's fp32 values in local order: the master, or (fp32 params) a copy of its
+        slices of the parameters (for checkpoints)."""
+        if self.master is not None:
+            return self.master
+        if self._rt is not None:
+            return self._rt.local_params
+        if self.stage == 0:
+            return self.flat_param
+        out = torch.empty(self.layout.local_numel, dtype=torch.float32, device=self.device)
+        for ls, fs, k in self._flat_slices(0, self.layout.local_numel):
+            out.narrow(0, ls, k).copy_(self.flat_param.narrow(0, fs, k))
+        return out
+
     def _gather_params(self, active: list[bool]) -> None:
         lowp = self.dtype != torch.float32
-        src = self.grad_shard if lowp else self.master
+        src = self.grad_shard
         if lowp:
             for pc in self.layout.pieces:  # pieces the kernel skipped: their current value
                 if not active[pc.param]:
@@ -467,9 +503,12 @@ class ZeroAdamW(torch.optim.Optimizer):
                         self.master.narrow(0, pc.local_start, pc.numel))
         works = []
         for bk in self.layout.buckets:
+            full = self.flat_param.narrow(0, bk.flat_start, bk.numel)
+            # fp32: in place, from this rank's own slice of the bucket
+            mine = (src.narrow(0, bk.shard_start, bk.shard_numel) if lowp else
+                    full.narrow(0, self.comm.rank * bk.shard_numel, bk.shard_numel))
             w = self.comm.all_gather(
-                self.flat_param.narrow(0, bk.flat_start, bk.numel),
-                src.narrow(0, bk.shard_start, bk.shard_numel),
+                full, mine,
                 f"parameters of bucket {bk.index}", async_op=self._reducer.overlap,
             )
             if w is not None:
