@@ -340,7 +340,10 @@ def setup_zerokern(job: Job, model: nn.Module, stage: int) -> Setup:
         if not hasattr(zerokern, "shard_model"):
             raise Skip("zerokern.shard_model not available (stage 3 not implemented)")
         model = zerokern.shard_model(model)
-    opt = zerokern.ZeroAdamW(model.parameters(), **HP, stage=stage)
+    import os
+    bn = os.environ.get("ZK_BENCH_BUCKET")
+    kw = {"bucket_numel": int(bn)} if bn else {}
+    opt = zerokern.ZeroAdamW(model.parameters(), **HP, stage=stage, **kw)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)

@@ -47,6 +47,27 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names it and what it was moving."""
 
 
+class _ExchangeWork:
+    """Handle of a point-to-point reduce-scatter: wait() waits for every send and receive,
+    then sums the received contributions into the output (on the waiting thread)."""
+
+    def __init__(self, works: list[Any], finish: Any, guard: Any) -> None:
+        self._works, self._finish, self._guard = works, finish, guard
+        self._done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done:
+            with self._guard():
+                for w in self._works:
+                    w.wait()
+            self._finish()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+
 class Comm:
     def __init__(self, process_group: Any = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -57,6 +78,13 @@ class Comm:
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.backend = dist.get_backend(self.group) if self.distributed else "none"
         self.stats = CommStats()
+        # gloo has no reduce-scatter of its own: reduce_scatter_tensor runs an all-reduce of
+        # the whole input and keeps a slice, moving twice the bytes a reduce-scatter needs.
+        # There each rank instead sends every peer that peer's slice and sums what it
+        # receives (point to point, (N-1)/N of the input out and in: 2.5-3x faster for
+        # 7M-element buckets on 2 ranks here). NCCL (and others) use their native collective.
+        self.p2p_reduce_scatter = self.backend == "gloo"
+        self._tag = 0
 
     # -- helpers ---------------------------------------------------------------------------
     def reset_stats(self) -> CommStats:
@@ -107,10 +135,50 @@ class Comm:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return None
-        with self._guard("reduce_scatter", label):
-            work = _reduce_scatter(out, inp, group=self.group, async_op=async_op)
+        if inp.numel() != out.numel() * self.world_size:
+            raise ValueError(f"reduce_scatter of {label}: input has {inp.numel()} elements, "
+                             f"expected {self.world_size} x {out.numel()}")
+        if self.p2p_reduce_scatter:
+            work = self._exchange_reduce_scatter(out, inp, label)
+            if not async_op:
+                work.wait()
+                work = None
+        else:
+            with self._guard("reduce_scatter", label):
+                work = _reduce_scatter(out, inp, group=self.group, async_op=async_op)
         self.stats.add("reduce_scatter", inp.numel(), inp.element_size())
         return work
+
+    def _exchange_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
+                                 label: str) -> _ExchangeWork:
+        n, r, s = self.world_size, self.rank, out.numel()
+        chunks = inp.reshape(n, s)  # a view: inp is a contiguous flat buffer
+        mine = chunks[r]
+        in_place = out.data_ptr() == mine.data_ptr()
+        # The first contribution is received straight into `out` (no scratch for 2 ranks)
+        # unless `out` is this rank's own slice of the input, which must be read first.
+        extra = n - 1 if in_place else n - 2
+        scratch = torch.empty((extra, s), dtype=out.dtype, device=out.device) if extra else None
+        bufs = ([] if in_place else [out]) + (list(scratch.unbind(0)) if extra else [])
+        # Every rank issues its exchanges in the same order, so one tag per call is the same
+        # on all ranks and keeps overlapping calls (several buckets in flight) apart.
+        self._tag = (self._tag + 1) % (1 << 30)
+        works = []
+        with self._guard("reduce_scatter", label):
+            for k in range(1, n):
+                dst, src = (r + k) % n, (r - k) % n
+                works.append(dist.isend(chunks[dst], self.global_rank(dst), group=self.group,
+                                        tag=self._tag))
+                works.append(dist.irecv(bufs[k - 1], self.global_rank(src), group=self.group,
+                                        tag=self._tag))
+
+        def finish() -> None:
+            if not in_place:
+                out.add_(mine)
+            for b in bufs[0 if in_place else 1:]:
+                out.add_(b)
+
+        return _ExchangeWork(works, finish, lambda: self._guard("reduce_scatter", label))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, label: str = "shard",
                    async_op: bool = False) -> Any:

@@ -32,6 +32,7 @@ class GradReducer:
         flat_grad: torch.Tensor | None,
         grad_shard: torch.Tensor | None,
         alloc_bucket: Callable[[], torch.Tensor],
+        pool_size: int = 2,
         overlap: bool,
         backend: str | None,
     ) -> None:
@@ -39,6 +40,7 @@ class GradReducer:
         self.stage = layout.stage
         self.flat_grad, self.grad_shard = flat_grad, grad_shard
         self.alloc_bucket, self.backend = alloc_bucket, backend
+        self.pool_size, self.allocated = pool_size, 0
         # Asynchronous collectives overlap backward on every backend: NCCL runs them on its
         # own stream, gloo on its worker threads (as DDP's reducer does).
         self.overlap = overlap and comm.world_size > 1
@@ -95,8 +97,11 @@ class GradReducer:
             frags and index in self.filled[frags[0][0]]
         ):
             # This parameter was already delivered in this round: a new backward pass began.
-            # Finish the old round first (same collective order on every rank).
+            # Finish the old round first (same collective order on every rank), and wait for
+            # its collectives: the new round writes into the same buckets.
             self._flush_round()
+            while self.inflight:
+                self._wait_oldest()
             self._new_round()
         p = self.params[index]
         grad = p.grad
@@ -142,9 +147,17 @@ class GradReducer:
         return buf.narrow(0, 0, bk.numel)
 
     def _take_buffer(self) -> torch.Tensor:
-        if not self.pool and self.inflight:
-            self._wait_oldest()
-        return self.pool.pop() if self.pool else self.alloc_bucket()
+        # Fill the whole pool before waiting: with two buffers one bucket fills while the
+        # previous one is being reduced. Past that, wait for the oldest reduction to free its
+        # buffer; allocate beyond the pool only when nothing is in flight (buckets held back
+        # behind an earlier, incomplete one), which the optimizer counts.
+        if not self.pool:
+            if self.allocated >= self.pool_size and self.inflight:
+                self._wait_oldest()
+            if not self.pool:
+                self.allocated += 1
+                return self.alloc_bucket()
+        return self.pool.pop()
 
     def _wait_oldest(self) -> None:
         work, buf, bk = self.inflight.pop(0)

@@ -19,7 +19,7 @@ from .plan import BucketPlan, plan_buckets, round_bucket_numel
 # Shard boundaries fall on multiples of this many elements: 64 bytes of bf16, 128 of fp32,
 # so every shard starts aligned for 16-byte vector loads and on a cache line.
 ALIGN_ELEMS = 32
-DEFAULT_BUCKET_NUMEL = 1 << 23
+DEFAULT_BUCKET_NUMEL = 1 << 21
 
 
 def _ceil_div(a: int, b: int) -> int:

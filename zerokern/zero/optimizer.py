@@ -167,6 +167,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._reducer = GradReducer(
             self.layout, self._params, self.comm, flat_grad=self.flat_grad,
             grad_shard=self.grad_shard, alloc_bucket=self._alloc_bucket,
+            pool_size=self._pool_reserve,
             overlap=self._overlap, backend=self.backend,
         )
         self._reducer.sync = self._sync

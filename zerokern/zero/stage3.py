@@ -98,6 +98,7 @@ class Stage3Runtime:
         self.prev_order: list[int] = []
         self._hooks_ctx: Any = None
         self._callback_queued = False
+        self._inflight_rs: Any = None
         # Prefetched gathers run asynchronously on every backend (NCCL stream, gloo threads).
         self.overlap = comm.world_size > 1
         self._param_unit: dict[int, tuple[Unit, int]] = {}
@@ -284,6 +285,9 @@ class Stage3Runtime:
             self._reduce(u)
 
     def _reduce(self, u: Unit) -> None:
+        # One reduce-scatter in flight at a time: it overlaps the backward of the units before
+        # this one, and the gather arena holds a single gradient buffer.
+        self.finish_reduce()
         grads = [(p, off) for p, off in zip(u.params, u.plan.param_offsets)
                  if p.grad is not None]
         buf, blk = self._alloc(u.plan.padded_numel)
@@ -293,19 +297,32 @@ class Stage3Runtime:
             ops.flatten_into_([p.grad.detach().reshape(-1).contiguous() for p, _ in grads], buf,
                               [off for _, off in grads])
         shard = self.local_shard(u, self.local_grads)
-        out = torch.empty_like(shard) if u.reduced_once else shard
-        self.comm.reduce_scatter(out, buf, f"gradients of unit {u.name}")
-        out.div_(self.comm.world_size)
-        if u.reduced_once:
-            shard.add_(out)
+        accumulate = u.reduced_once
+        out = torch.empty_like(shard) if accumulate else shard
+        work = self.comm.reduce_scatter(out, buf, f"gradients of unit {u.name}",
+                                        async_op=self.overlap)
+        self._inflight_rs = (work, shard, out, accumulate, blk)
         u.reduced_once = True
-        if blk is not None:
-            self.gather_arena.free(blk)
         for p, _ in grads:
             p.grad = None
         u.in_backward = False
         u.waiting = set()
         self.release(u)
+
+    def finish_reduce(self) -> None:
+        """Complete the reduce-scatter in flight (if any): average it into the gradient
+        shard and give its buffer back."""
+        if self._inflight_rs is None:
+            return
+        work, shard, out, accumulate, blk = self._inflight_rs
+        self._inflight_rs = None
+        if work is not None:
+            work.wait()
+        out.div_(self.comm.world_size)
+        if accumulate:
+            shard.add_(out)
+        if blk is not None:
+            self.gather_arena.free(blk)
 
     def _end_of_backward(self) -> None:
         """Units whose gradients did not all arrive (unused parameters) are reduced with zeros
@@ -318,6 +335,7 @@ class Stage3Runtime:
             else:
                 u.in_backward = False
                 u.waiting = set()
+        self.finish_reduce()
         for u in self.units:
             self.release(u)
 
@@ -334,6 +352,7 @@ class Stage3Runtime:
                 u.in_backward = True
                 self.gather(u)
                 self._reduce(u)
+        self.finish_reduce()
 
     def shape_of(self, p: torch.nn.Parameter) -> torch.Size:
         u, j = self._param_unit[id(p)]
