@@ -57,10 +57,12 @@ Measured, per policy (ranks' numbers combined as said):
         reduce-scatter the full input, all-gather the full output, broadcast once (rank 0's
         view). What is counted is what the backend ran: gloo executes reduce_scatter_tensor
         as an all-reduce of the full input (its event is "gloo:all_reduce"), so there a
-        reduce-scatter counts 2x. Time: length of the union of those events' intervals (on
-        GPU: of the NCCL kernels), i.e. wall time during which a collective was in progress
-        on the rank, overlapped with compute or not, waiting for the peer included; max over
-        ranks.
+        reduce-scatter counts 2x. zerokern does not use it on gloo: it exchanges slices
+        point to point, recorded as "gloo:send" and "gloo:recv" and counted as the bytes
+        each moves (for 2 ranks, send + recv = the paper count of the reduce-scatter).
+        Time: length of the union of those events' intervals (on GPU: of the NCCL
+        kernels), i.e. wall time during which a collective was in progress on the rank,
+        overlapped with compute or not, waiting for the peer included; max over ranks.
   zk_comm_mb          zerokern only: ZeroAdamW.comm_stats()["bytes"] of the last timed step:
         what zerokern asked for, paper count (a reduce-scatter once), without the scalar
         grad-norm all-reduce.
@@ -148,6 +150,7 @@ class Job:
     world: int
     port: int
     outdir: str
+    bucket_numel: int | None = None  # zerokern stages 0-2 (None: ZeroAdamW's default)
 
 
 @dataclass
@@ -340,9 +343,7 @@ def setup_zerokern(job: Job, model: nn.Module, stage: int) -> Setup:
         if not hasattr(zerokern, "shard_model"):
             raise Skip("zerokern.shard_model not available (stage 3 not implemented)")
         model = zerokern.shard_model(model)
-    import os
-    bn = os.environ.get("ZK_BENCH_BUCKET")
-    kw = {"bucket_numel": int(bn)} if bn else {}
+    kw = {"bucket_numel": job.bucket_numel} if job.bucket_numel else {}
     opt = zerokern.ZeroAdamW(model.parameters(), **HP, stage=stage, **kw)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -718,6 +719,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=POLICIES)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per policy")
     ap.add_argument("--out", help="folder for the CSV (default bench/results)")
+    ap.add_argument("--bucket-numel", type=int,
+                    help="zerokern stages 0-2: bucket_numel (default: ZeroAdamW's own)")
     args = ap.parse_args(argv)
 
     ref = QUICK if args.quick else REFERENCE
@@ -774,6 +777,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.world_size,
                         free_port(),
                         tmp,
+                        args.bucket_numel,
                     )
                     row.update(run_policy(job, args.timeout))
             if row["status"] != "ok":
