@@ -393,13 +393,15 @@ class ZeroAdamW(torch.optim.Optimizer):
         clip = 1.0
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
-        for g, s, e, step in self._runs(active):
-            self._fused(g, s, e, step, scale / clip)
+        runs = self._runs(active)
+        if self.stage in (1, 2):
+            self._update_and_gather(runs, scale / clip, active)
+        else:
+            for g, s, e, step in runs:
+                self._fused(g, s, e, step, scale / clip)
         for i, a in enumerate(active):
             if a:
                 self._steps[i] += 1
-        if self.stage in (1, 2):
-            self._gather_params(active)
         if self.scaler is not None:
             self.scaler.update(False)
         self._end_step()
@@ -494,19 +496,32 @@ class ZeroAdamW(torch.optim.Optimizer):
             out.narrow(0, ls, k).copy_(self.flat_param.narrow(0, fs, k))
         return out
 
-    def _gather_params(self, active: list[bool]) -> None:
+    def _update_and_gather(self, runs: list[tuple[int, int, int, int]], grad_scale: float,
+                           active: list[bool]) -> None:
+        """Stages 1-2: update this rank's slice bucket by bucket, and start each bucket's
+        all-gather as soon as its slice is final, so the gathers overlap the remaining
+        updates (NCCL on its stream, gloo on its threads). Every rank gathers in bucket
+        order."""
         lowp = self.dtype != torch.float32
         src = self.grad_shard
-        if lowp:
-            for pc in self.layout.pieces:  # pieces the kernel skipped: their current value
-                if not active[pc.param]:
-                    src.narrow(0, pc.local_start, pc.numel).copy_(
-                        self.master.narrow(0, pc.local_start, pc.numel))
+        skipped = lowp and not all(active)
         works = []
         for bk in self.layout.buckets:
+            lo, hi = bk.shard_start, bk.shard_start + bk.shard_numel
+            for g, s, e, step in runs:
+                a, b = max(s, lo), min(e, hi)
+                if a < b:
+                    self._fused(g, a, b, step, grad_scale)
+            if skipped:
+                # Pieces the kernel skipped (no gradient on any rank): their current value.
+                for pc in self.layout.pieces:
+                    a = max(pc.local_start, lo)
+                    b = min(pc.local_start + pc.numel, hi)
+                    if a < b and not active[pc.param]:
+                        src.narrow(0, a, b - a).copy_(self.master.narrow(0, a, b - a))
             full = self.flat_param.narrow(0, bk.flat_start, bk.numel)
             # fp32: in place, from this rank's own slice of the bucket
-            mine = (src.narrow(0, bk.shard_start, bk.shard_numel) if lowp else
+            mine = (src.narrow(0, lo, bk.shard_numel) if lowp else
                     full.narrow(0, self.comm.rank * bk.shard_numel, bk.shard_numel))
             w = self.comm.all_gather(
                 full, mine,
