@@ -68,7 +68,8 @@ Measured, per policy (ranks' numbers combined as said):
         grad-norm all-reduce.
   params_mb, grads_mb, optim_mb, state_mb   model-state bytes held by one rank (max over
         ranks) after the last timed step, gradients still present. zerokern:
-        memory_stats() (grads include the stage-2 bucket pool; optim = fp32 master + moments
+        memory_stats() (grads include the stage-2 bucket pool and, on gloo, the receive
+        buffers of the point-to-point reduce-scatter; optim = fp32 master + moments
         + padding + other arena use). Others: unique tensor storages (views counted once,
         DTensors by their local shard) of the model's parameters, then of their .grad
         (DDP's buckets, which those grads view), then of every other tensor reachable from the
@@ -355,7 +356,7 @@ def setup_zerokern(job: Job, model: nn.Module, stage: int) -> Setup:
 
     def state() -> dict[str, int]:
         s = opt.memory_stats()
-        grads = s["grads"] + s["buckets"]
+        grads = s["grads"] + s["buckets"] + s.get("comm_scratch", 0)
         return {
             "params": s["params"],
             "grads": grads,

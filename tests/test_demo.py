@@ -58,7 +58,7 @@ def test_comm_and_extras() -> None:
     assert [expected_comm_elements(s, 64, 2) for s in range(4)] == [128, 128, 128, 192]
     assert expected_comm_elements(3, 64, 1) == 0
     assert zerokern_extra_bytes(0, 64, 2, 2) == {}
-    assert zerokern_extra_bytes(1, 64, 2, 2) == {"stage-1 gradient shard": 64}
+    assert zerokern_extra_bytes(1, 64, 2, 2) == {}  # in-place reduce-scatter: no extra shard
     assert zerokern_extra_bytes(2, 64, 2, 2) == {}
     assert zerokern_extra_bytes(2, 64, 2, 4) == {}  # fp32 params: updated in place, no master
     assert zerokern_extra_bytes(3, 64, 2, 4) == {}
@@ -113,10 +113,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
         )
         assert parts == int(r["state_measured_bytes"])
         assert int(r["state_formula_bytes"]) == formula
-        if stage == 1:  # the paper's formula, or that plus zerokern's stage-1 gradient shard
-            assert held in (formula, formula + 2 * psi_pad // world)
-        else:
-            assert held == formula, r
+        assert held == formula, r  # stage 1 included: no gradient shard beside the flat grad
         assert r["state_check"] != "MISMATCH"
         comm = (3 if stage == 3 else 2) * psi_pad
         assert int(r["comm_measured_elements"]) == int(r["comm_formula_elements"]) == comm

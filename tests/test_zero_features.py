@@ -42,8 +42,8 @@ def accounting(rank, world, stage):
         assert local == psi
         expect = {"params": 2 * psi, "grads": 2 * psi, "master": 4 * psi, "exp_avg": 4 * psi,
                   "exp_avg_sq": 4 * psi}
-    elif stage == 1:  # 4Ψ + 12Ψ/N (+ the Ψ/N grad shard the reduce-scatter writes)
-        expect = {"params": 2 * psi, "grads": 2 * psi + 2 * local, "master": 4 * local,
+    elif stage == 1:  # 4Ψ + 12Ψ/N: the reduce-scatter writes into the full-size gradient
+        expect = {"params": 2 * psi, "grads": 2 * psi, "master": 4 * local,
                   "exp_avg": 4 * local, "exp_avg_sq": 4 * local}
     else:  # 2Ψ + 14Ψ/N
         expect = {"params": 2 * psi, "grads": 2 * local, "master": 4 * local,
@@ -54,9 +54,16 @@ def accounting(rank, world, stage):
     assert ms["padding"] >= 2 * pad_elems
     model_states = sum(ms[k] for k in ("params", "grads", "master", "exp_avg", "exp_avg_sq"))
     assert ms["arena_in_use"] >= model_states + ms["padding"]
+    cap = max(b.numel for b in L.buckets)
     if stage == 2:
-        cap = max(b.numel for b in L.buckets)
         assert 0 < ms["buckets"] <= 2 * cap * 2  # constant budget: at most two buckets
+    # gloo's point-to-point reduce-scatter: stage 1 (in place) receives into at most two
+    # bucket slices at once; stage 2 needs receive buffers only beyond 2 ranks.
+    if stage == 1 and world > 1:
+        assert 0 < ms["comm_scratch"] <= 2 * (world - 1) * (cap // world) * 2
+    elif stage == 2 and world == 2 or stage == 0 or world == 1:
+        assert ms["comm_scratch"] == 0
+    assert ms["total"] >= ms["arena_in_use"] + ms["comm_scratch"]
     cs = opt.comm_stats()
     # The paper's count: reduce-scatter + all-gather of every bucket (or one all-reduce, x2).
     if world > 1:

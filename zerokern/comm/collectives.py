@@ -85,6 +85,9 @@ class Comm:
         # 7M-element buckets on 2 ranks here). NCCL (and others) use their native collective.
         self.p2p_reduce_scatter = self.backend == "gloo"
         self._tag = 0
+        # Receive buffers of point-to-point reduce-scatters in flight (bytes now, and the
+        # most ever held at once): transient, but memory all the same, so it is reported.
+        self.scratch_bytes = self.scratch_peak = 0
 
     # -- helpers ---------------------------------------------------------------------------
     def reset_stats(self) -> CommStats:
@@ -159,6 +162,9 @@ class Comm:
         # unless `out` is this rank's own slice of the input, which must be read first.
         extra = n - 1 if in_place else n - 2
         scratch = torch.empty((extra, s), dtype=out.dtype, device=out.device) if extra else None
+        nscratch = extra * s * out.element_size()
+        self.scratch_bytes += nscratch
+        self.scratch_peak = max(self.scratch_peak, self.scratch_bytes)
         bufs = ([] if in_place else [out]) + (list(scratch.unbind(0)) if extra else [])
         # Every rank issues its exchanges in the same order, so one tag per call is the same
         # on all ranks and keeps overlapping calls (several buckets in flight) apart.
@@ -177,8 +183,14 @@ class Comm:
                 out.add_(mine)
             for b in bufs[0 if in_place else 1:]:
                 out.add_(b)
+            self.scratch_bytes -= nscratch
 
         return _ExchangeWork(works, finish, lambda: self._guard("reduce_scatter", label))
+
+    def in_place_scratch(self) -> bool:
+        """Whether an in-place reduce-scatter (output = this rank's slice of the input)
+        needs a receive buffer: on the point-to-point path it does, NCCL's does not."""
+        return self.p2p_reduce_scatter and self.world_size > 1
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, label: str = "shard",
                    async_op: bool = False) -> Any:

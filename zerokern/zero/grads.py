@@ -4,8 +4,10 @@ the same order (a bucket that completes early waits for the ones before it; at s
 remaining buckets are flushed with zeros for gradients this rank never produced).
 
 stage 0: buckets are slices of a persistent full-size flat gradient, all-reduced in place.
-stage 1: same flat gradient (full-size); each bucket reduce-scattered into this rank's
-         gradient shard (which it replaces: the flat gradient keeps accumulating locally).
+stage 1: same flat gradient (full-size); each bucket reduce-scattered in place: this rank's
+         slice of it becomes the sum over ranks (the step divides by N) and the other slices
+         are zeroed, so a further backward (accumulation without no_sync) adds to that sum
+         and the next reduce-scatter gives the total. No separate gradient shard.
 stage 2: buckets are a small pool of constant-size buffers; a gradient is copied in and
          freed at once (param.grad = None), a full bucket is reduce-scattered and *added* to
          the gradient shard, then the buffer is reused. Memory: the shard plus the pool.
@@ -180,6 +182,19 @@ class GradReducer:
             else:
                 src.div_(self.comm.world_size)
             return
+        if self.stage == 1:
+            mine = src.narrow(0, self.comm.rank * bk.shard_numel, bk.shard_numel)
+            if self.overlap and self.comm.in_place_scratch():
+                # Each in-place exchange holds a receive buffer until it completes: keep at
+                # most two in flight, a constant budget like stage 2's pool.
+                while len(self.inflight) >= 2:
+                    self._wait_oldest()
+            work = self.comm.reduce_scatter(mine, src, label, async_op=self.overlap)
+            if work is not None:
+                self.inflight.append((work, src, bk))
+            else:
+                self._finish(src, bk)
+            return
         shard = self.grad_shard.narrow(0, bk.shard_start, bk.shard_numel)
         accumulate = self.stage == 2 and self.reduced_once[b]
         self.reduced_once[b] = True
@@ -198,6 +213,14 @@ class GradReducer:
     def _finish(self, buf: torch.Tensor, bk: Bucket) -> None:
         if self.stage == 0:  # all-reduced in place
             buf.div_(self.comm.world_size)
+            return
+        if self.stage == 1:  # keep this rank's summed slice, zero the others
+            n, r = self.comm.world_size, self.comm.rank
+            v = buf.view(n, bk.shard_numel)
+            if r > 0:
+                v[:r].zero_()
+            if r < n - 1:
+                v[r + 1:].zero_()
             return
         self.grad_shard.narrow(0, bk.shard_start, bk.shard_numel).div_(self.comm.world_size)
         self._release(bk.index, buf)

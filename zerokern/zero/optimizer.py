@@ -234,7 +234,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         need = [L.flat_numel * esz]
         if st in (0, 1):
             need.append(L.flat_numel * esz)
-        if st in (1, 2):
+        if st == 2:
             need.append(L.local_numel * esz)
         # fp32 params need no master: the kernel updates this rank's slices of the flat
         # parameters in place (stage 0: all of them) and the all-gather runs in place.
@@ -261,7 +261,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view_as(p)
             self.flat_grad = alloc("grads", L.flat_numel, pdt) if st in (0, 1) else None
-            self.grad_shard = alloc("grads", L.local_numel, pdt) if st in (1, 2) else None
+            # Stage 1 reduce-scatters in place into the flat gradient: no separate shard.
+            self.grad_shard = alloc("grads", L.local_numel, pdt) if st == 2 else None
             self.master = alloc("master", L.local_numel, torch.float32) if self._has_master \
                 else None
             self.exp_avg = alloc("exp_avg", L.local_numel, torch.float32)
@@ -370,13 +371,26 @@ class ZeroAdamW(torch.optim.Optimizer):
         else:
             self._reducer.flush()
             got = self._reducer.got_grad
-        grad_src = self.flat_grad if self.stage == 0 else self.grad_shard
+        grad_src = self.flat_grad if self.stage == 0 else self.grad_shard  # stage 1: below
         need_norm = self.max_grad_norm is not None or self.scaler is not None
         # One small all-reduce (and one host sync) per step: the squared-norm partial and
         # which parameters got a gradient on any rank (the others are left untouched).
         flags = torch.tensor([float(x) for x in got], dtype=torch.float32)
         vec = torch.cat([torch.zeros(1), flags]).to(self.device)
-        if need_norm and self.stage != 0:
+        if self.stage == 1:
+            # This rank's slices of the flat gradient hold sums over ranks (in-place
+            # reduce-scatter, so that accumulating backwards keep adding to them): average
+            # now, in the gradient dtype as stages 0 and 2 do, so every stage computes the
+            # same numbers.
+            slices = [self.flat_grad.narrow(0, fs, k)
+                      for _, fs, k in self._flat_slices(0, self.layout.local_numel)]
+            if self.comm.world_size > 1:
+                for t in slices:
+                    t.div_(self.comm.world_size)
+            if need_norm:
+                vec[0] = torch.stack([ops.sq_norm(t, backend=self.backend)
+                                      for t in slices]).sum()
+        elif need_norm and self.stage != 0:
             vec[0] = ops.sq_norm(grad_src, backend=self.backend)
         self.comm.all_reduce(vec, "grad norm and grad flags", count=False)
         if need_norm and self.stage == 0:  # already reduced: every rank holds the full grad
@@ -448,6 +462,19 @@ class ZeroAdamW(torch.optim.Optimizer):
             own = self._rt.local_params.narrow(0, s, n)
             param = self.master.narrow(0, s, n) if lowp else own
             lp = own if lowp else None
+        elif self.stage == 1:
+            # This rank's slice of each bucket in the flat gradient (averaged in step()). The
+            # new parameters go straight into this rank's slice of the flat parameters, the
+            # source of the in-place all-gather.
+            gs = grad_scale
+            for ls, fs, k in self._flat_slices(s, e):
+                g_ = self.flat_grad.narrow(0, fs, k)
+                fp = self.flat_param.narrow(0, fs, k)
+                if lowp:
+                    self._adamw(grp, self.master.narrow(0, ls, k), g_, ls, k, step, gs, fp)
+                else:
+                    self._adamw(grp, fp, g_, ls, k, step, gs, None)
+            return
         else:
             grad = self.grad_shard.narrow(0, s, n)
             if not lowp:  # fp32: this rank's slice of each bucket in the flat params
@@ -502,7 +529,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         all-gather as soon as its slice is final, so the gathers overlap the remaining
         updates (NCCL on its stream, gloo on its threads). Every rank gathers in bucket
         order."""
-        lowp = self.dtype != torch.float32
+        # Stage 2 with 16-bit params: the new shard overwrote the gradient shard. Otherwise
+        # the kernel wrote this rank's slice of the flat parameters: gather in place.
+        lowp = self.dtype != torch.float32 and self.stage == 2
         src = self.grad_shard
         skipped = lowp and not all(active)
         works = []
@@ -576,10 +605,13 @@ class ZeroAdamW(torch.optim.Optimizer):
             out["padding"] += (L.local_numel - local_real) * esz
         pool = sum(b.nbytes for b in self._bucket_blocks)
         out["buckets"] = pool + self._overflow_bucket_bytes
+        # Receive buffers of gloo's point-to-point reduce-scatter (stage 1 in place; stage 2
+        # with more than 2 ranks): the most held at once. 0 on NCCL.
+        out["comm_scratch"] = self.comm.scratch_peak
         a = self.arena.stats()
         out["arena_in_use"] = int(a["in_use"])
         out["arena_capacity"] = int(a["capacity"])
-        out["total"] = int(a["in_use"]) + self._overflow_bucket_bytes
+        out["total"] = int(a["in_use"]) + self._overflow_bucket_bytes + self.comm.scratch_peak
         return out
 
     # -- checkpointing ----------------------------------------------------------------------
