@@ -71,6 +71,7 @@ def build_rows(results: list[dict], precision: str, rtol: float) -> tuple[list[d
                 "state_check": state_check,
                 **{f"{k}_bytes": mem[k] for k in STATE_KINDS},
                 "bucket_bytes": mem.get("buckets", 0),
+                "comm_scratch_bytes": mem.get("comm_scratch", 0),
                 "comm_measured_elements": r["comm_elements"],
                 "comm_formula": ("0 (one rank)" if world == 1 else ("3Ψ" if stage == 3 else "2Ψ")),
                 "comm_formula_elements": comm_formula,
@@ -164,6 +165,12 @@ def format_table(rows: list[dict], summary: dict) -> str:
             lines.append(
                 f"stage {r['stage']} also holds {_mb(r['bucket_bytes'])} of gradient "
                 f"buckets (the paper's constant buffer, not a model state)"
+            )
+        if r["comm_scratch_bytes"]:
+            lines.append(
+                f"stage {r['stage']} also held at most {_mb(r['comm_scratch_bytes'])} of "
+                f"receive buffers in flight (gloo's point-to-point reduce-scatter, not a model "
+                f"state)"
             )
     verdict = "equal" if summary["loss_ok"] else "NOT equal"
     lines.append(
