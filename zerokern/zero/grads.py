@@ -75,8 +75,7 @@ class GradReducer:
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
-        while self.inflight:
-            self._wait_oldest()
+        self._drain()
 
     def _new_round(self) -> None:
         """A backward pass starts filling buckets from scratch (several per step when
@@ -102,8 +101,7 @@ class GradReducer:
             # Finish the old round first (same collective order on every rank), and wait for
             # its collectives: the new round writes into the same buckets.
             self._flush_round()
-            while self.inflight:
-                self._wait_oldest()
+            self._drain()
             self._new_round()
         p = self.params[index]
         grad = p.grad
@@ -165,6 +163,10 @@ class GradReducer:
         work, buf, bk = self.inflight.pop(0)
         work.wait()
         self._finish(buf, bk)
+
+    def _drain(self) -> None:
+        while self.inflight:
+            self._wait_oldest()
 
     def _reduce_ready(self) -> None:
         while self.next_bucket < len(self.layout.buckets) and self.pending[self.next_bucket] == 0:
@@ -234,8 +236,7 @@ class GradReducer:
         zeros where this rank produced no gradient; then wait for in-flight collectives."""
         if self.sync:
             self._flush_round()
-        while self.inflight:
-            self._wait_oldest()
+        self._drain()
 
     def _flush_round(self) -> None:
         if self.next_bucket < len(self.layout.buckets):

@@ -371,7 +371,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         else:
             self._reducer.flush()
             got = self._reducer.got_grad
-        grad_src = self.flat_grad if self.stage == 0 else self.grad_shard  # stage 1: below
+        grad_src = self.flat_grad if self.stage == 0 else self.grad_shard  # stage 1: None
         need_norm = self.max_grad_norm is not None or self.scaler is not None
         # One small all-reduce (and one host sync) per step: the squared-norm partial and
         # which parameters got a gradient on any rank (the others are left untouched).
@@ -462,26 +462,22 @@ class ZeroAdamW(torch.optim.Optimizer):
             own = self._rt.local_params.narrow(0, s, n)
             param = self.master.narrow(0, s, n) if lowp else own
             lp = own if lowp else None
-        elif self.stage == 1:
-            # This rank's slice of each bucket in the flat gradient (averaged in step()). The
-            # new parameters go straight into this rank's slice of the flat parameters, the
-            # source of the in-place all-gather.
-            gs = grad_scale
-            for ls, fs, k in self._flat_slices(s, e):
-                g_ = self.flat_grad.narrow(0, fs, k)
-                fp = self.flat_param.narrow(0, fs, k)
-                if lowp:
-                    self._adamw(grp, self.master.narrow(0, ls, k), g_, ls, k, step, gs, fp)
-                else:
-                    self._adamw(grp, fp, g_, ls, k, step, gs, None)
-            return
         else:
-            grad = self.grad_shard.narrow(0, s, n)
-            if not lowp:  # fp32: this rank's slice of each bucket in the flat params
+            if self.stage == 1 or not lowp:
+                # The new parameters go straight into this rank's slice of each bucket of the
+                # flat parameters, the source of the in-place all-gather. Stage 1 reads its
+                # gradient from the same slice of the flat gradient (averaged in step()).
                 for ls, fs, k in self._flat_slices(s, e):
-                    self._adamw(grp, self.flat_param.narrow(0, fs, k),
-                                self.grad_shard.narrow(0, ls, k), ls, k, step, grad_scale, None)
+                    grad = (self.flat_grad.narrow(0, fs, k) if self.stage == 1
+                            else self.grad_shard.narrow(0, ls, k))
+                    fp = self.flat_param.narrow(0, fs, k)
+                    if lowp:
+                        self._adamw(grp, self.master.narrow(0, ls, k), grad, ls, k, step,
+                                    grad_scale, fp)
+                    else:
+                        self._adamw(grp, fp, grad, ls, k, step, grad_scale, None)
                 return
+            grad = self.grad_shard.narrow(0, s, n)
             param = self.master.narrow(0, s, n)
             # The new 16-bit shard overwrites the gradient it was computed from, element by
             # element in the same pass: no extra Ψ/N buffer for the all-gather source.
