@@ -20,7 +20,6 @@ for stage 3 shard_model partitions the parameters before the optimizer is built.
 """
 
 import argparse
-import gc
 import math
 import os
 import time
@@ -124,7 +123,4 @@ with torch.no_grad():
 if master:
     print("sample:", decode(idx[0, 1:]).replace("\n", " / "))
 
-# Collect first: a gloo worker thread may still hold its last collective's tensors, and
-# freeing them during interpreter shutdown can abort the process (README, Known limits).
-gc.collect()
 dist.destroy_process_group()

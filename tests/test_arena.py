@@ -361,7 +361,8 @@ def _check_arena(arena: Arena, model: Model) -> None:
         assert t.dtype == b.dtype and t.shape == (b.numel,)
         # A view of the arena buffer at the block's offset (data_ptr() is 0 when numel == 0).
         assert t.untyped_storage().data_ptr() == storage
-        assert t.storage_offset() * t.element_size() == b.offset
+        assert t.storage_offset() * t.element_size() == b.offset + arena.buffer.storage_offset()
+        assert t.data_ptr() % arena.alignment == 0 or b.numel == 0  # absolute alignment
     _assert_stats(arena.stats(), model)
 
 
@@ -680,3 +681,26 @@ def test_paper_6_3_fragmentation_scenario(core_cls):
     assert bucket.offset == 8 * 8 * kib
     for ckpt, data in checkpoints:
         assert torch.equal(ckpt.tensor.view(torch.uint8), data)
+
+
+@pytest.mark.parametrize("alignment", [64, 256, 4096])
+def test_absolute_alignment_after_allocs_frees_defragment(core_cls, alignment):
+    """Every block's address (not only its offset) is a multiple of the alignment, on CPU
+    where torch's allocator aligns buffers to 64 bytes only."""
+    for attempt in range(4):  # several arenas: the allocator's base varies between buffers
+        arena = Arena(64 * alignment + 4 * attempt * 64, alignment=alignment, core_cls=core_cls)
+        assert arena.buffer.data_ptr() % alignment == 0
+        blocks = [arena.alloc(n, dt) for n, dt in
+                  [(3, torch.float32), (alignment, torch.bfloat16), (17, torch.float64),
+                   (1, torch.uint8), (5 * alignment, torch.float16)]]
+        for b in blocks:
+            assert b.tensor.data_ptr() % alignment == 0
+        arena.free(blocks[0])
+        arena.free(blocks[2])
+        blocks[1].tensor.fill_(7)
+        arena.defragment()
+        for b in (blocks[1], blocks[3], blocks[4]):
+            assert b.tensor.data_ptr() % alignment == 0
+        assert bool((blocks[1].tensor == 7).all())
+        for n in (9, alignment + 1):
+            assert arena.alloc(n, torch.float32).tensor.data_ptr() % alignment == 0

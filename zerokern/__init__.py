@@ -3,6 +3,7 @@
 from . import ops
 from ._native import has_cuda_kernels, has_native
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .comm import CollectiveError
 from .memory import Arena, ArenaOutOfMemory, Block
 from .zero import ZeroAdamW, full_state_dict, shard_model
 
@@ -13,6 +14,7 @@ __all__ = [
     "ArenaOutOfMemory",
     "Block",
     "CheckpointError",
+    "CollectiveError",
     "ZeroAdamW",
     "full_state_dict",
     "shard_model",

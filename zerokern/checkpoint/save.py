@@ -295,7 +295,7 @@ def attempt(fn: Callable[[], Any]) -> tuple[str | None, BaseException | None, An
 
 def agree(comm: Any, what: str, msg: str | None, exc: BaseException | None) -> list[Any]:
     """All-gather each rank's error (or None); raise the first on every rank."""
-    msgs = comm.all_gather_object(msg)
+    msgs = comm.all_gather_object(msg, "checkpoint status")
     for r, m in enumerate(msgs):
         if m is not None:
             where = f" (on rank {r})" if comm.world_size > 1 else ""
@@ -365,10 +365,10 @@ def save_checkpoint(
         if nonce is not None:  # rank 0 made the directory before another rank failed
             remove_checkpoint_dir(tmp_dir(path, nonce))
         raise
-    nonce = comm.all_gather_object(nonce)[0]
+    nonce = comm.all_gather_object(nonce, "checkpoint nonce")[0]
     tmp = tmp_dir(path, nonce)
     msg, exc, info = attempt(lambda: write_rank_file(tmp, comm.rank, opt, plan, nonce))
-    infos = comm.all_gather_object(info)
+    infos = comm.all_gather_object(info, "checkpoint file info")
     try:
         agree(comm, what, msg, exc)
     except CheckpointError:

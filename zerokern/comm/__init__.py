@@ -1,3 +1,3 @@
-from .collectives import Comm, CommStats
+from .collectives import CollectiveError, Comm, CommStats, Handle, inflight_count, wait_released
 
-__all__ = ["Comm", "CommStats"]
+__all__ = ["Comm", "CollectiveError", "CommStats", "Handle", "inflight_count", "wait_released"]

@@ -5,10 +5,26 @@ counts what each collective moves, the way the paper counts in §7: the elements
 tensor that pass through a reduce-scatter or all-gather once, an all-reduce twice. Errors from
 the backend (timeouts, a peer that died) are re-raised naming the collective and its label
 (e.g. the bucket), so a failure says where it happened instead of hanging silently.
+
+Tensors handed to the backend. A backend thread (gloo's worker, NCCL's watchdog) keeps a
+finished collective's Work, and with it the tensors, for a moment after ``wait()`` returned, and
+drops them on its own thread. If the Python object of such a tensor has died by then (a
+``narrow`` view made for the call), torch has kept that object alive from C++, and the last
+release must take the GIL; during interpreter shutdown that thread is unwound instead and the
+process dies in ``std::terminate`` (seen in about one run in five of a 2-rank script that
+exits right after its last all-gather, and with torch alone). So every tensor a collective
+gets is a fresh ``detach()`` (same memory, a TensorImpl nobody else references), and its
+Python object is kept in ``_INFLIGHT`` until the backend's references are gone (its use count
+is back to 1): the backend's release is then never the last one. An ``atexit`` hook, which
+runs before finalization, waits with the GIL released until that is true of every tensor.
 """
 
 from __future__ import annotations
 
+import atexit
+import pickle
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +37,48 @@ import torch.distributed as dist
 # torch 2.14 renamed the flat-tensor collectives (the old names warn); 2.11 has only the old.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+_INFLIGHT: list[torch.Tensor] = []
+_INFLIGHT_LOCK = threading.Lock()
+# How long the exit hook waits for a backend to let go (a collective that never completes,
+# e.g. a peer that died, must not hang the exit for ever).
+_EXIT_WAIT_S = 10.0
+
+
+def _prune_locked() -> None:
+    _INFLIGHT[:] = [t for t in _INFLIGHT if t._use_count() > 1]
+
+
+def _hand(t: torch.Tensor) -> torch.Tensor:
+    """The tensor object to give the backend: shares ``t``'s memory, is referenced by nobody
+    else, and stays alive here until the backend has released it."""
+    mine = t.detach()
+    with _INFLIGHT_LOCK:
+        _prune_locked()
+        _INFLIGHT.append(mine)
+    return mine
+
+
+def inflight_count() -> int:
+    """Tensors a backend still references (after pruning); 0 once every collective's
+    backend thread has let go of its tensors."""
+    with _INFLIGHT_LOCK:
+        _prune_locked()
+        return len(_INFLIGHT)
+
+
+def wait_released(timeout: float = _EXIT_WAIT_S) -> bool:
+    """Wait (GIL released) until no backend references a tensor of ours; False on timeout."""
+    deadline = time.monotonic() + timeout
+    while inflight_count():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    return True
+
+
+atexit.register(wait_released)
 
 
 @dataclass
@@ -47,12 +105,13 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names it and what it was moving."""
 
 
-class _ExchangeWork:
-    """Handle of a point-to-point reduce-scatter: wait() waits for every send and receive,
-    then sums the received contributions into the output (on the waiting thread)."""
+class Handle:
+    """What an asynchronous collective returns: ``wait()`` waits for the backend's work(s),
+    re-raises a backend error as CollectiveError naming the collective, and then runs
+    ``finish`` (the point-to-point reduce-scatter sums what it received) once."""
 
-    def __init__(self, works: list[Any], finish: Any, guard: Any) -> None:
-        self._works, self._finish, self._guard = works, finish, guard
+    def __init__(self, works: list[Any], guard: Any, finish: Any = None) -> None:
+        self._works, self._guard, self._finish = works, guard, finish
         self._done = False
 
     def wait(self, timeout: Any = None) -> bool:
@@ -60,7 +119,8 @@ class _ExchangeWork:
             with self._guard():
                 for w in self._works:
                     w.wait()
-            self._finish()
+            if self._finish is not None:
+                self._finish()
             self._done = True
         return True
 
@@ -109,30 +169,39 @@ class Comm:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
+    def _async(self, what: str, label: str, work: Any, async_op: bool,
+               finish: Any = None, works: list[Any] | None = None) -> Handle | None:
+        h = Handle(works if works is not None else [work], lambda: self._guard(what, label),
+                   finish)
+        if async_op:
+            return h
+        h.wait()
+        return None
+
     # -- collectives -----------------------------------------------------------------------
     def broadcast(self, t: torch.Tensor, src: int = 0, label: str = "tensor") -> None:
         if self.world_size == 1:
             return
         with self._guard("broadcast", label):
-            dist.broadcast(t, self.global_rank(src), group=self.group)
+            dist.broadcast(_hand(t), self.global_rank(src), group=self.group)
         self.stats.add("broadcast", t.numel(), t.element_size())
 
     def all_reduce(self, t: torch.Tensor, label: str = "tensor", *, count: bool = True,
-                   op: Any = None, async_op: bool = False) -> Any:
+                   op: Any = None, async_op: bool = False) -> Handle | None:
         """Sum (or `op`) in place. Counted twice, as the paper counts an all-reduce."""
         if self.world_size == 1:
             return None
         with self._guard("all_reduce", label):
-            work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group,
-                                   async_op=async_op)
+            work = dist.all_reduce(_hand(t), op=op or dist.ReduceOp.SUM, group=self.group,
+                                   async_op=True)
         if count:
             self.stats.add("all_reduce", t.numel(), t.element_size(), factor=2)
         else:
             self.stats.add("scalar_all_reduce", t.numel(), t.element_size())
-        return work
+        return self._async("all_reduce", label, work, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, label: str = "bucket",
-                       async_op: bool = False) -> Any:
+                       async_op: bool = False) -> Handle | None:
         """out (this rank's 1/N slice) = sum over ranks of inp; counted as inp's numel."""
         if self.world_size == 1:
             if out.data_ptr() != inp.data_ptr():
@@ -142,18 +211,17 @@ class Comm:
             raise ValueError(f"reduce_scatter of {label}: input has {inp.numel()} elements, "
                              f"expected {self.world_size} x {out.numel()}")
         if self.p2p_reduce_scatter:
-            work = self._exchange_reduce_scatter(out, inp, label)
-            if not async_op:
-                work.wait()
-                work = None
+            works, finish = self._exchange_reduce_scatter(out, inp, label)
+            h = self._async("reduce_scatter", label, None, async_op, finish, works)
         else:
             with self._guard("reduce_scatter", label):
-                work = _reduce_scatter(out, inp, group=self.group, async_op=async_op)
+                work = _reduce_scatter(_hand(out), _hand(inp), group=self.group, async_op=True)
+            h = self._async("reduce_scatter", label, work, async_op)
         self.stats.add("reduce_scatter", inp.numel(), inp.element_size())
-        return work
+        return h
 
     def _exchange_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
-                                 label: str) -> _ExchangeWork:
+                                 label: str) -> tuple[list[Any], Any]:
         n, r, s = self.world_size, self.rank, out.numel()
         chunks = inp.reshape(n, s)  # a view: inp is a contiguous flat buffer
         mine = chunks[r]
@@ -173,10 +241,10 @@ class Comm:
         with self._guard("reduce_scatter", label):
             for k in range(1, n):
                 dst, src = (r + k) % n, (r - k) % n
-                works.append(dist.isend(chunks[dst], self.global_rank(dst), group=self.group,
-                                        tag=self._tag))
-                works.append(dist.irecv(bufs[k - 1], self.global_rank(src), group=self.group,
-                                        tag=self._tag))
+                works.append(dist.isend(_hand(chunks[dst]), self.global_rank(dst),
+                                        group=self.group, tag=self._tag))
+                works.append(dist.irecv(_hand(bufs[k - 1]), self.global_rank(src),
+                                        group=self.group, tag=self._tag))
 
         def finish() -> None:
             if not in_place:
@@ -185,7 +253,7 @@ class Comm:
                 out.add_(b)
             self.scratch_bytes -= nscratch
 
-        return _ExchangeWork(works, finish, lambda: self._guard("reduce_scatter", label))
+        return works, finish
 
     def in_place_scratch(self) -> bool:
         """Whether an in-place reduce-scatter (output = this rank's slice of the input)
@@ -193,27 +261,46 @@ class Comm:
         return self.p2p_reduce_scatter and self.world_size > 1
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, label: str = "shard",
-                   async_op: bool = False) -> Any:
-        """out (N slices) = concatenation of every rank's inp; counted as out's numel."""
+                   async_op: bool = False, *, count: bool = True) -> Handle | None:
+        """out (N slices) = concatenation of every rank's inp; counted as out's numel
+        (count=False: bookkeeping traffic, not counted)."""
         if self.world_size == 1:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return None
         with self._guard("all_gather", label):
-            work = _all_gather(out, inp, group=self.group, async_op=async_op)
-        self.stats.add("all_gather", out.numel(), out.element_size())
-        return work
+            work = _all_gather(_hand(out), _hand(inp), group=self.group, async_op=True)
+        if count:
+            self.stats.add("all_gather", out.numel(), out.element_size())
+        return self._async("all_gather", label, work, async_op)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, label: str = "objects") -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order. Built on all_gather (sizes, then the
+        padded bytes) so its tensors are kept like every other collective's. Like
+        torch.distributed.all_gather_object it unpickles what the group's ranks sent."""
         if self.world_size == 1:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        with self._guard("all_gather_object", "parameter signatures"):
-            dist.all_gather_object(out, obj, group=self.group)
-        return out
+        data = pickle.dumps(obj)
+        dev = self._object_device()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        sizes = torch.empty(self.world_size, dtype=torch.int64, device=dev)
+        self.all_gather(sizes, size, label=f"{label} (sizes)", count=False)
+        width = int(sizes.max())
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        gathered = torch.empty(self.world_size * width, dtype=torch.uint8, device=dev)
+        self.all_gather(gathered, mine.to(dev), label=label, count=False)
+        rows = gathered.cpu().view(self.world_size, width)
+        return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes())
+                for r in range(self.world_size)]
+
+    def _object_device(self) -> torch.device:
+        # NCCL moves only CUDA tensors; every other backend here takes CPU tensors.
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
-
-
+            with self._guard("barrier", "nothing"):
+                dist.barrier(group=self.group)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import zerokern
+from zerokern.comm import Comm
 
 from .data import VOCAB, get_batch
 from .gpt import GPT, Block, config_for
@@ -146,8 +147,8 @@ def train_all(opts: DemoOptions, device: torch.device) -> list[dict] | None:
         # runtime): collect them now, so that one policy's buffers are gone before the next
         # starts.
         gc.collect()
-        everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(everyone, mine)
+        # Through zerokern's Comm, whose collectives keep their tensors until gloo let go.
+        everyone: list[dict] = Comm().all_gather_object(mine, "demo records")
         if rank != 0:
             continue
         rec = dict(everyone[0])
@@ -162,12 +163,6 @@ def train_all(opts: DemoOptions, device: torch.device) -> list[dict] | None:
 
 
 def release_all() -> None:
-    """Collect garbage, then destroy the process group.
-
-    Without the collection, about one 2-rank gloo run in seven aborted while its processes
-    exited ("terminate called without an active exception", SIGABRT): a gloo worker thread
-    released its last collective's tensors after the interpreter had begun to shut down, and
-    needed the GIL to do so. With it, 44 runs (24 of them the demo) exited cleanly. The cause (a
-    race in torch's gloo process group at exit) is not pinned down; this is a workaround."""
-    gc.collect()
+    """Destroy the process group. Nothing else is needed for a clean exit: zerokern's
+    collectives keep their tensors until the backend has released them (zerokern.comm)."""
     dist.destroy_process_group()

@@ -228,7 +228,7 @@ class Arena:
         self._oom_error: type[BaseException] = cls.OOMError
         self._capacity = int(capacity_bytes)
         self._alignment = int(alignment)
-        self._buffer = torch.empty(self._capacity, dtype=torch.uint8, device=device)
+        self._buffer = _aligned_buffer(self._capacity, self._alignment, device)
         self._live: dict[int, Block] = {}  # offset -> Block, mirrors the core's live blocks
         # Re-entrant so Block.bind can take it whether or not the caller already holds it.
         self._lock = threading.RLock()
@@ -390,6 +390,20 @@ class Arena:
             f"fragmentation={s['fragmentation']:.3f}, "
             f"core={'native' if self.is_native else 'python'})"
         )
+
+
+def _aligned_buffer(capacity: int, alignment: int, device: str | torch.device) -> torch.Tensor:
+    """``capacity`` bytes whose first byte's address is a multiple of ``alignment``, so every
+    block offset (a multiple of ``alignment``) is aligned in absolute terms too. The CPU
+    allocator only guarantees 64 bytes (CUDA's caching allocator 512): allocate
+    ``alignment - 1`` spare bytes when the base is not already aligned and narrow."""
+    raw = torch.empty(capacity, dtype=torch.uint8, device=device)
+    if raw.data_ptr() % alignment == 0:
+        return raw
+    del raw
+    raw = torch.empty(capacity + alignment - 1, dtype=torch.uint8, device=device)
+    skip = -raw.data_ptr() % alignment
+    return raw.narrow(0, skip, capacity)
 
 
 def _move(buf: torch.Tensor, src: int, dst: int, nbytes: int, tmp: torch.Tensor | None) -> None:

@@ -176,7 +176,7 @@ class ZeroAdamW(torch.optim.Optimizer):
     def _first_step_layout(self) -> None:
         """Agree on rank 0's observed order, lay everything out, then push the gradients the
         first backward left on the parameters through the buckets in that order."""
-        order = self.comm.all_gather_object(self._observed)[0]
+        order = self.comm.all_gather_object(self._observed, "bucket order")[0]
         self._ensure_layout(order)
         for i in self.layout.ready_order:
             if self._params[i].grad is not None:
@@ -206,7 +206,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                        for g in self.param_groups],
             "params": [(tuple(sh), str(p.dtype)) for sh, p in zip(self._shapes, self._params)],
         }
-        sigs = self.comm.all_gather_object(sig)
+        sigs = self.comm.all_gather_object(sig, "parameter signatures")
         ref = sigs[0]
         for r, s in enumerate(sigs):
             if s == ref:

@@ -117,6 +117,7 @@ def shard_model(
             units.append((module_names.get(id(um), type(um).__name__), um, ps))
     units.append(("<root>", model, root_params))
     comm = Comm(process_group)
+    _check_units_same_on_all_ranks(comm, units, names, prefetch, reshard_after_forward)
     rt = Stage3Runtime(
         model, units, comm, prefetch=prefetch, reshard_after_forward=reshard_after_forward
     )
@@ -129,6 +130,43 @@ def shard_model(
     model.register_state_dict_post_hook(_state_dict_hook)
     model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     return model
+
+
+def _check_units_same_on_all_ranks(
+    comm: Comm, units: list[tuple[str, nn.Module, list[nn.Parameter]]], names: dict[int, str],
+    prefetch: int, reshard_after_forward: bool,
+) -> None:
+    """Raise on every rank, before anything is modified, when the ranks would partition
+    different models: otherwise the first per-unit broadcast would wait on mismatched sizes
+    until the process-group timeout (30 minutes by default)."""
+    sig = {
+        "options": (prefetch, reshard_after_forward),
+        "units": [(uname, [(names[id(p)], tuple(p.shape), str(p.dtype)) for p in ps])
+                  for uname, _, ps in units],
+    }
+    sigs = comm.all_gather_object(sig, "shard_model unit signatures")
+    ref = sigs[0]
+    for r, other in enumerate(sigs):
+        if other == ref:
+            continue
+        if other["options"] != ref["options"]:
+            raise ValueError(
+                f"shard_model arguments differ across ranks: (prefetch, reshard_after_forward) "
+                f"is {ref['options']} on rank 0 but {other['options']} on rank {r}")
+        a, b = ref["units"], other["units"]
+        if len(a) != len(b):
+            raise ValueError(
+                f"shard_model: the model differs across ranks: rank 0 has {len(a) - 1} units "
+                f"with parameters, rank {r} has {len(b) - 1}; build the same model on every rank")
+        for (na, pa), (nb, pb) in zip(a, b):
+            if (na, pa) != (nb, pb):
+                detail = next(((x, y) for x, y in zip(pa, pb) if x != y), None)
+                what = (f"parameter {detail[0][0]} {detail[0][1]} {detail[0][2]} on rank 0 but "
+                        f"{detail[1][0]} {detail[1][1]} {detail[1][2]} on rank {r}"
+                        if detail else f"{len(pa)} parameters on rank 0, {len(pb)} on rank {r}")
+                raise ValueError(
+                    f"shard_model: the model differs across ranks in unit {na!r} "
+                    f"(rank {r}: {nb!r}): {what}; build the same model on every rank")
 
 
 def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

@@ -224,7 +224,8 @@ class Stage3Runtime:
         base = self.gather_arena.buffer
         if t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
             return t
-        byte = t.storage_offset() * t.element_size()
+        # Block offsets count from the arena's base, which may start inside its storage.
+        byte = t.storage_offset() * t.element_size() - base.storage_offset()
         for u in self.units:
             if u.block is not None and u.block.offset <= byte < u.block.offset + u.block.nbytes:
                 return (_GatheredRef, u.index, byte - u.block.offset, tuple(t.shape),
@@ -241,8 +242,9 @@ class Stage3Runtime:
         assert u.buf is not None
         esz = u.buf.element_size()
         if u.block is not None:
-            start = (u.block.offset + rel) // esz
-            return self.gather_arena.buffer.view(self.dtype).as_strided(shape, stride, start)
+            base = self.gather_arena.buffer
+            start = (base.storage_offset() + u.block.offset + rel) // esz
+            return base.view(self.dtype).as_strided(shape, stride, start)
         return u.buf.as_strided(shape, stride, u.buf.storage_offset() + rel // esz)
 
     # -- backward ----------------------------------------------------------------------------
