@@ -22,11 +22,19 @@ step() {  # step NAME TIMEOUT CMD... : run, log, record status, never abort the 
 }
 
 : >"$LOG"; : >"$DEST/summary.txt"
+# The versions first: the lent machine has its own stack (torch 2.11 / Triton 3.6 so far).
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$LOG" 2>&1
+  python3 -c "import sys, numpy, torch, triton; print('python', sys.version.split()[0], \
+'| torch', torch.__version__, '| cuda', torch.version.cuda, '| triton', triton.__version__, \
+'| numpy', numpy.__version__)"; } 2>&1 | tee -a "$LOG" "$DEST/summary.txt"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 step build 420 python3 -m pip install --no-build-isolation --no-deps -e .
-python3 -c "import zerokern as z; print('native', z.has_native(), 'cuda kernels', z.has_cuda_kernels())" >>"$LOG" 2>&1
+python3 -c "import zerokern as z; print('native', z.has_native(), 'cuda kernels', z.has_cuda_kernels())" 2>&1 | tee -a "$LOG" "$DEST/summary.txt"
+# The quick subset first (the same one scripts/test_compat.sh runs on CPU, here on the GPU):
+# the op tests of every backend, then the world-1 NCCL bf16 step of each stage. A short device
+# call reports these even if a later step fails or its time runs out.
+step quick_ops 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_ops_adamw.py tests/test_ops_sq_norm.py tests/test_ops_flatten.py
+step quick_nccl 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_zero.py -k bfloat16
 step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_kernels.py tests/test_gpu_zero.py
 step triton_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
 step bench_adam 150 python3 bench/bench_adam.py --device cuda --out "$TMP"

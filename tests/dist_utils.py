@@ -167,7 +167,8 @@ def run_ranks(
         if errors or isolated:
             if _POOLS.get(key) is pool:
                 del _POOLS[key]
-            pool.close(graceful=not errors)
+            # An isolated case's group may be poisoned on purpose (a timeout): no teardown.
+            pool.close(graceful=not errors and not isolated)
     if errors:
         text = "\n".join(f"--- rank {r} ---\n{m}" for r, m in sorted(errors.items()))
         raise AssertionError("a rank failed:\n" + text)

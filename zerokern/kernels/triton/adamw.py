@@ -46,6 +46,11 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
+def _neg_bits(x: float) -> int:
+    """The int32 bit pattern of fp32 -x (sign-exact: -0.0 for x = 0.0)."""
+    return struct.unpack("i", struct.pack("f", -x))[0]
+
+
 @triton.jit
 def _round_lp(p, LP_DTYPE: tl.constexpr, SOFT_FP: tl.constexpr):
     """fp32 -> bf16/fp16, round to nearest even (what torch's .to(dtype) does)."""
@@ -90,6 +95,15 @@ def _fma(x, y, z, SOFT_FP: tl.constexpr):
 
 
 @triton.jit
+def _bits_f32(bits, like):
+    """An fp32 scalar passed as its int32 bit pattern, splat to ``like``'s shape. The two
+    negated scalars travel this way because a negation in the kernel is not sign-exact on
+    every Triton (3.6 lowers -x as 0 - x, so -0.0 from lr = 0 becomes +0.0) and the
+    interpreter turns a -0.0 float argument into +0.0."""
+    return tl.full(like.shape, bits, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _adamw_block(
     offs,
     mask,
@@ -100,10 +114,10 @@ def _adamw_block(
     lp_ptr,
     decay,
     w,
-    one_minus_w,
+    neg_one_minus_w_bits,
     beta2,
     one_minus_beta2,
-    step_size,
+    neg_step_size_bits,
     bc2_sqrt,
     eps,
     inv_grad_scale,
@@ -132,14 +146,13 @@ def _adamw_block(
     if LERP_LOW:
         m = _fma(w, diff, m, SOFT_FP)
     else:
-        m = _fma(-diff, one_minus_w, g, SOFT_FP)
+        # fma(-(g-m), 1-w, g) == fma(g-m, -(1-w), g) bit for bit (negation is exact), with
+        # -(1-w) negated on the host: no negation in the kernel (below).
+        m = _fma(diff, _bits_f32(neg_one_minus_w_bits, v), g, SOFT_FP)
     v = _fma(one_minus_beta2 * g, g, v * beta2, SOFT_FP)
     # div_rn does not broadcast its operands: splat the scalar divisor first.
     denom = tl.div_rn(tl.sqrt_rn(v), tl.full(v.shape, bc2_sqrt, tl.float32)) + eps
-    # -step_size negates a splat tensor, not the scalar argument: under the interpreter a
-    # scalar argument is a Python float, and -0.0 (lr = 0) would enter the fma as +0.0.
-    neg_step = -tl.full(p.shape, step_size, tl.float32)
-    p = _fma(neg_step, tl.div_rn(m, denom), p, SOFT_FP)
+    p = _fma(_bits_f32(neg_step_size_bits, p), tl.div_rn(m, denom), p, SOFT_FP)
     if HAS_LP:
         p_lp = _round_lp(p, lp_ptr.dtype.element_ty, SOFT_FP)
 
@@ -157,7 +170,9 @@ def _adamw_block(
             tl.store(lp_ptr + offs, p_lp)
 
 
-@triton.jit
+# The bit patterns change every step: no int specialisation (== 1, divisible by 16) on them,
+# or a step would recompile the kernel when its lr's bits happened to change class.
+@triton.jit(do_not_specialize=["neg_one_minus_w_bits", "neg_step_size_bits"])
 def adamw_kernel(
     param_ptr,
     grad_ptr,
@@ -167,10 +182,10 @@ def adamw_kernel(
     n,
     decay,
     w,
-    one_minus_w,
+    neg_one_minus_w_bits,
     beta2,
     one_minus_beta2,
-    step_size,
+    neg_step_size_bits,
     bc2_sqrt,
     eps,
     inv_grad_scale,
@@ -198,10 +213,10 @@ def adamw_kernel(
             lp_ptr,
             decay,
             w,
-            one_minus_w,
+            neg_one_minus_w_bits,
             beta2,
             one_minus_beta2,
-            step_size,
+            neg_step_size_bits,
             bc2_sqrt,
             eps,
             inv_grad_scale,
@@ -222,10 +237,10 @@ def adamw_kernel(
             lp_ptr,
             decay,
             w,
-            one_minus_w,
+            neg_one_minus_w_bits,
             beta2,
             one_minus_beta2,
-            step_size,
+            neg_step_size_bits,
             bc2_sqrt,
             eps,
             inv_grad_scale,
@@ -253,10 +268,10 @@ def kernel_scalars(s: AdamScalars) -> dict:
     return dict(
         decay=_f32(s.decay),
         w=w,
-        one_minus_w=one_minus_w,
+        neg_one_minus_w_bits=_neg_bits(one_minus_w),
         beta2=_f32(s.beta2),
         one_minus_beta2=_f32(s.one_minus_beta2),
-        step_size=_f32(s.step_size),
+        neg_step_size_bits=_neg_bits(_f32(s.step_size)),
         bc2_sqrt=_f32(s.bc2_sqrt),
         eps=_f32(s.eps),
         inv_grad_scale=inv,

@@ -1,0 +1,78 @@
+"""Ranks out of step: zerokern raises a clear error on every rank where it can tell, and a
+backend failure surfaces as CollectiveError naming the collective and what it moved, at
+every stage."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerokern
+from dist_utils import run_ranks
+from zerokern.comm import CollectiveError
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def different_models(rank: int, world: int, case: str) -> None:
+    torch.manual_seed(0)
+    width = 16 if rank == 0 or case != "shape" else 17
+    blocks = 3 if rank == 0 or case != "units" else 2
+    model = nn.Sequential(nn.Linear(8, width), *[Block(width) for _ in range(blocks)])
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="shard_model: the model differs across ranks") as info:
+        zerokern.shard_model(model, unit_classes=(Block,))
+    assert "build the same model on every rank" in str(info.value)
+    # Nothing was modified: the parameters are the full, unchanged tensors.
+    assert getattr(model, "_zk_stage3", None) is None
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    # The group is still usable: every rank raised before any per-unit collective.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world
+
+
+@pytest.mark.parametrize("case", ["shape", "units"])
+def test_shard_model_on_different_models_raises_on_every_rank(case, tmp_path):
+    run_ranks(2, different_models, case, tmp_path=tmp_path)
+
+
+def skipped_collective(rank: int, world: int, stage: int) -> None:
+    # A group of its own with a short timeout: rank 1 skips the step's collectives.
+    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=2))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Block(16), Block(16))
+    if stage == 3:
+        model = zerokern.shard_model(model, unit_classes=(Block,), process_group=group)
+        opt = zerokern.ZeroAdamW(model.parameters(), lr=1e-2, stage=3)
+    else:
+        opt = zerokern.ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, process_group=group)
+    if rank == 1:
+        return  # out of step: never joins the collectives below
+    with pytest.raises(CollectiveError) as info:
+        loss = model(torch.randn(4, 8)).square().sum()
+        loss.backward()
+        opt.step()
+    msg = str(info.value)
+    assert f"on rank 0/{world} (gloo)" in msg, msg
+    if stage == 3:
+        assert "all_gather failed" in msg and "parameters of unit" in msg, msg
+    else:
+        assert "failed" in msg and "while moving" in msg, msg
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_collective_timeout_is_a_collective_error(stage, tmp_path):
+    run_ranks(2, skipped_collective, stage, tmp_path=tmp_path, isolated=True)
