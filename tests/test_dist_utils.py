@@ -4,11 +4,10 @@ working pool again."""
 
 from __future__ import annotations
 
+import dist_utils
 import pytest
 import torch
 import torch.distributed as dist
-
-import dist_utils
 from dist_utils import run_ranks
 
 

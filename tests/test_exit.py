@@ -7,7 +7,6 @@ the fix), so the common endings run twice; scripts/stress_exit.sh N runs each N 
 from __future__ import annotations
 
 import pytest
-
 from exit_launch import run_case
 
 CASES = [(stage, mode, rep) for stage in (0, 1, 2, 3)

@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_ranks
 from torch import nn
 
 import zerokern
-from dist_utils import run_ranks
 from zerokern.comm import CollectiveError
 
 

@@ -31,6 +31,8 @@ import triton.language as tl
 
 from zerokern.ops._scalars import AdamScalars
 
+from . import check_interpreter
+
 # 1024 elements over 8 warps = 4 per thread: every tensor (fp32 or 16-bit) then gets the
 # same register layout, so the 16-bit grad / param_lp accesses need no shared-memory layout
 # conversion (with 8 per thread Triton converts the fp32 stores through shared memory).
@@ -289,6 +291,7 @@ def adamw_triton_(
     s: AdamScalars,
 ) -> None:
     """In-place AdamW step over flat shards (inputs validated by the caller)."""
+    check_interpreter()
     n = param.numel()
     if n == 0:
         return

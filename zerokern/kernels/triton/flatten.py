@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import check_interpreter
+
 CHUNK_BYTES = 1 << 16  # kCopyChunkBytes in csrc/kernels.h
 TILE = 2048  # int32 elements per iteration at width 16: 8 KiB, 4 x 16 B per thread
 NUM_WARPS = 4
@@ -159,6 +161,7 @@ def build_table(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
 
 def copy_segments_triton(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """dst.copy_(src) for every (src, dst) pair, in a single kernel launch."""
+    check_interpreter()
     if not segments:
         return
     device = segments[0][1].device

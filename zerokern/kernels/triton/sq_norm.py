@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import check_interpreter
+
 BLOCK = 4096
 NUM_WARPS = 8
 MAX_PARTIALS = 1024  # also the stage-2 block size
@@ -67,6 +69,7 @@ def sq_norm_final_kernel(partials_ptr, out_ptr, num_partials, BLOCK: tl.constexp
 
 def sq_norm_triton(t: torch.Tensor) -> torch.Tensor:
     """Sum of squares of all elements of t as a 0-dim fp32 tensor on t's device."""
+    check_interpreter()
     x = t.reshape(-1)
     if not x.is_contiguous():
         x = x.contiguous()
