@@ -13,7 +13,7 @@ import pytest
 import torch
 from _tol import ADAM_FP32, SQ_NORM
 
-from zerokern.ops._scalars import AdamScalars, adam_scalars
+from zerokern.kernel_contract import AdamScalars, adam_scalars
 
 pytestmark = pytest.mark.gpu
 

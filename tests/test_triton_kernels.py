@@ -169,8 +169,8 @@ def lp_bitwise(param_lp, p):
 def _interp_adamw(out):
     import torch
 
+    from zerokern.kernel_contract import adam_scalars
     from zerokern.kernels.triton import adamw as ka
-    from zerokern.ops._scalars import adam_scalars
 
     assert ka._INTERPRETED, "TRITON_INTERPRET=1 was not in effect"
     f64, emu, lpg = _Group(), _Group(), _Group()

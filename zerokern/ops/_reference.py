@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._scalars import AdamScalars
+from ..kernel_contract import AdamScalars
 
 
 def adamw_torch_(

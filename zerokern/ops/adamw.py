@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from .. import _native
+from ..kernel_contract import AdamScalars, adam_scalars
 from ._backend import resolve_backend
 from ._reference import adamw_torch_
-from ._scalars import AdamScalars, adam_scalars
 from ._validate import FLOAT_DTYPES, LOW_DTYPES, check_flat, check_real
 
 __all__ = ["fused_adamw_"]

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zerokern.ops._scalars import AdamScalars
+from zerokern.kernel_contract import AdamScalars
 
 from . import check_interpreter
 

@@ -1,4 +1,7 @@
-"""Per-step AdamW scalars, computed once on the host.
+"""The kernel contract: per-step AdamW scalars, computed once on the host.
+
+It sits below both the op router (zerokern.ops) and the kernels (zerokern.kernels), so that
+imports only point down: kernels never import the router above them.
 
 Every backend (CUDA, Triton, CPU, torch) receives the same rounded fp32 values, so the
 per-element arithmetic is identical across them; the formula is the one documented in
