@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -63,21 +62,22 @@ def _rank_main(opts, device):
     return train_all(opts, device)
 
 
-def _spawned(rank: int, world: int, port: int, opts, backend: str, result_path: str) -> None:
+def _spawned(rank: int, world: int, init_file: str, opts, backend: str, result_path: str) -> None:
     import torch
     import torch.distributed as dist
 
     from ..demo.train import release_all
 
     _quiet_torch_warnings()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "gloo":
         torch.set_num_threads(1)  # the ranks share the machine's cores
         device = torch.device("cpu")
     else:
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    # A file rendezvous in the run's temporary folder: no port to pick, so none to race for.
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
     try:
         results = _rank_main(opts, device)
         if rank == 0:
@@ -85,12 +85,6 @@ def _spawned(rank: int, world: int, port: int, opts, backend: str, result_path: 
                 json.dump(results, f)
     finally:
         release_all()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _describe(opts, world: int, backend: str, device: str) -> str:
@@ -203,7 +197,7 @@ def run(args) -> int:
         try:
             mp.start_processes(
                 _spawned,
-                args=(world, _free_port(), opts, backend, result_path),
+                args=(world, os.path.join(tmp, "rendezvous"), opts, backend, result_path),
                 nprocs=world,
                 join=True,
                 start_method="spawn",
