@@ -9,6 +9,8 @@ MODE:
   nodestroy  the same without destroy_process_group()
   alive      model and optimizer at module level, still alive at exit, after destroy
   exception  module level; a step raises, the script catches it and exits without destroy
+  nostep     module level; the last backward is never followed by a step (its gradient
+             collectives' handles are alive, completed, never waited on), then destroy
 """
 
 from __future__ import annotations
@@ -77,5 +79,10 @@ elif mode == "exception":
         train(MODEL, OPT, steps=3, fail_at=2)
     except RuntimeError as exc:
         print(f"rank {rank}: caught: {exc}")
+elif mode == "nostep":
+    MODEL, OPT = build()
+    train(MODEL, OPT, steps=2)
+    MODEL(torch.randn(8, 24)).square().mean().backward()
+    dist.destroy_process_group()
 else:
     raise SystemExit(f"unknown mode {mode!r}")

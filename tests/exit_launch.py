@@ -13,7 +13,7 @@ from pathlib import Path
 
 CASE = Path(__file__).with_name("exit_case.py")
 STAGES = (0, 1, 2, 3)
-MODES = ("destroy", "nodestroy", "alive", "exception")
+MODES = ("destroy", "nodestroy", "alive", "exception", "nostep")
 
 
 def run_case(

@@ -1,7 +1,7 @@
 """Every process of a ZeroAdamW script exits with status 0, however the script ends: 2-rank
 runs of tests/exit_case.py for stages 0-3 that end with destroy_process_group() (and no
-gc.collect()), without it, with the model and optimizer alive at exit, and after a caught
-exception. The abort these guard against was a race (about one run in five per case before
+gc.collect()), without it, with the model and optimizer alive at exit, after a caught
+exception, and after a backward with no step. The abort these guard against was a race (about one run in five per case before
 the fix), so the common endings run twice; scripts/stress_exit.sh N runs each N times."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 from exit_launch import run_case
 
 CASES = [(stage, mode, rep) for stage in (0, 1, 2, 3)
-         for mode, reps in (("destroy", 2), ("nodestroy", 2), ("alive", 1), ("exception", 1))
+         for mode, reps in (("destroy", 2), ("nodestroy", 2), ("alive", 1), ("exception", 1),
+                            ("nostep", 1))
          for rep in range(reps)]
 
 

@@ -31,9 +31,17 @@ def different_models(rank: int, world: int, case: str) -> None:
     blocks = 3 if rank == 0 or case != "units" else 2
     model = nn.Sequential(nn.Linear(8, width), *[Block(width) for _ in range(blocks)])
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match="shard_model: the model differs across ranks") as info:
-        zerokern.shard_model(model, unit_classes=(Block,))
-    assert "build the same model on every rank" in str(info.value)
+    if case == "args":
+        # Rank 1's arguments are refused locally; rank 0 must not wait for it in vain.
+        classes = (Block,) if rank == 0 else (nn.Conv1d,)
+        with pytest.raises(ValueError) as info:
+            zerokern.shard_model(model, unit_classes=classes)
+        want = "match no submodule" if rank == 1 else "shard_model failed on rank 1"
+        assert want in str(info.value), str(info.value)
+    else:
+        with pytest.raises(ValueError, match="shard_model: the model differs across ranks") as info:
+            zerokern.shard_model(model, unit_classes=(Block,))
+        assert "build the same model on every rank" in str(info.value)
     # Nothing was modified: the parameters are the full, unchanged tensors.
     assert getattr(model, "_zk_stage3", None) is None
     for p, b in zip(model.parameters(), before):
@@ -44,7 +52,7 @@ def different_models(rank: int, world: int, case: str) -> None:
     assert t.item() == world
 
 
-@pytest.mark.parametrize("case", ["shape", "units"])
+@pytest.mark.parametrize("case", ["shape", "units", "args"])
 def test_shard_model_on_different_models_raises_on_every_rank(case, tmp_path):
     run_ranks(2, different_models, case, tmp_path=tmp_path)
 

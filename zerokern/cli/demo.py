@@ -146,6 +146,7 @@ def _run_launched(opts, args) -> int:
     import torch
     import torch.distributed as dist
 
+    from ..comm import Comm
     from ..demo.train import release_all
 
     _quiet_torch_warnings()
@@ -168,8 +169,9 @@ def _run_launched(opts, args) -> int:
         if rank == 0:
             code = [_report(results, opts, args, header)]
             print(f"wall time {time.perf_counter() - t0:.0f} s")
-        dist.broadcast_object_list(code, src=0)  # every rank exits like rank 0
-        return int(code[0])
+        # Every rank exits like rank 0 (through Comm: its collectives keep their tensors
+        # until the backend has let go, so the exit right after this one is clean).
+        return int(Comm().all_gather_object(code[0], "demo exit code")[0])
     finally:
         release_all()
 

@@ -25,6 +25,7 @@ import atexit
 import pickle
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +41,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 _INFLIGHT: list[torch.Tensor] = []
+_HANDLES: weakref.WeakSet[Handle] = weakref.WeakSet()  # live handles, for the exit hook
 _INFLIGHT_LOCK = threading.Lock()
 # How long the exit hook waits for a backend to let go (a collective that never completes,
 # e.g. a peer that died, must not hang the exit for ever).
@@ -69,13 +71,27 @@ def inflight_count() -> int:
 
 
 def wait_released(timeout: float = _EXIT_WAIT_S) -> bool:
-    """Wait (GIL released) until no backend references a tensor of ours; False on timeout."""
+    """Wait (GIL released) until no backend references a tensor of ours; False on timeout.
+
+    A Handle nobody waited on (a backward without a step, an exception mid-step) keeps its
+    Work, and the Work its tensors: completed ones let go of their Work first. Tensors of
+    collectives that never completed (a peer died) are not waited for: their backend thread
+    is stuck, not about to release them."""
+    stuck: set[int] = set()
+    for h in list(_HANDLES):
+        if h.is_completed():
+            h._works = []
+        else:
+            stuck.update(id(t) for t in h._tensors)
     deadline = time.monotonic() + timeout
-    while inflight_count():
+    while True:
+        with _INFLIGHT_LOCK:
+            _prune_locked()
+            if all(id(t) in stuck for t in _INFLIGHT):
+                return True
         if time.monotonic() > deadline:
             return False
         time.sleep(0.0005)
-    return True
 
 
 atexit.register(wait_released)
@@ -110,9 +126,12 @@ class Handle:
     re-raises a backend error as CollectiveError naming the collective, and then runs
     ``finish`` (the point-to-point reduce-scatter sums what it received) once."""
 
-    def __init__(self, works: list[Any], guard: Any, finish: Any = None) -> None:
+    def __init__(self, works: list[Any], guard: Any, finish: Any = None,
+                 tensors: tuple[torch.Tensor, ...] = ()) -> None:
         self._works, self._guard, self._finish = works, guard, finish
+        self._tensors = tensors  # what was handed to the backend (for the exit hook)
         self._done = False
+        _HANDLES.add(self)
 
     def wait(self, timeout: Any = None) -> bool:
         if not self._done:
@@ -122,6 +141,8 @@ class Handle:
             if self._finish is not None:
                 self._finish()
             self._done = True
+            self._works, self._tensors = [], ()
+            inflight_count()  # prune: what the backend already released is freed now
         return True
 
     def is_completed(self) -> bool:
@@ -169,10 +190,9 @@ class Comm:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def _async(self, what: str, label: str, work: Any, async_op: bool,
-               finish: Any = None, works: list[Any] | None = None) -> Handle | None:
-        h = Handle(works if works is not None else [work], lambda: self._guard(what, label),
-                   finish)
+    def _async(self, what: str, label: str, works: list[Any], tensors: tuple[torch.Tensor, ...],
+               async_op: bool, finish: Any = None) -> Handle | None:
+        h = Handle(works, lambda: self._guard(what, label), finish, tensors)
         if async_op:
             return h
         h.wait()
@@ -182,23 +202,26 @@ class Comm:
     def broadcast(self, t: torch.Tensor, src: int = 0, label: str = "tensor") -> None:
         if self.world_size == 1:
             return
+        mine = _hand(t)
         with self._guard("broadcast", label):
-            dist.broadcast(_hand(t), self.global_rank(src), group=self.group)
+            work = dist.broadcast(mine, self.global_rank(src), group=self.group, async_op=True)
         self.stats.add("broadcast", t.numel(), t.element_size())
+        self._async("broadcast", label, [work], (mine,), False)
 
     def all_reduce(self, t: torch.Tensor, label: str = "tensor", *, count: bool = True,
                    op: Any = None, async_op: bool = False) -> Handle | None:
         """Sum (or `op`) in place. Counted twice, as the paper counts an all-reduce."""
         if self.world_size == 1:
             return None
+        mine = _hand(t)
         with self._guard("all_reduce", label):
-            work = dist.all_reduce(_hand(t), op=op or dist.ReduceOp.SUM, group=self.group,
+            work = dist.all_reduce(mine, op=op or dist.ReduceOp.SUM, group=self.group,
                                    async_op=True)
         if count:
             self.stats.add("all_reduce", t.numel(), t.element_size(), factor=2)
         else:
             self.stats.add("scalar_all_reduce", t.numel(), t.element_size())
-        return self._async("all_reduce", label, work, async_op)
+        return self._async("all_reduce", label, [work], (mine,), async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, label: str = "bucket",
                        async_op: bool = False) -> Handle | None:
@@ -211,17 +234,18 @@ class Comm:
             raise ValueError(f"reduce_scatter of {label}: input has {inp.numel()} elements, "
                              f"expected {self.world_size} x {out.numel()}")
         if self.p2p_reduce_scatter:
-            works, finish = self._exchange_reduce_scatter(out, inp, label)
-            h = self._async("reduce_scatter", label, None, async_op, finish, works)
+            works, handed, finish = self._exchange_reduce_scatter(out, inp, label)
+            h = self._async("reduce_scatter", label, works, handed, async_op, finish)
         else:
+            handed = (_hand(out), _hand(inp))
             with self._guard("reduce_scatter", label):
-                work = _reduce_scatter(_hand(out), _hand(inp), group=self.group, async_op=True)
-            h = self._async("reduce_scatter", label, work, async_op)
+                work = _reduce_scatter(*handed, group=self.group, async_op=True)
+            h = self._async("reduce_scatter", label, [work], handed, async_op)
         self.stats.add("reduce_scatter", inp.numel(), inp.element_size())
         return h
 
     def _exchange_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
-                                 label: str) -> tuple[list[Any], Any]:
+                                 label: str) -> tuple[list[Any], tuple[torch.Tensor, ...], Any]:
         n, r, s = self.world_size, self.rank, out.numel()
         chunks = inp.reshape(n, s)  # a view: inp is a contiguous flat buffer
         mine = chunks[r]
@@ -237,14 +261,15 @@ class Comm:
         # Every rank issues its exchanges in the same order, so one tag per call is the same
         # on all ranks and keeps overlapping calls (several buckets in flight) apart.
         self._tag = (self._tag + 1) % (1 << 30)
-        works = []
+        works, handed = [], []
         with self._guard("reduce_scatter", label):
             for k in range(1, n):
                 dst, src = (r + k) % n, (r - k) % n
-                works.append(dist.isend(_hand(chunks[dst]), self.global_rank(dst),
-                                        group=self.group, tag=self._tag))
-                works.append(dist.irecv(_hand(bufs[k - 1]), self.global_rank(src),
-                                        group=self.group, tag=self._tag))
+                handed += [_hand(chunks[dst]), _hand(bufs[k - 1])]
+                works.append(dist.isend(handed[-2], self.global_rank(dst), group=self.group,
+                                        tag=self._tag))
+                works.append(dist.irecv(handed[-1], self.global_rank(src), group=self.group,
+                                        tag=self._tag))
 
         def finish() -> None:
             if not in_place:
@@ -253,7 +278,7 @@ class Comm:
                 out.add_(b)
             self.scratch_bytes -= nscratch
 
-        return works, finish
+        return works, tuple(handed), finish
 
     def in_place_scratch(self) -> bool:
         """Whether an in-place reduce-scatter (output = this rank's slice of the input)
@@ -268,11 +293,12 @@ class Comm:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return None
+        handed = (_hand(out), _hand(inp))
         with self._guard("all_gather", label):
-            work = _all_gather(_hand(out), _hand(inp), group=self.group, async_op=True)
+            work = _all_gather(*handed, group=self.group, async_op=True)
         if count:
             self.stats.add("all_gather", out.numel(), out.element_size())
-        return self._async("all_gather", label, work, async_op)
+        return self._async("all_gather", label, [work], handed, async_op)
 
     def all_gather_object(self, obj: Any, label: str = "objects") -> list[Any]:
         """Every rank's picklable ``obj``, in rank order. Built on all_gather (sizes, then the
@@ -291,7 +317,8 @@ class Comm:
         gathered = torch.empty(self.world_size * width, dtype=torch.uint8, device=dev)
         self.all_gather(gathered, mine.to(dev), label=label, count=False)
         rows = gathered.cpu().view(self.world_size, width)
-        return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes())
+        lengths = sizes.cpu().tolist()
+        return [pickle.loads(rows[r, : lengths[r]].numpy().tobytes())
                 for r in range(self.world_size)]
 
     def _object_device(self) -> torch.device:
@@ -303,4 +330,4 @@ class Comm:
     def barrier(self) -> None:
         if self.world_size > 1:
             with self._guard("barrier", "nothing"):
-                dist.barrier(group=self.group)
+                dist.barrier(group=self.group)  # the backends make its tensors in C++: none of ours

@@ -113,7 +113,7 @@ def train_policy(
             progress(stage, step + 1, opts.steps, losses[-1].item(), time.perf_counter() - start)
     # Mean over ranks of each rank's mean token loss = the global batch's loss (equal shares).
     loss_t = torch.stack(losses).to(device)
-    dist.all_reduce(loss_t)
+    Comm().all_reduce(loss_t, "demo losses", count=False)
     mem = opt.memory_stats()
     comm = opt.comm_stats()
     if stage == 3:

@@ -64,6 +64,35 @@ def shard_model(
     and released afterwards; gradients are reduce-scattered as soon as its backward is done.
     Use with ``ZeroAdamW(model.parameters(), stage=3)``.
     """
+    comm = Comm(process_group)
+    # Every rank selects its units, then all compare (or learn of a rank's error) before
+    # anything is modified: a check that failed on one rank alone would leave the others
+    # waiting in the first per-unit broadcast until the process-group timeout.
+    try:
+        units, names, params = _select_units(model, unit_classes, prefetch)
+        failure: BaseException | None = None
+    except (ValueError, TypeError, RuntimeError) as exc:
+        units, names, params, failure = [], {}, [], exc
+    _check_units_same_on_all_ranks(comm, units, names, prefetch, reshard_after_forward,
+                                   failure)
+    rt = Stage3Runtime(
+        model, units, comm, prefetch=prefetch, reshard_after_forward=reshard_after_forward
+    )
+    rt.param_names = {id(p): names[id(p)] for p in params}
+    for p in params:
+        p._zk_rt = rt  # lets ZeroAdamW(stage=3) find the runtime from model.parameters()
+    rt.shard_parameters()
+    rt.install_hooks()
+    model._zk_stage3 = rt
+    model.register_state_dict_post_hook(_state_dict_hook)
+    model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+    return model
+
+
+def _select_units(
+    model: nn.Module, unit_classes: tuple[type, ...] | list[type] | None, prefetch: int,
+) -> tuple[list[tuple[str, nn.Module, list[nn.Parameter]]], dict[int, str], list[nn.Parameter]]:
+    """Validate the arguments and pick the units (pure: nothing is modified)."""
     if getattr(model, "_zk_stage3", None) is not None:
         raise RuntimeError(
             "shard_model: this model is already sharded (shard_model was called "
@@ -116,35 +145,29 @@ def shard_model(
         if ps:
             units.append((module_names.get(id(um), type(um).__name__), um, ps))
     units.append(("<root>", model, root_params))
-    comm = Comm(process_group)
-    _check_units_same_on_all_ranks(comm, units, names, prefetch, reshard_after_forward)
-    rt = Stage3Runtime(
-        model, units, comm, prefetch=prefetch, reshard_after_forward=reshard_after_forward
-    )
-    rt.param_names = {id(p): names[id(p)] for p in params}
-    for p in params:
-        p._zk_rt = rt  # lets ZeroAdamW(stage=3) find the runtime from model.parameters()
-    rt.shard_parameters()
-    rt.install_hooks()
-    model._zk_stage3 = rt
-    model.register_state_dict_post_hook(_state_dict_hook)
-    model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
-    return model
+    return units, names, params
 
 
 def _check_units_same_on_all_ranks(
     comm: Comm, units: list[tuple[str, nn.Module, list[nn.Parameter]]], names: dict[int, str],
-    prefetch: int, reshard_after_forward: bool,
+    prefetch: int, reshard_after_forward: bool, failure: BaseException | None = None,
 ) -> None:
-    """Raise on every rank, before anything is modified, when the ranks would partition
-    different models: otherwise the first per-unit broadcast would wait on mismatched sizes
-    until the process-group timeout (30 minutes by default)."""
+    """Raise on every rank, before anything is modified, when a rank's arguments were
+    refused (``failure``) or the ranks would partition different models: otherwise the
+    first per-unit broadcast would wait on mismatched sizes until the process-group timeout
+    (30 minutes by default)."""
     sig = {
+        "error": None if failure is None else f"{type(failure).__name__}: {failure}",
         "options": (prefetch, reshard_after_forward),
         "units": [(uname, [(names[id(p)], tuple(p.shape), str(p.dtype)) for p in ps])
                   for uname, _, ps in units],
     }
     sigs = comm.all_gather_object(sig, "shard_model unit signatures")
+    if failure is not None:
+        raise failure
+    for r, other in enumerate(sigs):
+        if other["error"] is not None:
+            raise ValueError(f"shard_model failed on rank {r}: {other['error']}")
     ref = sigs[0]
     for r, other in enumerate(sigs):
         if other == ref:
@@ -161,9 +184,13 @@ def _check_units_same_on_all_ranks(
         for (na, pa), (nb, pb) in zip(a, b):
             if (na, pa) != (nb, pb):
                 detail = next(((x, y) for x, y in zip(pa, pb) if x != y), None)
-                what = (f"parameter {detail[0][0]} {detail[0][1]} {detail[0][2]} on rank 0 but "
-                        f"{detail[1][0]} {detail[1][1]} {detail[1][2]} on rank {r}"
-                        if detail else f"{len(pa)} parameters on rank 0, {len(pb)} on rank {r}")
+                if detail is not None:
+                    (a0, a1, a2), (b0, b1, b2) = detail
+                    what = f"parameter {a0} {a1} {a2} on rank 0 but {b0} {b1} {b2} on rank {r}"
+                elif len(pa) != len(pb):
+                    what = f"{len(pa)} parameters on rank 0, {len(pb)} on rank {r}"
+                else:
+                    what = "the unit's module path differs"
                 raise ValueError(
                     f"shard_model: the model differs across ranks in unit {na!r} "
                     f"(rank {r}: {nb!r}): {what}; build the same model on every rank")
