@@ -19,7 +19,7 @@ import torch
 
 from zerokern.cli import estimate as est
 from zerokern.demo import GPT, VOCAB, config_for, decode, encode, get_batch
-from zerokern.demo.formulas import (
+from zerokern.formulas import (
     expected_comm_elements,
     expected_model_state_bytes,
     state_formula_text,

@@ -1,8 +1,9 @@
 """Every process of a ZeroAdamW script exits with status 0, however the script ends: 2-rank
 runs of tests/exit_case.py for stages 0-3 that end with destroy_process_group() (and no
 gc.collect()), without it, with the model and optimizer alive at exit, after a caught
-exception, and after a backward with no step. The abort these guard against was a race (about one run in five per case before
-the fix), so the common endings run twice; scripts/stress_exit.sh N runs each N times."""
+exception, and after a backward with no step. The abort these guard against was a race (a
+few runs in a hundred per case before the fix), so the common endings run twice;
+scripts/stress_exit.sh N runs each N times."""
 
 from __future__ import annotations
 

@@ -27,23 +27,30 @@ import sys
 import textwrap
 from decimal import ROUND_HALF_UP, Decimal
 
-GB = 1e9  # the paper's unit: 1 GB = 1e9 bytes
-PARAM_BYTES = 2  # fp16/bf16 working weights
-GRAD_BYTES = 2  # fp16/bf16 gradients
-DEFAULT_K = 12  # fp32 master weights + Adam momentum + variance: 4 + 4 + 4
-COMM_BYTES = 2  # bytes per communicated element (fp16/bf16)
-ACT_BYTES = 2  # bytes per stored activation value (fp16/bf16)
+from ..formulas import (  # noqa: F401 - re-exported: the estimate API
+    COMM_BYTES,
+    COMM_FORMULAS,
+    DEFAULT_K,
+    GB,
+    GRAD_BYTES,
+    PARAM_BYTES,
+    STAGE_FORMULAS,
+    STAGE_NAMES,
+    STAGES,
+    check_psi_n,
+    comm_bytes,
+    comm_elements,
+    comm_seconds,
+    fits,
+    mem_dp,
+    mem_os,
+    mem_os_g,
+    mem_os_g_p,
+    min_gpus_to_fit,
+    model_state_bytes,
+)
 
-STAGES = (0, 1, 2, 3)
-STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
-STAGE_FORMULAS = {
-    0: "(2+2+K)*Psi",
-    1: "4*Psi + K*Psi/N",
-    2: "2*Psi + (2+K)*Psi/N",
-    3: "(2+2+K)*Psi/N",
-}
-# Per-step communication in units of Psi elements (paper §7.1-7.2.2).
-COMM_FORMULAS = {0: "2*Psi", 1: "2*Psi", 2: "2*Psi", 3: "3*Psi"}
+ACT_BYTES = 2  # bytes per stored activation value (fp16/bf16)
 DEFAULT_GPUS = (1, 4, 16, 64, 256, 1024)  # the N_d rows of the paper's Table 1
 
 COMM_NOTE = (
@@ -53,115 +60,6 @@ COMM_NOTE = (
     "GPU sends, and receives, about this volume ((N-1)/N of it exactly; nothing at N = 1), "
     "so time = bytes / per-GPU link bandwidth, ignoring latency and overlap with compute."
 )
-
-
-# --------------------------------------------------------------------------------------------
-# Model-state memory (paper §5.1-5.4, Table 1)
-# --------------------------------------------------------------------------------------------
-
-
-def _check_psi_n(psi: float, n: int) -> None:
-    if not psi > 0:
-        raise ValueError(f"number of parameters must be positive, got {psi!r}")
-    if int(n) != n or n < 1:
-        raise ValueError(f"number of GPUs must be a positive integer, got {n!r}")
-
-
-def mem_dp(psi: float, n: int = 1, k: float = DEFAULT_K) -> float:
-    """Stage 0, plain data parallelism: every GPU holds (2 + 2 + K) Psi bytes, whatever N is."""
-    _check_psi_n(psi, n)
-    return (PARAM_BYTES + GRAD_BYTES + k) * psi
-
-
-def mem_os(psi: float, n: int, k: float = DEFAULT_K) -> float:
-    """Stage 1, P_os (§5.1): 4 Psi + K Psi / N bytes per GPU."""
-    _check_psi_n(psi, n)
-    return (PARAM_BYTES + GRAD_BYTES) * psi + k * psi / n
-
-
-def mem_os_g(psi: float, n: int, k: float = DEFAULT_K) -> float:
-    """Stage 2, P_os+g (§5.2): 2 Psi + (2 + K) Psi / N bytes per GPU."""
-    _check_psi_n(psi, n)
-    return PARAM_BYTES * psi + (GRAD_BYTES + k) * psi / n
-
-
-def mem_os_g_p(psi: float, n: int, k: float = DEFAULT_K) -> float:
-    """Stage 3, P_os+g+p (§5.3): (2 + 2 + K) Psi / N bytes per GPU."""
-    _check_psi_n(psi, n)
-    return (PARAM_BYTES + GRAD_BYTES + k) * psi / n
-
-
-_MEM_FUNCS = {0: mem_dp, 1: mem_os, 2: mem_os_g, 3: mem_os_g_p}
-
-
-def model_state_bytes(stage: int, psi: float, n: int, k: float = DEFAULT_K) -> float:
-    """Per-GPU model-state bytes (parameters + gradients + optimizer state) for a ZeRO stage."""
-    if stage not in _MEM_FUNCS:
-        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
-    return _MEM_FUNCS[stage](psi, n, k)
-
-
-def _fits(nbytes: float, capacity: float) -> bool:
-    # a hair of slack so that exact ties (e.g. 128B params on 64 GPUs = 32 GB) count as fitting
-    return nbytes <= capacity * (1 + 1e-12)
-
-
-def min_gpus_to_fit(stage: int, psi: float, capacity_bytes: float, k: float = DEFAULT_K):
-    """Smallest N whose per-GPU model states fit in ``capacity_bytes``; None if no N does.
-
-    Stages 0-2 keep a replicated part (16, 4 and 2 bytes per parameter for K = 12 as N grows)
-    that no number of GPUs removes; stage 3 always fits for large enough N.
-    """
-    if capacity_bytes <= 0:
-        return None
-    if stage == 0:
-        return 1 if _fits(mem_dp(psi, 1, k), capacity_bytes) else None
-    floor = {1: (PARAM_BYTES + GRAD_BYTES) * psi, 2: PARAM_BYTES * psi, 3: 0.0}[stage]
-    sharded = {1: k, 2: GRAD_BYTES + k, 3: PARAM_BYTES + GRAD_BYTES + k}[stage] * psi
-    if sharded == 0:  # K = 0 in stage 1: nothing is partitioned
-        return 1 if _fits(floor, capacity_bytes) else None
-    room = capacity_bytes - floor
-    if room <= 0:
-        return None
-    n = max(1, math.ceil(sharded / room))
-    # guard against float rounding around exact ties
-    while n > 1 and _fits(model_state_bytes(stage, psi, n - 1, k), capacity_bytes):
-        n -= 1
-    while not _fits(model_state_bytes(stage, psi, n, k), capacity_bytes):
-        n += 1
-    return n
-
-
-# --------------------------------------------------------------------------------------------
-# Communication (paper §7)
-# --------------------------------------------------------------------------------------------
-
-
-def comm_elements(psi: float, stage: int) -> float:
-    """Per-step communication volume in elements, as counted in the paper's §7.
-
-    Plain DP all-reduce = reduce-scatter + all-gather = 2 Psi (§7.1). Stages 1 and 2 replace it
-    by a gradient reduce-scatter and an all-gather of the updated parameters: also 2 Psi
-    (§7.2.1). Stage 3 all-gathers the parameters in forward and again in backward, plus the
-    gradient reduce-scatter: 3 Psi, 1.5x the baseline (§7.2.2).
-    """
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
-    return (3 if stage == 3 else 2) * psi
-
-
-def comm_bytes(psi: float, stage: int, bytes_per_element: float = COMM_BYTES) -> float:
-    """Per-step communication volume in bytes (2 bytes per fp16/bf16 element by default)."""
-    return comm_elements(psi, stage) * bytes_per_element
-
-
-def comm_seconds(
-    psi: float, stage: int, bandwidth_gb_s: float, bytes_per_element: float = COMM_BYTES
-) -> float:
-    """Time to move ``comm_bytes`` over a per-GPU link of ``bandwidth_gb_s`` GB/s (1e9 B/s)."""
-    if not bandwidth_gb_s > 0:
-        raise ValueError(f"bandwidth must be positive, got {bandwidth_gb_s!r}")
-    return comm_bytes(psi, stage, bytes_per_element) / (bandwidth_gb_s * GB)
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,7 +132,7 @@ def estimate(
     """Compute everything the command reports. Bytes are exact; ``*_gb`` are bytes / 1e9."""
     gpus = [int(n) for n in gpus]
     for n in gpus:
-        _check_psi_n(psi, n)
+        check_psi_n(psi, n)
 
     activations = None
     act_used = 0.0
@@ -267,7 +165,7 @@ def estimate(
             key = f"stage{s}"
             row["bytes"][key] = b
             row["gb"][key] = b / GB
-            row["fits"][key] = None if capacity is None else _fits(b, capacity)
+            row["fits"][key] = None if capacity is None else fits(b, capacity)
         rows.append(row)
 
     comm = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import os
 
-from .formulas import (
+from ..formulas import (
     STAGE_NAMES,
     expected_comm_elements,
     expected_model_state_bytes,

@@ -1,0 +1,227 @@
+"""The ZeRO paper's formulas, in one place (pure arithmetic, no torch): what a rank holds
+and what a step sends. Used by ``python -m zerokern estimate``, the demo's report and tests.
+
+Notation (paper §3.1, §5): Psi parameters, N data-parallel ranks (the paper's N_d), K bytes of
+optimizer state per parameter, p-byte parameters and gradients. Model-state bytes per rank
+(§5.4), replicated bytes per parameter plus bytes per parameter divided over N:
+
+    stage 0  DP         (2p + K) Psi
+    stage 1  P_os       2p Psi + K Psi / N
+    stage 2  P_os+g     p Psi + (p + K) Psi / N
+    stage 3  P_os+g+p   (2p + K) Psi / N
+
+For the paper's mixed precision (p = 2, K = 12: fp32 master weight, momentum and variance)
+these are 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N and 16 Psi/N. fp32 parameters are their
+own master, so K = 8 there. Communication per step (§7): 2 Psi elements for stages 0-2
+(all-reduce = reduce-scatter + all-gather), 3 Psi for stage 3 (parameters all-gathered in
+forward and in backward, gradients reduce-scattered); nothing with one rank.
+
+GB means 1e9 bytes, as in the paper (7.5B parameters on 64 GPUs: 120, 31.4, 16.6, 1.88 GB).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+GB = 1e9  # the paper's unit: 1 GB = 1e9 bytes
+PARAM_BYTES = 2  # fp16/bf16 working weights
+GRAD_BYTES = 2  # fp16/bf16 gradients
+DEFAULT_K = 12  # fp32 master weights + Adam momentum + variance: 4 + 4 + 4
+COMM_BYTES = 2  # bytes per communicated element (fp16/bf16)
+
+STAGES = (0, 1, 2, 3)
+STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+STAGE_FORMULAS = {
+    0: "(2+2+K)*Psi",
+    1: "4*Psi + K*Psi/N",
+    2: "2*Psi + (2+K)*Psi/N",
+    3: "(2+2+K)*Psi/N",
+}
+# Per-step communication in units of Psi elements (paper §7.1-7.2.2).
+COMM_FORMULAS = {0: "2*Psi", 1: "2*Psi", 2: "2*Psi", 3: "3*Psi"}
+
+
+# --------------------------------------------------------------------------------------------
+# Model-state memory (paper §5.1-5.4, Table 1)
+# --------------------------------------------------------------------------------------------
+
+
+def check_psi_n(psi: float, n: int) -> None:
+    if not psi > 0:
+        raise ValueError(f"number of parameters must be positive, got {psi!r}")
+    if int(n) != n or n < 1:
+        raise ValueError(f"number of GPUs must be a positive integer, got {n!r}")
+
+
+def coefficients(stage: int, param_bytes: int = PARAM_BYTES,
+                 k: float | None = None) -> tuple[float, float]:
+    """(bytes per parameter held by every rank, bytes per parameter divided over N) of a
+    stage, with ``param_bytes``-byte parameters and gradients and K bytes of optimizer state
+    per parameter (default: ``optimizer_bytes_per_param(param_bytes)``)."""
+    p = param_bytes
+    k = optimizer_bytes_per_param(p) if k is None else k
+    return {0: (2 * p + k, 0), 1: (2 * p, k), 2: (p, p + k), 3: (0, 2 * p + k)}[stage]
+
+
+def _mem(stage: int, psi: float, n: int, k: float) -> float:
+    check_psi_n(psi, n)
+    rep, shard = coefficients(stage, PARAM_BYTES, k)
+    return rep * psi + shard * psi / n
+
+
+def mem_dp(psi: float, n: int = 1, k: float = DEFAULT_K) -> float:
+    """Stage 0, plain data parallelism: every GPU holds (2 + 2 + K) Psi bytes, whatever N is."""
+    return _mem(0, psi, n, k)
+
+
+def mem_os(psi: float, n: int, k: float = DEFAULT_K) -> float:
+    """Stage 1, P_os (§5.1): 4 Psi + K Psi / N bytes per GPU."""
+    return _mem(1, psi, n, k)
+
+
+def mem_os_g(psi: float, n: int, k: float = DEFAULT_K) -> float:
+    """Stage 2, P_os+g (§5.2): 2 Psi + (2 + K) Psi / N bytes per GPU."""
+    return _mem(2, psi, n, k)
+
+
+def mem_os_g_p(psi: float, n: int, k: float = DEFAULT_K) -> float:
+    """Stage 3, P_os+g+p (§5.3): (2 + 2 + K) Psi / N bytes per GPU."""
+    return _mem(3, psi, n, k)
+
+
+_MEM_FUNCS = {0: mem_dp, 1: mem_os, 2: mem_os_g, 3: mem_os_g_p}
+
+
+def model_state_bytes(stage: int, psi: float, n: int, k: float = DEFAULT_K) -> float:
+    """Per-GPU model-state bytes (parameters + gradients + optimizer state) for a ZeRO stage."""
+    if stage not in _MEM_FUNCS:
+        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+    return _MEM_FUNCS[stage](psi, n, k)
+
+
+def fits(nbytes: float, capacity: float) -> bool:
+    # a hair of slack so that exact ties (e.g. 128B params on 64 GPUs = 32 GB) count as fitting
+    return nbytes <= capacity * (1 + 1e-12)
+
+
+def min_gpus_to_fit(stage: int, psi: float, capacity_bytes: float, k: float = DEFAULT_K):
+    """Smallest N whose per-GPU model states fit in ``capacity_bytes``; None if no N does.
+
+    Stages 0-2 keep a replicated part (16, 4 and 2 bytes per parameter for K = 12 as N grows)
+    that no number of GPUs removes; stage 3 always fits for large enough N.
+    """
+    if capacity_bytes <= 0:
+        return None
+    if stage == 0:
+        return 1 if fits(mem_dp(psi, 1, k), capacity_bytes) else None
+    rep, shard = coefficients(stage, PARAM_BYTES, k)
+    floor, sharded = rep * psi, shard * psi
+    if sharded == 0:  # K = 0 in stage 1: nothing is partitioned
+        return 1 if fits(floor, capacity_bytes) else None
+    room = capacity_bytes - floor
+    if room <= 0:
+        return None
+    n = max(1, math.ceil(sharded / room))
+    # guard against float rounding around exact ties
+    while n > 1 and fits(model_state_bytes(stage, psi, n - 1, k), capacity_bytes):
+        n -= 1
+    while not fits(model_state_bytes(stage, psi, n, k), capacity_bytes):
+        n += 1
+    return n
+
+
+# --------------------------------------------------------------------------------------------
+# Communication (paper §7)
+# --------------------------------------------------------------------------------------------
+
+
+def comm_elements(psi: float, stage: int) -> float:
+    """Per-step communication volume in elements, as counted in the paper's §7.
+
+    Plain DP all-reduce = reduce-scatter + all-gather = 2 Psi (§7.1). Stages 1 and 2 replace it
+    by a gradient reduce-scatter and an all-gather of the updated parameters: also 2 Psi
+    (§7.2.1). Stage 3 all-gathers the parameters in forward and again in backward, plus the
+    gradient reduce-scatter: 3 Psi, 1.5x the baseline (§7.2.2).
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+    return (3 if stage == 3 else 2) * psi
+
+
+def comm_bytes(psi: float, stage: int, bytes_per_element: float = COMM_BYTES) -> float:
+    """Per-step communication volume in bytes (2 bytes per fp16/bf16 element by default)."""
+    return comm_elements(psi, stage) * bytes_per_element
+
+
+def comm_seconds(
+    psi: float, stage: int, bandwidth_gb_s: float, bytes_per_element: float = COMM_BYTES
+) -> float:
+    """Time to move ``comm_bytes`` over a per-GPU link of ``bandwidth_gb_s`` GB/s (1e9 B/s)."""
+    if not bandwidth_gb_s > 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth_gb_s!r}")
+    return comm_bytes(psi, stage, bytes_per_element) / (bandwidth_gb_s * GB)
+
+
+# ------------------------------------------------------------------------------------------
+# Exact per-rank figures for any parameter width (the demo and the tests compare measured
+# bytes with these)
+# ------------------------------------------------------------------------------------------
+
+
+def _check(stage: int, psi: int, world: int, param_bytes: int) -> None:
+    if stage not in STAGE_NAMES:
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if psi < 0 or world < 1:
+        raise ValueError(f"need psi >= 0 and world >= 1, got psi={psi}, world={world}")
+    if param_bytes not in (2, 4):
+        raise ValueError(f"param_bytes must be 2 (fp16/bf16) or 4 (fp32), got {param_bytes!r}")
+
+
+def optimizer_bytes_per_param(param_bytes: int) -> int:
+    """K: fp32 master + two fp32 moments for 16-bit params; the two moments for fp32 params."""
+    return 12 if param_bytes < 4 else 8
+
+
+def _exact(x: Fraction) -> int | float:
+    return int(x) if x.denominator == 1 else float(x)
+
+
+def expected_model_state_bytes(stage: int, psi: int, world: int, param_bytes: int) -> int | float:
+    """Paper §5.4 model-state bytes per rank (an int whenever psi is divisible by world).
+
+    >>> [expected_model_state_bytes(s, 8, 4, 2) for s in range(4)]  # the paper's tiny example
+    [128, 56, 44, 32]
+    """
+    _check(stage, psi, world, param_bytes)
+    rep, shard = coefficients(stage, param_bytes)
+    return _exact(rep * Fraction(psi) + shard * Fraction(psi, world))
+
+
+def state_formula_text(stage: int, param_bytes: int) -> str:
+    """The formula as text, e.g. '4Ψ+12Ψ/N'."""
+    rep, shard = coefficients(stage, param_bytes)
+    parts = ([f"{rep}Ψ"] if rep else []) + ([f"{shard}Ψ/N"] if shard else [])
+    return "+".join(parts)
+
+
+def zerokern_extra_bytes(
+    stage: int, psi: int, world: int, param_bytes: int
+) -> dict[str, int | float]:
+    """Bytes per rank that zerokern holds beyond the paper's formula, by reason: none.
+
+    Stage 1 reduce-scatters in place into the full-size gradient (as the paper's P_os keeps
+    it), and fp32 params keep no master copy (every stage updates this rank's parameters in
+    place). The demo accepts measured == formula or measured == formula + these, and says
+    which, so a future buffer beyond the paper has to be named here to pass.
+    """
+    _check(stage, psi, world, param_bytes)
+    return {}
+
+
+def expected_comm_elements(stage: int, psi: int, world: int) -> int:
+    """Paper §7 elements per step: 2 Psi (stages 0-2) or 3 Psi (stage 3); 0 for one rank."""
+    _check(stage, psi, world, 2)
+    if world == 1:
+        return 0
+    return (3 if stage == 3 else 2) * psi
