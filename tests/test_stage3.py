@@ -16,6 +16,7 @@ from models import Block, IntGradNet, TinyGPT, batch
 from test_zero_parity import _ref_average, _within_one_ulp
 
 import zerokern
+from zerokern.zero.registry import runtime_of_module
 
 STEPS = 10
 
@@ -74,7 +75,7 @@ def gpt_parity(rank, world, *, checkpoint, accum=1, clip=None, prefetch=1):
                 msg=lambda m, k=k, s=step: f"{k} step {s}: {m}",
             )
     # Gathered units never exceeded prefetch + 1 (besides the root), from the arena's peak.
-    rt = ours._zk_stage3
+    rt = runtime_of_module(ours)
     assert rt.peak_units <= prefetch + 1, rt.peak_units
     big = max(u.plan.padded_numel for u in rt.units if not u.is_root)
     root = next(u.plan.padded_numel for u in rt.units if u.is_root)
@@ -139,7 +140,7 @@ def accounting(rank, world):
     base = TinyGPT().to(torch.bfloat16)
     psi = sum(p.numel() for p in base.parameters())
     ours = zerokern.shard_model(copy.deepcopy(base), unit_classes=(Block,))
-    rt = ours._zk_stage3
+    rt = runtime_of_module(ours)
     padded = sum(u.plan.padded_numel for u in rt.units)
     # Stored parameter bytes are 1/N of the (padded) total on every rank.
     assert rt.local_params.numel() * world == padded

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..zero.registry import runtime_of_module
 from .format import (
     FORMAT,
     FORMAT_VERSION,
@@ -165,7 +166,7 @@ def _names_list(names: list[str]) -> str:
 
 def match(ck: Opened, model: torch.nn.Module, opt: Any) -> Match:
     meta, rt = ck.meta, opt._rt
-    if rt is not None and getattr(model, "_zk_stage3", None) is not rt:
+    if rt is not None and runtime_of_module(model) is not rt:
         raise ValueError(
             "model: the optimizer is stage 3 but this model is not the one it "
             "was built on (pass the shard_model'ed model)"

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..zero.registry import runtime_of_module
 from .format import (
     CHUNK_BYTES,
     FORMAT,
@@ -117,7 +118,7 @@ class Plan:
 def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
     rank, world = opt.comm.rank, opt.comm.world_size
     rt = opt._rt
-    if rt is not None and getattr(model, "_zk_stage3", None) is not rt:
+    if rt is not None and runtime_of_module(model) is not rt:
         raise ValueError(
             "model: the optimizer is stage 3 but this model is not the one it "
             "was built on (pass the shard_model'ed model)"

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import zerokern
 from zerokern.comm import Comm
+from zerokern.zero.registry import runtime_of_module
 
 from .data import VOCAB, get_batch
 from .gpt import GPT, Block, config_for
@@ -117,7 +118,8 @@ def train_policy(
     mem = opt.memory_stats()
     comm = opt.comm_stats()
     if stage == 3:
-        psi_padded = sum(u.plan.padded_numel for u in model._zk_stage3.units)
+        rt = runtime_of_module(model)
+        psi_padded = sum(u.plan.padded_numel for u in rt.units)
     else:
         psi_padded = opt.layout.flat_numel
     return {

@@ -18,6 +18,7 @@ from ..comm import Comm
 from ..memory import Arena
 from .grads import GradReducer
 from .layout import Layout, build_layout, build_stage3_layout
+from .registry import runtime_of_param
 from .scaler import LossScaler
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -123,7 +124,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         return {id(p): i for i, p in enumerate(self._params)}
 
     def _stage3_runtime(self, stage: int) -> Any:
-        rts = {id(getattr(p, "_zk_rt", None)): getattr(p, "_zk_rt", None) for p in self._params}
+        found = [runtime_of_param(p) for p in self._params]
+        rts = {id(rt): rt for rt in found}
         if stage != 3:
             if any(rt is not None for rt in rts.values()):
                 raise ValueError(f"params belong to a model partitioned by shard_model: use "

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from . import registry
 from .stage3 import Stage3Runtime
 
 # Default unit size when no unit classes are given: a module becomes a unit when it holds at
@@ -79,11 +80,11 @@ def shard_model(
         model, units, comm, prefetch=prefetch, reshard_after_forward=reshard_after_forward
     )
     rt.param_names = {id(p): names[id(p)] for p in params}
-    for p in params:
-        p._zk_rt = rt  # lets ZeroAdamW(stage=3) find the runtime from model.parameters()
     rt.shard_parameters()
     rt.install_hooks()
-    model._zk_stage3 = rt
+    # Lets ZeroAdamW(stage=3) find the runtime from model.parameters(), and checkpoints and
+    # full_state_dict from the model.
+    registry.register(model, params, rt)
     model.register_state_dict_post_hook(_state_dict_hook)
     model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     return model
@@ -93,7 +94,7 @@ def _select_units(
     model: nn.Module, unit_classes: tuple[type, ...] | list[type] | None, prefetch: int,
 ) -> tuple[list[tuple[str, nn.Module, list[nn.Parameter]]], dict[int, str], list[nn.Parameter]]:
     """Validate the arguments and pick the units (pure: nothing is modified)."""
-    if getattr(model, "_zk_stage3", None) is not None:
+    if registry.runtime_of_module(model) is not None:
         raise RuntimeError(
             "shard_model: this model is already sharded (shard_model was called "
             "twice); call it once, right after building the model"
@@ -217,7 +218,8 @@ def _load_state_dict_pre_hook(
     the entries then become empty tensors matching the released parameters, so the default
     copy has nothing left to do. Load the model before building the optimizer (or restore the
     optimizer's state dict after), since the optimizer keeps its own fp32 master."""
-    rt = module._zk_stage3
+    rt = registry.runtime_of_module(module)
+    assert rt is not None  # the hook is registered by shard_model only
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     with torch.no_grad():
         for u in rt.units:
@@ -234,9 +236,9 @@ def _load_state_dict_pre_hook(
             state_dict[prefix + n] = torch.empty(0, dtype=rt.dtype)
 
 
-def runtime_of(model_or_params: Any) -> Stage3Runtime | None:
-    rt = getattr(model_or_params, "_zk_stage3", None)
-    return rt
+def runtime_of(model: Any) -> Stage3Runtime | None:
+    """The stage-3 runtime of a model partitioned by shard_model (None otherwise)."""
+    return registry.runtime_of_module(model)
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> OrderedDict[str, torch.Tensor]:
