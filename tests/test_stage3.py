@@ -224,3 +224,39 @@ def state_dict_round_trip(rank, world):
 
 def test_model_and_optimizer_state_dict_round_trip_bitwise(tmp_path):
     run_ranks(2, state_dict_round_trip, tmp_path=tmp_path)
+
+
+def failed_forward(rank, world):
+    torch.manual_seed(0)
+    model = zerokern.shard_model(TinyGPT(), unit_classes=(Block,))
+    opt = zerokern.ZeroAdamW(model.parameters(), lr=1e-2, stage=3)
+    rt = runtime_of_module(model)
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+
+    def boom(module, args):
+        raise RuntimeError("bad batch")
+
+    handle = blocks[1].register_forward_pre_hook(boom)
+    x, y = batch(0, rank)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        model(x)
+    handle.remove()
+    # Nothing stays gathered, and no saved-tensor hooks are left installed.
+    assert not any(u.gathered for u in rt.units)
+    assert not rt._saved_hooks.active
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    # Training goes on as if the failed forward never happened: same numbers as a fresh run.
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    torch.manual_seed(0)
+    ref = zerokern.shard_model(TinyGPT(), unit_classes=(Block,))
+    ref_opt = zerokern.ZeroAdamW(ref.parameters(), lr=1e-2, stage=3)
+    F.cross_entropy(ref(x), y).backward()
+    ref_opt.step()
+    got, want = model.state_dict(), ref.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_failed_forward_leaves_nothing_gathered(tmp_path):
+    run_ranks(2, failed_forward, tmp_path=tmp_path)

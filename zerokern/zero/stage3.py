@@ -16,6 +16,7 @@ unpacked against wherever that unit is gathered when backward needs them.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +97,7 @@ class Stage3Runtime:
         self.sync = True
         self.fwd_order: list[int] = []
         self.prev_order: list[int] = []
-        self._hooks_ctx: Any = None
+        self._saved_hooks = _SavedTensorHooks(self._pack, self._unpack)
         self._callback_queued = False
         self._inflight_rs: Any = None
         # Prefetched gathers run asynchronously on every backend (NCCL stream, gloo threads).
@@ -128,6 +129,10 @@ class Stage3Runtime:
         for u in self.units:
             u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+            if u.is_root:
+                # Runs even when the forward raised (after the hook above otherwise): then
+                # nothing stays gathered and the saved-tensor hooks are removed.
+                u.module.register_forward_hook(self._after_root_forward, always_call=True)
             for j, p in enumerate(u.params):
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(
@@ -178,9 +183,7 @@ class Stage3Runtime:
         if u.is_root and not u.in_backward:
             self.prev_order, self.fwd_order = self.fwd_order or self.prev_order, []
             if torch.is_grad_enabled():
-                self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack,
-                                                                           self._unpack)
-                self._hooks_ctx.__enter__()
+                self._saved_hooks.enter()
         self.gather(u)
         if not u.in_backward:
             self.fwd_order.append(u.index)
@@ -205,9 +208,7 @@ class Stage3Runtime:
             for t in tensors:
                 t.register_hook(lambda g, u=u: self._pre_backward(u, g))
         if u.is_root and not u.in_backward:
-            if self._hooks_ctx is not None:
-                self._hooks_ctx.__exit__(None, None, None)
-                self._hooks_ctx = None
+            self._saved_hooks.exit()
             for other in self.units:  # prefetched but never run this time
                 if other.gathered and not other.in_backward and other is not u:
                     self._release(other)
@@ -216,6 +217,15 @@ class Stage3Runtime:
         if self.reshard or not grad_mode or u.is_root:
             self._release(u)
         return out
+
+    def _after_root_forward(self, module: Any, args: Any, out: Any) -> None:
+        if not (out is None and sys.exc_info()[0] is not None):
+            return  # the forward returned: _post_forward has done everything
+        self._saved_hooks.exit()
+        for u in self.units:
+            if u.gathered and not u.in_backward:
+                self._release(u)
+        self.fwd_order = []
 
     # -- saved tensors -----------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
@@ -386,6 +396,30 @@ class Stage3Runtime:
             "gather_overflow": self.overflow_bytes,
             "peak_gathered_units": self.peak_units,
         }
+
+
+class _SavedTensorHooks:
+    """The root forward's saved-tensor hooks (they turn views of gathered parameters into
+    references that the backward re-gathers), entered at most once and always left: by the
+    root's forward hook, or by its always-called hook when the forward raised."""
+
+    def __init__(self, pack: Any, unpack: Any) -> None:
+        self._pack, self._unpack = pack, unpack
+        self._ctx: Any = None
+
+    @property
+    def active(self) -> bool:
+        return self._ctx is not None
+
+    def enter(self) -> None:
+        if self._ctx is None:
+            self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._ctx.__enter__()
+
+    def exit(self) -> None:
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            ctx.__exit__(None, None, None)
 
 
 class _GatheredRef:
