@@ -203,3 +203,18 @@ def test_step_with_closure_returns_loss():
 
     loss = opt.step(closure)
     assert torch.is_tensor(loss) and loss.item() > 0
+
+
+def test_launcher_without_process_group_raises(monkeypatch):
+    # torchrun sets WORLD_SIZE; forgetting init_process_group() must not silently train
+    # each rank as world size 1.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        zerokern.ZeroAdamW(model.parameters(), stage=2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        zerokern.shard_model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a single process launched by torchrun: fine
+    zerokern.ZeroAdamW(model.parameters(), stage=2)

@@ -22,6 +22,7 @@ runs before finalization, waits with the GIL released until that is true of ever
 from __future__ import annotations
 
 import atexit
+import os
 import pickle
 import threading
 import time
@@ -155,6 +156,14 @@ class Comm:
         self.group = process_group if self.distributed else None
         if process_group is not None and not self.distributed:
             raise ValueError("process_group was given but torch.distributed is not initialized")
+        launched = os.environ.get("WORLD_SIZE", "1")
+        if not self.distributed and launched.isdigit() and int(launched) > 1:
+            # torchrun (or another launcher) started several ranks: running each as world
+            # size 1 would train N unrelated models without a word.
+            raise RuntimeError(
+                f"WORLD_SIZE={launched} in the environment but torch.distributed is not "
+                f"initialized: call torch.distributed.init_process_group() before building "
+                f"ZeroAdamW or calling shard_model")
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.backend = dist.get_backend(self.group) if self.distributed else "none"
