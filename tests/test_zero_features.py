@@ -218,3 +218,42 @@ def test_launcher_without_process_group_raises(monkeypatch):
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     monkeypatch.setenv("WORLD_SIZE", "1")  # a single process launched by torchrun: fine
     zerokern.ZeroAdamW(model.parameters(), stage=2)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_inf_gradient_with_clipping_matches_torch(stage):
+    # max_grad_norm and no loss scaler: an infinite gradient element makes the norm inf and
+    # torch's clip_grad_norm_ scales every gradient by 0 (finite ones become 0, the infinite
+    # one NaN) before AdamW steps. ZeroAdamW does the same instead of failing.
+    from _tol import TRAIN_FP32
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = zerokern.ZeroAdamW(ours.parameters(), lr=1e-2, stage=stage, max_grad_norm=1.0)
+    x = torch.randn(4, 6)
+    poison = [False]
+
+    def inf_at_2_3(g):  # runs before the gradient is accumulated (and, for us, bucketed)
+        if not poison[0]:
+            return g
+        g = g.clone()
+        g[2, 3] = float("inf")
+        return g
+
+    for m in (ref, ours):
+        m[0].weight.register_hook(inf_at_2_3)
+    for step in range(3):
+        poison[0] = step == 1
+        for m in (ref, ours):
+            m(x).square().sum().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(a.isnan(), b.isnan())
+        torch.testing.assert_close(b, a, rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1], equal_nan=True)
+    assert ours[0].weight.isnan().any()  # the case did reach the infinite element

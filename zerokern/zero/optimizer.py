@@ -409,12 +409,15 @@ class ZeroAdamW(torch.optim.Optimizer):
         clip = 1.0
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
+        # An infinite norm (no loss scaler to skip the step) clips by 0, as torch's
+        # clip_grad_norm_ does: finite gradients become 0, infinite ones NaN.
+        grad_scale = scale / clip if clip > 0 else math.inf
         runs = self._runs(active)
         if self.stage in (1, 2):
-            self._update_and_gather(runs, scale / clip, active)
+            self._update_and_gather(runs, grad_scale, active)
         else:
             for g, s, e, step in runs:
-                self._fused(g, s, e, step, scale / clip)
+                self._fused(g, s, e, step, grad_scale)
         for i, a in enumerate(active):
             if a:
                 self._steps[i] += 1
