@@ -257,3 +257,23 @@ def test_inf_gradient_with_clipping_matches_torch(stage):
         assert torch.equal(a.isnan(), b.isnan())
         torch.testing.assert_close(b, a, rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1], equal_nan=True)
     assert ours[0].weight.isnan().any()  # the case did reach the infinite element
+
+
+@pytest.mark.parametrize("key,bad", [("lr", float("nan")), ("lr", float("inf")),
+                                     ("eps", float("nan")), ("weight_decay", float("nan"))])
+def test_bad_hyperparameter_in_any_group_raises_before_anything_changes(key, bad):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=key):
+        zerokern.ZeroAdamW(model.parameters(), stage=2, **{key: bad})
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters()}]
+    opt = zerokern.ZeroAdamW(groups, lr=1e-2, stage=2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(3, 4)).sum().backward()
+    opt.param_groups[1][key] = bad  # e.g. a scheduler gone wrong, in the second group
+    with pytest.raises(ValueError, match=rf"{key} \(param group 1\)"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

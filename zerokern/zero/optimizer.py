@@ -26,17 +26,25 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                    where: str = "") -> None:
-    if not (isinstance(lr, (int, float)) or torch.is_tensor(lr)) or float(lr) < 0:
-        raise ValueError(f"lr{where} must be a number >= 0, got {lr!r}")
+    if not (isinstance(lr, (int, float)) or torch.is_tensor(lr)) or not _finite_ge0(lr):
+        raise ValueError(f"lr{where} must be a finite number >= 0, got {lr!r}")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"betas{where} must be a pair (beta1, beta2), got {betas!r}")
     for i, b in enumerate(betas):
         if not 0.0 <= float(b) < 1.0:
             raise ValueError(f"betas[{i}]{where} must be in [0, 1), got {b!r}")
-    if float(eps) < 0:
-        raise ValueError(f"eps{where} must be >= 0, got {eps!r}")
-    if float(weight_decay) < 0:
-        raise ValueError(f"weight_decay{where} must be >= 0, got {weight_decay!r}")
+    if not _finite_ge0(eps):
+        raise ValueError(f"eps{where} must be a finite number >= 0, got {eps!r}")
+    if not _finite_ge0(weight_decay):
+        raise ValueError(f"weight_decay{where} must be a finite number >= 0, got {weight_decay!r}")
+
+
+def _finite_ge0(x: Any) -> bool:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(v) and v >= 0
 
 
 class ZeroAdamW(torch.optim.Optimizer):
@@ -365,6 +373,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Every group's hyperparameters (a scheduler may have changed them) before any group
+        # is touched: a NaN lr in the second group must not leave the first one updated.
+        for gi, g in enumerate(self.param_groups):
+            _check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"],
+                           f" (param group {gi})")
         if self.layout is None:
             self._first_step_layout()
         if self._rt is not None:
