@@ -1,10 +1,11 @@
 """Launch tests/exit_case.py on N local ranks (plain processes, a file rendezvous: no port to
-race for) and report each rank's exit status. Used by tests/test_exit.py and
-scripts/stress_exit.sh."""
+race for) and report each rank's exit status: scripts/stress_exit.sh, and `Zygote` (forked
+ranks from a process that imported torch once) for the default suite, tests/test_exit.py."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -40,6 +41,37 @@ def run_case(
                 err = f"timed out after {timeout} s\n{err}"
             out.append((p.returncode, err[-2000:]))
         return out
+
+
+class Zygote:
+    """tests/exit_zygote.py as a subprocess: run_case() forks the ranks from it."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CASE.with_name("exit_zygote.py"))], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, env=env, text=True,
+        )
+
+    def run_case(self, stage: int, mode: str, world: int = 2) -> list[tuple[int, str]]:
+        with tempfile.TemporaryDirectory() as d:
+            req = dict(stage=stage, mode=mode, world=world, init=str(Path(d, "rendezvous")))
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the exit zygote died (exit code {self.proc.wait()})")
+        return [(rc, err) for rc, err in json.loads(line)]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def main() -> int:

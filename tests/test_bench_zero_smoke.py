@@ -1,5 +1,5 @@
 """bench/bench_zero.py end to end in --quick mode: 2 gloo ranks, DDP and zerokern stage 2,
-fp32 and bf16, in a subprocess. Checks that it exits 0 and writes one ok row per policy, and
+bf16, in a subprocess. Checks that it exits 0 and writes one ok row per policy, and
 that the numbers mean something: both policies train the same model on the same data from the
 same weights (their last losses agree), and the byte counts match what the algorithms must
 move (DDP: one all-reduce of every gradient, 2Ψ by the paper's count, measured from the
@@ -31,7 +31,7 @@ def test_bench_zero_quick(tmp_path: Path) -> None:
         "--device", "cpu",
         "--world-size", "2",
         "--policies", "ddp", "zk_stage2",
-        "--precision", "fp32", "bf16",
+        "--precision", "bf16",
         "--steps", "3",
         "--prof-steps", "1",
         "--out", str(tmp_path),
@@ -39,7 +39,9 @@ def test_bench_zero_quick(tmp_path: Path) -> None:
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     psi = QUICK["cfg"].num_params()
-    for prec, esz, loss_tol in (("fp32", 4, 1e-4), ("bf16", 2, 2e-2)):
+    # One precision keeps this a smoke test of the harness (fp32 parity is the parity tests'
+    # job): its rows, its loss agreement and its communication accounting.
+    for prec, esz, loss_tol in (("bf16", 2, 2e-2),):
         files = list(tmp_path.glob(f"bench_zero_cpu_{prec}_*_quick.csv"))
         assert len(files) == 1, f"no single {prec} CSV in {list(tmp_path.iterdir())}"
         with files[0].open() as f:

@@ -3,12 +3,13 @@ runs of tests/exit_case.py for stages 0-3 that end with destroy_process_group() 
 gc.collect()), without it, with the model and optimizer alive at exit, after a caught
 exception, and after a backward with no step. The abort these guard against was a race (a
 few runs in a hundred per case before the fix), so the common endings run twice;
-scripts/stress_exit.sh N runs each N times."""
+scripts/stress_exit.sh N runs each N times. The ranks are forked from a process that imported
+torch once (tests/exit_zygote.py) and each leaves through a normal interpreter exit."""
 
 from __future__ import annotations
 
 import pytest
-from exit_launch import run_case
+from exit_launch import Zygote
 
 CASES = [(stage, mode, rep) for stage in (0, 1, 2, 3)
          for mode, reps in (("destroy", 2), ("nodestroy", 2), ("alive", 1), ("exception", 1),
@@ -16,8 +17,15 @@ CASES = [(stage, mode, rep) for stage in (0, 1, 2, 3)
          for rep in range(reps)]
 
 
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    yield z
+    z.close()
+
+
 @pytest.mark.parametrize("stage,mode,rep", CASES)
-def test_exit_clean(stage, mode, rep):
-    res = run_case(stage, mode)
+def test_exit_clean(zygote, stage, mode, rep):
+    res = zygote.run_case(stage, mode)
     bad = [(r, rc, err) for r, (rc, err) in enumerate(res) if rc != 0]
     assert not bad, "\n".join(f"rank {r} exited {rc}:\n{err}" for r, rc, err in bad)

@@ -58,30 +58,33 @@ def test_shard_model_on_different_models_raises_on_every_rank(case, tmp_path):
     run_ranks(2, different_models, case, tmp_path=tmp_path)
 
 
-def skipped_collective(rank: int, world: int, stage: int) -> None:
-    # A group of its own with a short timeout: rank 1 skips the step's collectives.
-    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=2))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), Block(16), Block(16))
-    if stage == 3:
-        model = zerokern.shard_model(model, unit_classes=(Block,), process_group=group)
-        opt = zerokern.ZeroAdamW(model.parameters(), lr=1e-2, stage=3)
-    else:
-        opt = zerokern.ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, process_group=group)
-    if rank == 1:
-        return  # out of step: never joins the collectives below
-    with pytest.raises(CollectiveError) as info:
-        loss = model(torch.randn(4, 8)).square().sum()
-        loss.backward()
-        opt.step()
-    msg = str(info.value)
-    assert f"on rank 0/{world} (gloo)" in msg, msg
-    if stage == 3:
-        assert "all_gather failed" in msg and "parameters of unit" in msg, msg
-    else:
-        assert "failed" in msg and "while moving" in msg, msg
+def skipped_collectives(rank: int, world: int) -> None:
+    # Rank 1 skips the step's collectives, first at stage 2, then at stage 3, each on a group
+    # of its own with a short timeout (a timed-out group is not used again); the default
+    # group stays healthy for creating the second one.
+    for stage in (2, 3):
+        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=2))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), Block(16), Block(16))
+        if stage == 3:
+            model = zerokern.shard_model(model, unit_classes=(Block,), process_group=group)
+            opt = zerokern.ZeroAdamW(model.parameters(), lr=1e-2, stage=3)
+        else:
+            opt = zerokern.ZeroAdamW(model.parameters(), lr=1e-2, stage=stage,
+                                     process_group=group)
+        if rank == 1:
+            continue  # out of step: never joins the collectives below
+        with pytest.raises(CollectiveError) as info:
+            loss = model(torch.randn(4, 8)).square().sum()
+            loss.backward()
+            opt.step()
+        msg = str(info.value)
+        assert f"on rank 0/{world} (gloo)" in msg, msg
+        if stage == 3:
+            assert "all_gather failed" in msg and "parameters of unit" in msg, msg
+        else:
+            assert "failed" in msg and "while moving" in msg, msg
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_collective_timeout_is_a_collective_error(stage, tmp_path):
-    run_ranks(2, skipped_collective, stage, tmp_path=tmp_path, isolated=True)
+def test_collective_timeout_is_a_collective_error(tmp_path):
+    run_ranks(2, skipped_collectives, tmp_path=tmp_path, isolated=True)
