@@ -14,3 +14,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    # The Triton kernel tests run their interpreter and sm_90 compile scripts in
+    # subprocesses: start them now, in the background, rather than when their first test
+    # comes up.
+    for item in session.items:
+        mod = getattr(item, "module", None)
+        if mod is not None and mod.__name__ == "test_triton_kernels":
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                return
+            mod.start_scripts(session.items)
+            return

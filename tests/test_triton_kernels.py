@@ -827,21 +827,50 @@ def _script_compile():
 # ----------------------------------------------------------------------------------------
 
 
-def _run_script(mode: str, interpret: bool) -> dict:
+_STARTED: dict[str, tuple[subprocess.Popen, object, object, float]] = {}
+
+
+def start_script(mode: str, interpret: bool) -> None:
+    """Start `mode` in the background (conftest does so right after collection: the scripts
+    take 30-40 s of one core, which the rest of the suite leaves partly idle)."""
+    if mode in _STARTED:
+        return
+    import tempfile
+    import time
+
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1" if interpret else "0"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    r = subprocess.run(
-        [sys.executable, str(HERE), mode],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    lines = r.stdout.strip().splitlines()
-    if r.returncode != 0 or not lines:
-        pytest.fail(f"`{mode}` subprocess failed (rc={r.returncode}):\n{r.stderr[-6000:]}")
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, str(HERE), mode], cwd=ROOT, env=env,
+                            stdout=out, stderr=err, text=True)
+    _STARTED[mode] = (proc, out, err, time.monotonic())
+
+
+def start_scripts(items) -> None:
+    names = {n for item in items for n in getattr(item, "fixturenames", ())}
+    if "interp" in names:
+        start_script("interp", interpret=True)
+    if "compiled" in names:
+        start_script("compile", interpret=False)
+
+
+def _run_script(mode: str, interpret: bool) -> dict:
+    import time
+
+    start_script(mode, interpret)
+    proc, out, err, t0 = _STARTED[mode]
+    try:
+        proc.wait(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    out.seek(0)
+    err.seek(0)
+    stdout, stderr = out.read(), err.read()
+    lines = stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"`{mode}` subprocess failed (rc={proc.returncode}):\n{stderr[-6000:]}")
     return json.loads(lines[-1])
 
 
