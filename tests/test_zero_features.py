@@ -277,3 +277,17 @@ def test_bad_hyperparameter_in_any_group_raises_before_anything_changes(key, bad
     with pytest.raises(ValueError, match=rf"{key} \(param group 1\)"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_add_param_group_after_construction_is_refused():
+    # torch's AdamW would train the new group; ZeroAdamW cannot yet, so it must say so
+    # instead of silently never updating it (and change nothing).
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    opt = zerokern.ZeroAdamW(a.parameters(), lr=1e-2, stage=2)
+    groups_before = len(opt.param_groups)
+    with pytest.raises(NotImplementedError, match="add_param_group"):
+        opt.add_param_group({"params": b.parameters(), "lr": 1e-3})
+    assert len(opt.param_groups) == groups_before
+    # Several groups given up front still work.
+    zerokern.ZeroAdamW([{"params": a.parameters()}, {"params": b.parameters(), "lr": 1e-3}],
+                       lr=1e-2, stage=2)

@@ -126,6 +126,18 @@ class ZeroAdamW(torch.optim.Optimizer):
         else:
             self._ensure_layout()  # stage 3: the units fix the layout already
         self._last_comm = self.comm.reset_stats()
+        self._constructed = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim.Optimizer's constructor adds the initial groups through this. A group
+        added later would need a new layout (its state sharded, its gradients bucketed),
+        which is not supported yet: refuse it, unchanged, rather than never update it."""
+        if getattr(self, "_constructed", False):
+            raise NotImplementedError(
+                "ZeroAdamW.add_param_group after construction is not supported yet (its "
+                "parameters would never be updated): pass every param group to ZeroAdamW "
+                "when you build it")
+        super().add_param_group(param_group)
 
     @property
     def _index(self) -> dict[int, int]:
