@@ -316,7 +316,7 @@ def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage):
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(ck, model, opt)
     assert_states(_params(model), before)  # untouched
-    assert opt._steps == [0] * len(opt._steps)
+    assert all(sh.step == 0 for sh in opt.shards())
 
 
 def test_mismatched_model_and_bad_arguments_are_refused(tmp_path):

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from ..zero.registry import runtime_of_module
 from .format import (
     FORMAT,
     FORMAT_VERSION,
@@ -45,7 +44,7 @@ from .format import (
     sha256_file,
     siblings,
 )
-from .save import ModelNames, _values, agree, attempt, model_names
+from .save import ModelNames, agree, attempt, model_names, stage3_runtime
 
 
 # -- meta.json and the files it names ----------------------------------------------------------
@@ -165,12 +164,7 @@ def _names_list(names: list[str]) -> str:
 
 
 def match(ck: Opened, model: torch.nn.Module, opt: Any) -> Match:
-    meta, rt = ck.meta, opt._rt
-    if rt is not None and runtime_of_module(model) is not rt:
-        raise ValueError(
-            "model: the optimizer is stage 3 but this model is not the one it "
-            "was built on (pass the shard_model'ed model)"
-        )
+    meta, rt = ck.meta, stage3_runtime(model, opt)
     names = model_names(model)
     saved = meta["params"]
     missing = [n for n in names.params if n not in saved]
@@ -204,8 +198,8 @@ def match(ck: Opened, model: torch.nn.Module, opt: Any) -> Match:
                 f"{meta['buffers'][n]['shape']} in the checkpoint, "
                 f"{list(b.shape)} in the model"
             )
-    managed = {id(p): i for i, p in enumerate(opt._params)}
-    for p in opt._params:
+    managed = {id(p): i for i, p in enumerate(opt.managed_params)}
+    for p in opt.managed_params:
         n = names.param.get(id(p))
         if n is None:
             raise ValueError("the optimizer manages a parameter that is not in the model")
@@ -261,38 +255,32 @@ class _Reader:
 
 
 def apply(ck: Opened, m: Match, model: torch.nn.Module, opt: Any) -> None:
-    rt, meta = opt._rt, ck.meta
+    meta = ck.meta
+    rt = stage3_runtime(model, opt)
     with ExitStack() as stack, torch.no_grad():
         rd = _Reader(ck, stack)
-        name_of = [m.names.param[id(p)] for p in opt._params]
-        if rt is not None:
-            for u in rt.units:
-                rt.release(u)
-        L = opt._ensure_layout(m.order)
-        vals = _values(opt)
-        if rt is not None:
-            _apply_stage3(rd, m, opt, vals)
-        else:
-            for pc in L.pieces:
-                if pc.param < 0:
-                    continue
-                n, s, k = name_of[pc.param], pc.local_start, pc.numel
-                rd.read_into(vals.narrow(0, s, k), n, pc.param_offset, "values")
-                rd.read_into(opt.exp_avg.narrow(0, s, k), n, pc.param_offset, "exp_avg")
-                rd.read_into(opt.exp_avg_sq.narrow(0, s, k), n, pc.param_offset, "exp_avg_sq")
-                if opt.stage == 0 and opt.master is not None:  # local == flat in stage 0
-                    opt.flat_param.narrow(0, s, k).copy_(opt.master.narrow(0, s, k))
-            if opt.stage in (1, 2):  # every rank holds the full parameters
-                for i, p in enumerate(opt._params):
-                    dst = opt.flat_param.narrow(0, L.param_flat_offset[i], p.numel())
-                    rd.read_into(dst, name_of[i], 0, "values")
-            for n, p in m.names.params.items():
-                if id(p) not in m.managed:
-                    _read_param(rd, n, p)
+        # No collective inside (gather=False): a rank that fails here must not leave the
+        # others waiting; every rank reads the full parameters it holds itself.
+        with opt.edit_shards(gather=False, ready_order=m.order) as shards:
+            for sh in shards:
+                n = m.names.param[id(sh.param)]
+                for r in sh.ranges:
+                    rd.read_into(r.values, n, r.start, "values")
+                    rd.read_into(r.exp_avg, n, r.start, "exp_avg")
+                    rd.read_into(r.exp_avg_sq, n, r.start, "exp_avg_sq")
+                sh.step = int(meta["params"][n]["step"] or 0)
+            if rt is not None:  # stage 3: frozen parameters are sharded like the rest
+                for p, po, _, view in rt.local_pieces():
+                    if id(p) not in m.managed:
+                        rd.read_into(view, m.names.param[id(p)], po, "values")
+            else:
+                for n, p in m.names.params.items():
+                    # Stages 1-2 hold every parameter in full on every rank; frozen ones are
+                    # not the optimizer's at all.
+                    if id(p) not in m.managed or opt.stage in (1, 2):
+                        _read_param(rd, n, p)
         for n, b in m.names.buffers.items():
             b.copy_(rd.handle(ck.buffer_file[n]).get_tensor(f"buffer/{n}"))
-    for i, n in enumerate(name_of):
-        opt._steps[i] = int(meta["params"][n]["step"] or 0)
     for grp, src in zip(opt.param_groups, m.groups):
         if src is None:
             continue
@@ -316,24 +304,6 @@ def _read_param(rd: _Reader, name: str, p: torch.Tensor) -> None:
         tmp = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
         rd.read_into(tmp, name, 0, "values")
         p.detach().copy_(tmp.view(p.shape))
-
-
-def _apply_stage3(rd: _Reader, m: Match, opt: Any, vals: torch.Tensor) -> None:
-    rt = opt._rt
-    for u in rt.units:
-        for sp in u.plan.rank_pieces(rt.comm.rank):
-            p = u.params[sp.param_index]
-            n, s, k = m.names.param[id(p)], u.shard_start + sp.local_offset, sp.numel
-            if id(p) not in m.managed:
-                rd.read_into(rt.local_params.narrow(0, s, k), n, sp.param_offset, "values")
-                if opt.master is not None:  # an unused slot, kept as _allocate_stage3 fills it
-                    opt.master.narrow(0, s, k).copy_(rt.local_params.narrow(0, s, k))
-                continue
-            rd.read_into(vals.narrow(0, s, k), n, sp.param_offset, "values")
-            rd.read_into(opt.exp_avg.narrow(0, s, k), n, sp.param_offset, "exp_avg")
-            rd.read_into(opt.exp_avg_sq.narrow(0, s, k), n, sp.param_offset, "exp_avg_sq")
-            if opt.master is not None:
-                rt.local_params.narrow(0, s, k).copy_(opt.master.narrow(0, s, k))
 
 
 def load_checkpoint(

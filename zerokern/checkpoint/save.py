@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from ..zero.registry import runtime_of_module
+from ..zero.registry import runtime_of_module, runtime_of_param
+from ..zero.shards import ShardRange
 from .format import (
     CHUNK_BYTES,
     FORMAT,
@@ -85,9 +86,18 @@ def model_names(model: torch.nn.Module) -> ModelNames:
     return ModelNames(pid, params, aliases, buffers, keys)
 
 
-def _values(opt: Any) -> torch.Tensor:
-    """This rank's fp32 values of its pieces: the master, or the fp32 params themselves."""
-    return opt._local_values()
+def stage3_runtime(model: torch.nn.Module, opt: Any) -> Any:
+    """The shard_model runtime of a stage-3 optimizer, checked to be ``model``'s (None for
+    stages 0-2)."""
+    if opt.stage != 3:
+        return None
+    rt = runtime_of_param(opt.managed_params[0])
+    if runtime_of_module(model) is not rt:
+        raise ValueError(
+            "model: the optimizer is stage 3 but this model is not the one it "
+            "was built on (pass the shard_model'ed model)"
+        )
+    return rt
 
 
 def _jsonable(key: str, v: Any) -> Any:
@@ -109,62 +119,43 @@ def _jsonable(key: str, v: Any) -> Any:
 # -- what this rank writes ----------------------------------------------------------------------
 @dataclass
 class Plan:
-    state: list[tuple[str, int, int, int]]  # (name, param offset, numel, local start)
-    frozen: dict[torch.dtype, list[tuple[str, int, int, torch.Tensor, int]]]
+    state: list[tuple[str, ShardRange]]  # (name, this rank's range of it)
+    frozen: dict[torch.dtype, list[tuple[str, int, int, torch.Tensor]]]  # name, offset, n, src
     buffers: dict[str, torch.Tensor]
     meta: dict[str, Any]
 
 
 def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
     rank, world = opt.comm.rank, opt.comm.world_size
-    rt = opt._rt
-    if rt is not None and runtime_of_module(model) is not rt:
-        raise ValueError(
-            "model: the optimizer is stage 3 but this model is not the one it "
-            "was built on (pass the shard_model'ed model)"
-        )
+    rt = stage3_runtime(model, opt)
     names = model_names(model)
-    managed = {id(p): i for i, p in enumerate(opt._params)}
-    for i, p in enumerate(opt._params):
+    managed = {id(p): i for i, p in enumerate(opt.managed_params)}
+    for i, p in enumerate(opt.managed_params):
         if id(p) not in names.param:
             raise ValueError(f"optimizer parameter {i} is not a parameter of the model")
     try:
         extra_json = json.loads(json.dumps(extra))
     except (TypeError, ValueError) as exc:
         raise TypeError(f"extra must be JSON-serialisable: {exc}") from None
-    L = opt._ensure_layout()
-    pieces = [pc for pc in L.pieces if pc.param >= 0]
+    shards = opt.shards()
+    ranges = [(names.param[id(sh.param)], r) for sh in shards for r in sh.ranges]
     if opt.stage == 0 and world > 1:  # replicated state: each rank writes 1/N of it
-        total, acc, mine = sum(pc.numel for pc in pieces), 0, []
+        total, acc, mine = sum(r.numel for _, r in ranges), 0, []
         lo, hi = rank * total // world, (rank + 1) * total // world
-        for pc in pieces:
+        for row in ranges:
             if lo <= acc < hi:
-                mine.append(pc)
-            acc += pc.numel
-        pieces = mine
-    state = [
-        (names.param[id(opt._params[pc.param])], pc.param_offset, pc.numel, pc.local_start)
-        for pc in pieces
-    ]
+                mine.append(row)
+            acc += row[1].numel
+        ranges = mine
     frozen: dict[torch.dtype, list] = {}
     if rt is not None:  # stage 3: frozen parameters are sharded in the units like the rest
-        for u in rt.units:
-            for sp in u.plan.rank_pieces(rank):
-                p = u.params[sp.param_index]
-                if id(p) not in managed:
-                    frozen.setdefault(rt.dtype, []).append(
-                        (
-                            names.param[id(p)],
-                            sp.param_offset,
-                            sp.numel,
-                            rt.local_params,
-                            u.shard_start + sp.local_offset,
-                        )
-                    )
+        for p, po, k, view in rt.local_pieces():
+            if id(p) not in managed:
+                frozen.setdefault(rt.dtype, []).append((names.param[id(p)], po, k, view))
     elif rank == 0:
         for n, p in names.params.items():
             if id(p) not in managed:
-                frozen.setdefault(p.dtype, []).append((n, 0, p.numel(), p.detach().reshape(-1), 0))
+                frozen.setdefault(p.dtype, []).append((n, 0, p.numel(), p.detach().reshape(-1)))
     group_of = {id(p): g for g, grp in enumerate(opt.param_groups) for p in grp["params"]}
     params = {}
     for n, p in names.params.items():
@@ -175,7 +166,7 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
             "dtype": dtype_name(p.dtype),
             "managed": i is not None,
             "group": group_of.get(id(p)),
-            "step": None if i is None else opt._steps[i],
+            "step": None if i is None else shards[i].step,
         }
     groups = []
     for g, grp in enumerate(opt.param_groups):
@@ -207,41 +198,42 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
             for n, b in names.buffers.items()
         },
         "param_groups": groups,
-        "ready_order": [names.param[id(opt._params[i])] for i in L.ready_order] or None,
+        "ready_order": [names.param[id(opt.managed_params[i])]
+                        for i in opt.layout.ready_order] or None,
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
         "extra": extra_json,
     }
-    return Plan(state, frozen, names.buffers if rank == 0 else {}, meta)
+    return Plan(ranges, frozen, names.buffers if rank == 0 else {}, meta)
 
 
 def write_rank_file(path: str, rank: int, opt: Any, plan: Plan, nonce: str) -> dict[str, Any]:
-    vals = _values(opt)
-    n = sum(x[2] for x in plan.state)
+    n = sum(r.numel for _, r in plan.state)
     jobs: list[tuple[tuple[str, torch.dtype, list[int]], Callable[[StreamWriter], None]]] = []
     table: list[list[Any]] = []
     off = 0
-    for name, po, k, _ in plan.state:
-        table.append([name, po, k, "state", off])
-        off += k
+    for name, r in plan.state:
+        table.append([name, r.start, r.numel, "state", off])
+        off += r.numel
 
-    def state_job(key: str, src: torch.Tensor) -> Callable[[StreamWriter], None]:
+    def state_job(key: str, field_: str) -> Callable[[StreamWriter], None]:
         def run(w: StreamWriter) -> None:
-            for _, _, k, start in plan.state:
-                _write_range(w, key, src, start, k)
+            for _, r in plan.state:
+                _write_range(w, key, getattr(r, field_), 0, r.numel)
 
         return run
 
-    for key, src in (("master", vals), ("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
-        jobs.append(((key, torch.float32, [n]), state_job(key, src)))
+    for key, field_ in (("master", "values"), ("exp_avg", "exp_avg"),
+                        ("exp_avg_sq", "exp_avg_sq")):
+        jobs.append(((key, torch.float32, [n]), state_job(key, field_)))
     for dt, rows in plan.frozen.items():
         key, off = f"frozen.{dtype_name(dt)}", 0
-        for name, po, k, _, _ in rows:
+        for name, po, k, _ in rows:
             table.append([name, po, k, key, off])
             off += k
 
         def frozen_job(w: StreamWriter, key: str = key, rows: list = rows) -> None:
-            for _, _, k, src, start in rows:
-                _write_range(w, key, src, start, k)
+            for _, _, k, src in rows:
+                _write_range(w, key, src, 0, k)
 
         jobs.append(((key, dt, [off]), frozen_job))
     for name, b in plan.buffers.items():

@@ -1,54 +1,75 @@
-"""Gradient path of stages 0-2: copy each gradient into its bucket as autograd produces it,
-and reduce buckets strictly in index order so that every rank issues the same collectives in
-the same order (a bucket that completes early waits for the ones before it; at step() the
+"""Gradient bucketing of stages 0-2: copy each gradient into its bucket as autograd produces
+it, and reduce buckets strictly in index order, so that every rank issues the same collectives
+in the same order (a bucket that completes early waits for the ones before it; at step() the
 remaining buckets are flushed with zeros for gradients this rank never produced).
 
-stage 0: buckets are slices of a persistent full-size flat gradient, all-reduced in place.
-stage 1: same flat gradient (full-size); each bucket reduce-scattered in place: this rank's
-         slice of it becomes the sum over ranks (the step divides by N) and the other slices
-         are zeroed, so a further backward (accumulation without no_sync) adds to that sum
-         and the next reduce-scatter gives the total. No separate gradient shard.
-stage 2: buckets are a small pool of constant-size buffers; a gradient is copied in and
-         freed at once (param.grad = None), a full bucket is reduce-scattered and *added* to
-         the gradient shard, then the buffer is reused. Memory: the shard plus the pool.
+This file only sequences. Where a bucket's gradients are written, which collective reduces it
+and how its result is averaged belong to the stage (``zero/stages/``), behind ``BucketOps``.
+
+A round is one backward's pass over the buckets. Accumulating several backwards without
+``no_sync`` makes several rounds per step: a parameter delivered twice starts a new round,
+after the previous one has been reduced completely.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from .. import ops
-from ..comm import Comm
-from .layout import Bucket, Layout
+from ..comm import Handle
+from .layout import Layout
+
+
+class BucketPhase(enum.Enum):
+    EMPTY = "empty"  # nothing delivered in this round
+    FILLING = "filling"  # some of its fragments delivered
+    FULL = "full"  # every fragment delivered (or zero-filled): waits for the buckets before it
+    REDUCING = "reducing"  # its collective is in flight
+    REDUCED = "reduced"  # reduced and averaged for this round
+
+
+@dataclass
+class BucketState:
+    phase: BucketPhase = BucketPhase.EMPTY
+    due: int = 0  # fragments still to be delivered in this round
+    delivered: set[int] = field(default_factory=set)  # parameters delivered in this round
+
+
+class BucketOps(Protocol):
+    """What a stage does with a bucket (implemented by the stage-0/1/2 engines)."""
+
+    def bucket_tensor(self, b: int) -> torch.Tensor:
+        """Where bucket ``b``'s gradients are written in this round."""
+
+    def start_reduce(self, b: int, src: torch.Tensor, accumulate: bool) -> Handle | None:
+        """Start reducing ``src``; None when it finished synchronously (finish_reduce is then
+        not called). ``accumulate``: an earlier round of this step was reduced already."""
+
+    def finish_reduce(self, b: int, src: torch.Tensor) -> None:
+        """After the collective completed: average, and give a pool buffer back."""
+
+    def after_delivery(self, index: int) -> None:
+        """What becomes of parameter ``index``'s ``.grad`` once copied into its buckets."""
+
+    def keeps_earlier_rounds(self) -> bool:
+        """True when a bucket slot keeps an earlier round's sum in place (stages 0-1)."""
 
 
 class GradReducer:
-    def __init__(
-        self,
-        layout: Layout,
-        params: list[torch.nn.Parameter],
-        comm: Comm,
-        *,
-        flat_grad: torch.Tensor | None,
-        grad_shard: torch.Tensor | None,
-        alloc_bucket: Callable[[], torch.Tensor],
-        pool_size: int = 2,
-        overlap: bool,
-        backend: str | None,
-    ) -> None:
-        self.layout, self.params, self.comm = layout, params, comm
-        self.stage = layout.stage
-        self.flat_grad, self.grad_shard = flat_grad, grad_shard
-        self.alloc_bucket, self.backend = alloc_bucket, backend
-        self.pool_size, self.allocated = pool_size, 0
-        # Asynchronous collectives overlap backward on every backend: NCCL runs them on its
-        # own stream, gloo on its worker threads (as DDP's reducer does).
-        self.overlap = overlap and comm.world_size > 1
+    def __init__(self, layout: Layout, params: list[torch.nn.Parameter], ops_: BucketOps, *,
+                 overlap: bool, backend: str | None, max_inflight: int | None = None) -> None:
+        self.layout, self.params, self.ops = layout, params, ops_
+        self.backend = backend
+        self.overlap = overlap
+        # A stage whose in-flight collectives hold scratch memory caps how many run at once.
+        self.max_inflight = max_inflight
         # Fragments of every parameter: (bucket, offset in bucket, param offset, numel).
         self.frags: list[list[tuple[int, int, int, int]]] = [[] for _ in params]
-        self.bucket_frag_count = [0] * len(layout.buckets)
+        self.frag_count = [0] * len(layout.buckets)
         bstart = 0
         for g, plan in enumerate(layout.plans):
             order = layout.orders[g]
@@ -56,33 +77,27 @@ class GradReducer:
                 b = bstart + f.bucket_index
                 self.frags[order[f.param_index]].append((b, f.bucket_offset, f.param_offset,
                                                          f.numel))
-                self.bucket_frag_count[b] += 1
+                self.frag_count[b] += 1
             bstart += plan.num_buckets
         self.sync = True
         self._callback_queued = False
-        self.pool: list[torch.Tensor] = []
         self.reset()
 
     # -- per-step state ----------------------------------------------------------------------
     def reset(self) -> None:
         """Forget everything about the current step (after step() or zero_grad())."""
-        nb = len(self.layout.buckets)
-        self.buffers: dict[int, torch.Tensor] = {}
-        self.reduced_once = [False] * nb  # stage 2: later reductions add to the shard
+        self.rounds = 0  # rounds completed in this step
         self.got_grad = [False] * len(self.params)
-        self.inflight: list[tuple[object, torch.Tensor, Bucket]] = []
+        self.inflight: list[tuple[Handle, torch.Tensor, int]] = []
         self._new_round()
+
+    def _new_round(self) -> None:
+        self.buckets = [BucketState(due=n) for n in self.frag_count]
+        self.cursor = 0  # first bucket not yet reducing or reduced
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
-        self._drain()
-
-    def _new_round(self) -> None:
-        """A backward pass starts filling buckets from scratch (several per step when
-        gradients are accumulated without no_sync)."""
-        self.pending = list(self.bucket_frag_count)
-        self.filled: list[set[int]] = [set() for _ in self.layout.buckets]
-        self.next_bucket = 0
+        self.drain()
 
     # -- hooks ------------------------------------------------------------------------------
     def on_grad_ready(self, index: int, in_backward: bool = True) -> None:
@@ -94,17 +109,17 @@ class GradReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
         frags = self.frags[index]
-        if self.next_bucket >= len(self.layout.buckets) or (
-            frags and index in self.filled[frags[0][0]]
+        if self.cursor >= len(self.buckets) or (
+            frags and index in self.buckets[frags[0][0]].delivered
         ):
-            # This parameter was already delivered in this round: a new backward pass began.
-            # Finish the old round first (same collective order on every rank), and wait for
-            # its collectives: the new round writes into the same buckets.
+            # Delivered already in this round: a new backward began. Finish the old round
+            # first (same collective order on every rank) and wait for it: the new round
+            # writes into the same buckets.
             self._flush_round()
-            self._drain()
+            self.drain()
+            self.rounds += 1
             self._new_round()
-        p = self.params[index]
-        grad = p.grad
+        grad = self.params[index].grad
         if grad is None:
             return
         self.got_grad[index] = True
@@ -112,148 +127,75 @@ class GradReducer:
         if not flat_g.is_contiguous():
             flat_g = flat_g.contiguous()
         for b, boff, poff, n in frags:
-            dst = self._bucket_tensor(b)
+            dst = self.ops.bucket_tensor(b)
             same = dst.data_ptr() + boff * dst.element_size() == (
                 flat_g.data_ptr() + poff * flat_g.element_size()
             )
             if not same:  # stage 0/1 after the first round: autograd wrote in place already
                 ops.flatten_into_([flat_g], dst, [boff], ranges=[(poff, n)], backend=self.backend)
-            self.filled[b].add(index)
-            self.pending[b] -= 1
+            st = self.buckets[b]
+            st.delivered.add(index)
+            st.due -= 1
+            st.phase = BucketPhase.FULL if st.due == 0 else BucketPhase.FILLING
             # Reduce (and free) each bucket as soon as it is complete, before taking the
             # next one: a parameter larger than a bucket then streams through the pool.
             self._reduce_ready()
-        if self.stage == 2:
-            p.grad = None  # the bucket holds it now: full-size gradients never accumulate
-        elif self.flat_grad is not None:
-            # stage 0/1: from now on autograd accumulates straight into the flat buffer
-            off = self.layout.param_flat_offset[index]
-            p.grad = self.flat_grad.narrow(0, off, p.numel()).view_as(p)
-        self._reduce_ready()
+        self.ops.after_delivery(index)
 
     # -- buckets ----------------------------------------------------------------------------
-    def _bucket_tensor(self, b: int) -> torch.Tensor:
-        bk = self.layout.buckets[b]
-        if self.stage in (0, 1):
-            return self.flat_grad.narrow(0, bk.flat_start, bk.numel)
-        buf = self.buffers.get(b)
-        if buf is None:
-            buf = self._take_buffer()
-            plan = self.layout.plans[bk.group]
-            self.buffers[b] = buf
-            if bk.local_index == plan.num_buckets - 1 and plan.padding:
-                buf.narrow(0, bk.numel - plan.padding, plan.padding).zero_()
-        # Pool buffers fit the largest group's bucket; groups may use smaller ones.
-        return buf.narrow(0, 0, bk.numel)
+    def wait_oldest(self) -> None:
+        handle, buf, b = self.inflight.pop(0)
+        handle.wait()
+        self.ops.finish_reduce(b, buf)
+        self.buckets[b].phase = BucketPhase.REDUCED
 
-    def _take_buffer(self) -> torch.Tensor:
-        # Fill the whole pool before waiting: with two buffers one bucket fills while the
-        # previous one is being reduced. Past that, wait for the oldest reduction to free its
-        # buffer; allocate beyond the pool only when nothing is in flight (buckets held back
-        # behind an earlier, incomplete one), which the optimizer counts.
-        if not self.pool:
-            if self.allocated >= self.pool_size and self.inflight:
-                self._wait_oldest()
-            if not self.pool:
-                self.allocated += 1
-                return self.alloc_bucket()
-        return self.pool.pop()
-
-    def _wait_oldest(self) -> None:
-        work, buf, bk = self.inflight.pop(0)
-        work.wait()
-        self._finish(buf, bk)
-
-    def _drain(self) -> None:
+    def drain(self) -> None:
         while self.inflight:
-            self._wait_oldest()
+            self.wait_oldest()
 
     def _reduce_ready(self) -> None:
-        while self.next_bucket < len(self.layout.buckets) and self.pending[self.next_bucket] == 0:
-            self._reduce(self.next_bucket)
-            self.next_bucket += 1
+        while self.cursor < len(self.buckets) and \
+                self.buckets[self.cursor].phase is BucketPhase.FULL:
+            self._reduce(self.cursor)
+            self.cursor += 1
 
     def _reduce(self, b: int) -> None:
-        bk = self.layout.buckets[b]
-        src = self._bucket_tensor(b)
-        label = f"bucket {b} (group {bk.group}, {bk.numel} elements)"
-        if self.stage == 0:
-            work = self.comm.all_reduce(src, label, async_op=self.overlap)
-            if work is not None:
-                self.inflight.append((work, src, bk))
-            else:
-                src.div_(self.comm.world_size)
-            return
-        if self.stage == 1:
-            mine = src.narrow(0, self.comm.rank * bk.shard_numel, bk.shard_numel)
-            if self.overlap and self.comm.in_place_scratch():
-                # Each in-place exchange holds a receive buffer until it completes: keep at
-                # most two in flight, a constant budget like stage 2's pool.
-                while len(self.inflight) >= 2:
-                    self._wait_oldest()
-            work = self.comm.reduce_scatter(mine, src, label, async_op=self.overlap)
-            if work is not None:
-                self.inflight.append((work, src, bk))
-            else:
-                self._finish(src, bk)
-            return
-        shard = self.grad_shard.narrow(0, bk.shard_start, bk.shard_numel)
-        accumulate = self.stage == 2 and self.reduced_once[b]
-        self.reduced_once[b] = True
-        out = torch.empty_like(shard) if accumulate else shard
-        work = self.comm.reduce_scatter(out, src, label, async_op=self.overlap)
-        if work is not None and not accumulate:
-            self.inflight.append((work, src, bk))
-            return
-        if work is not None:
-            work.wait()
-        out.div_(self.comm.world_size)
-        if accumulate:
-            shard.add_(out)
-        self._release(b, src)
-
-    def _finish(self, buf: torch.Tensor, bk: Bucket) -> None:
-        if self.stage == 0:  # all-reduced in place
-            buf.div_(self.comm.world_size)
-            return
-        if self.stage == 1:  # keep this rank's summed slice, zero the others
-            n, r = self.comm.world_size, self.comm.rank
-            v = buf.view(n, bk.shard_numel)
-            if r > 0:
-                v[:r].zero_()
-            if r < n - 1:
-                v[r + 1:].zero_()
-            return
-        self.grad_shard.narrow(0, bk.shard_start, bk.shard_numel).div_(self.comm.world_size)
-        self._release(bk.index, buf)
-
-    def _release(self, b: int, buf: torch.Tensor) -> None:
-        if self.stage == 2:
-            self.pool.append(self.buffers.pop(b))
+        if self.max_inflight is not None:
+            while len(self.inflight) >= self.max_inflight:
+                self.wait_oldest()
+        src = self.ops.bucket_tensor(b)
+        handle = self.ops.start_reduce(b, src, self.rounds > 0)
+        if handle is None:
+            self.buckets[b].phase = BucketPhase.REDUCED
+        else:
+            self.buckets[b].phase = BucketPhase.REDUCING
+            self.inflight.append((handle, src, b))
 
     def flush(self) -> None:
         """Before the optimizer step: reduce every bucket not yet reduced, in order, with
         zeros where this rank produced no gradient; then wait for in-flight collectives."""
         if self.sync:
             self._flush_round()
-        self._drain()
+        self.drain()
 
     def _flush_round(self) -> None:
-        if self.next_bucket < len(self.layout.buckets):
-            for b in range(self.next_bucket, len(self.layout.buckets)):
-                if self.pending[b]:
-                    dst = self._bucket_tensor(b)
-                    for i in self._missing(b):
-                        if self.stage != 2 and self.got_grad[i]:
-                            continue  # stage 0/1: the flat slot holds an earlier round's sum
-                        for fb, boff, _, n in self.frags[i]:
-                            if fb == b:
-                                dst.narrow(0, boff, n).zero_()
-                    self.pending[b] = 0
-            self._reduce_ready()
+        keeps = self.ops.keeps_earlier_rounds()
+        for b in range(self.cursor, len(self.buckets)):
+            st = self.buckets[b]
+            if st.phase in (BucketPhase.EMPTY, BucketPhase.FILLING):
+                dst = self.ops.bucket_tensor(b)
+                for i in self._missing(b):
+                    if keeps and self.got_grad[i]:
+                        continue  # the flat slot holds an earlier round's sum
+                    for fb, boff, _, n in self.frags[i]:
+                        if fb == b:
+                            dst.narrow(0, boff, n).zero_()
+                st.due, st.phase = 0, BucketPhase.FULL
+        self._reduce_ready()
 
     def _missing(self, b: int) -> list[int]:
         bk = self.layout.buckets[b]
         order = self.layout.orders[bk.group]
         frags = self.layout.plans[bk.group].bucket_fragments(bk.local_index)
-        return [order[f.param_index] for f in frags if order[f.param_index] not in self.filled[b]]
+        done = self.buckets[b].delivered
+        return [order[f.param_index] for f in frags if order[f.param_index] not in done]

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..comm import Comm
 from . import registry
-from .stage3 import Stage3Runtime
+from .stage3_runtime import Stage3Runtime
 
 # Default unit size when no unit classes are given: a module becomes a unit when it holds at
 # least this share of the model's parameters (typically the transformer blocks).

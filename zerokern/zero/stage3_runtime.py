@@ -16,6 +16,7 @@ unpacked against wherever that unit is gathered when backward needs them.
 
 from __future__ import annotations
 
+import enum
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,16 @@ from ..comm import Comm
 from ..memory import Arena, ArenaOutOfMemory, Block
 from .layout import ALIGN_ELEMS
 from .plan import UnitPlan, plan_units
+from .stages.base import average_
+
+
+class GradPhase(enum.Enum):
+    """Where a unit is in the gradient side of the current step."""
+
+    IDLE = "idle"  # no backward reached it in this step
+    BACKWARD = "backward"  # its backward runs: gathered, gradients due
+    REDUCED = "reduced"  # its gradients were reduce-scattered into the shard
+    BACKWARD_AGAIN = "backward again"  # a further backward of the same step: adds to the shard
 
 
 @dataclass(eq=False)
@@ -43,13 +54,30 @@ class Unit:
     buf: torch.Tensor | None = None  # gathered full flat buffer
     block: Block | None = None
     work: Any = None  # in-flight async all-gather
-    in_backward: bool = False
+    phase: GradPhase = GradPhase.IDLE
     waiting: set[int] = field(default_factory=set)  # params whose grads are still due
-    reduced_once: bool = False
 
     @property
     def gathered(self) -> bool:
         return self.buf is not None
+
+    @property
+    def in_backward(self) -> bool:
+        return self.phase in (GradPhase.BACKWARD, GradPhase.BACKWARD_AGAIN)
+
+    def start_backward(self) -> None:
+        self.phase = (GradPhase.BACKWARD_AGAIN if self.phase is GradPhase.REDUCED
+                      else GradPhase.BACKWARD)
+        self.waiting = {j for j, p in enumerate(self.params) if p.requires_grad}
+
+    def end_backward(self, reduced: bool) -> None:
+        """Its gradients were reduced, or (no_sync) are left on the parameters."""
+        if reduced:
+            self.phase = GradPhase.REDUCED
+        else:
+            self.phase = (GradPhase.REDUCED if self.phase is GradPhase.BACKWARD_AGAIN
+                          else GradPhase.IDLE)
+        self.waiting = set()
 
 
 class Stage3Runtime:
@@ -263,8 +291,7 @@ class Stage3Runtime:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
         if not u.in_backward:
-            u.in_backward = True
-            u.waiting = {j for j, p in enumerate(u.params) if p.requires_grad}
+            u.start_backward()
             self.gather(u)
             self._prefetch_backward(u)
         return grad
@@ -309,16 +336,14 @@ class Stage3Runtime:
             ops.flatten_into_([p.grad.detach().reshape(-1).contiguous() for p, _ in grads], buf,
                               [off for _, off in grads])
         shard = self.local_shard(u, self.local_grads)
-        accumulate = u.reduced_once
+        accumulate = u.phase is GradPhase.BACKWARD_AGAIN
         out = torch.empty_like(shard) if accumulate else shard
         work = self.comm.reduce_scatter(out, buf, f"gradients of unit {u.name}",
                                         async_op=self.overlap)
         self._inflight_rs = (work, shard, out, accumulate, blk)
-        u.reduced_once = True
         for p, _ in grads:
             p.grad = None
-        u.in_backward = False
-        u.waiting = set()
+        u.end_backward(reduced=True)
         self.release(u)
 
     def finish_reduce(self) -> None:
@@ -330,7 +355,7 @@ class Stage3Runtime:
         self._inflight_rs = None
         if work is not None:
             work.wait()
-        out.div_(self.comm.world_size)
+        average_(out, self.comm)
         if accumulate:
             shard.add_(out)
         if blk is not None:
@@ -345,8 +370,7 @@ class Stage3Runtime:
             if self.sync:
                 self._reduce(u)
             else:
-                u.in_backward = False
-                u.waiting = set()
+                u.end_backward(reduced=False)
         self.finish_reduce()
         for u in self.units:
             self.release(u)
@@ -361,7 +385,7 @@ class Stage3Runtime:
         if the user steps right after no_sync backwards, reduce what the params hold."""
         for u in self.units:
             if any(p.grad is not None for p in u.params):
-                u.in_backward = True
+                u.start_backward()
                 self.gather(u)
                 self._reduce(u)
         self.finish_reduce()
@@ -375,13 +399,27 @@ class Stage3Runtime:
         and slices of units that received nothing this step are zeroed (stale otherwise)."""
         self.flush_no_sync()
         for u in self.units:
-            if not u.reduced_once:
+            if u.phase is not GradPhase.REDUCED:
                 self.local_shard(u, self.local_grads).zero_()
 
     def new_step(self) -> None:
-        for u in self.units:
-            u.reduced_once = False
+        for u in self.units:  # nothing reduced in the new step yet
+            if u.phase is GradPhase.REDUCED:
+                u.phase = GradPhase.IDLE
+            elif u.phase is GradPhase.BACKWARD_AGAIN:
+                u.phase = GradPhase.BACKWARD
         self.got_grad = {}
+
+    def local_pieces(self) -> list[tuple[torch.nn.Parameter, int, int, torch.Tensor]]:
+        """This rank's pieces of every parameter, frozen ones included: (parameter, first
+        element, numel, writable view of the stored slice)."""
+        out = []
+        for u in self.units:
+            for sp in u.plan.rank_pieces(self.comm.rank):
+                out.append((u.params[sp.param_index], sp.param_offset, sp.numel,
+                            self.local_params.narrow(0, u.shard_start + sp.local_offset,
+                                                     sp.numel)))
+        return out
 
     # -- introspection -----------------------------------------------------------------------
     def memory_stats(self) -> dict[str, int]:
