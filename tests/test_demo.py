@@ -2,8 +2,8 @@
 the pure pieces they rest on: the paper's formulas, the model's size, the data's batches.
 
 The formulas are checked against the paper's worked example (Ψ = 8 on 4 GPUs: 128, 56, 44,
-32 bytes) and against zerokern.cli.estimate; the demo's CSV is checked against the formulas
-recomputed here, not against its own formula columns only.
+32 bytes) and against model_state_bytes (what the estimate command uses); the demo's CSV is
+checked against the formulas recomputed here, not against its own formula columns only.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerokern.cli import estimate as est
 from zerokern.demo import GPT, VOCAB, config_for, decode, encode, get_batch
 from zerokern.formulas import (
     expected_comm_elements,
     expected_model_state_bytes,
+    model_state_bytes,
     state_formula_text,
     zerokern_extra_bytes,
 )
@@ -39,7 +39,7 @@ def test_formula_paper_tiny_example() -> None:
 def test_formula_matches_estimate_for_16bit(psi: int, n: int) -> None:
     for s in range(4):
         assert expected_model_state_bytes(s, psi, n, 2) == pytest.approx(
-            est.model_state_bytes(s, psi, n), rel=1e-12
+            model_state_bytes(s, psi, n), rel=1e-12
         )
 
 

@@ -1,4 +1,6 @@
-"""Tests for ``python -m zerokern estimate`` (zerokern/cli/estimate.py).
+"""Tests for ``python -m zerokern estimate``: the formulas (zerokern/formulas.py), the report
+dict (zerokern/estimate.py), its text (zerokern/cli/estimate_report.py) and the CLI
+(zerokern/cli/estimate.py).
 
 Reference numbers come from the ZeRO paper (Rajbhandari et al., arXiv:1910.02054v3) as quoted
 in the annotated copy in the project's seeds: §3.1-3.2, §5.1-5.4 and Table 1, §6.1, §7, §10-11.
@@ -14,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from zerokern.cli import estimate as est
+from zerokern import formulas
+from zerokern.cli import estimate_report as report
+from zerokern.estimate import estimate
 
 REPO = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -46,20 +50,20 @@ def _main(argv):
 
 def test_tiny_model_bytes():
     # §1 / §5: Psi = 8 parameters on 4 GPUs -> 128, 56, 44, 32 bytes per GPU.
-    got = [est.model_state_bytes(s, 8, 4) for s in est.STAGES]
+    got = [formulas.model_state_bytes(s, 8, 4) for s in formulas.STAGES]
     assert got == [128, 56, 44, 32]
-    assert est.mem_dp(8, 4) == 128
-    assert est.mem_os(8, 4) == 56
-    assert est.mem_os_g(8, 4) == 44
-    assert est.mem_os_g_p(8, 4) == 32
+    assert formulas.mem_dp(8, 4) == 128
+    assert formulas.mem_os(8, 4) == 56
+    assert formulas.mem_os_g(8, 4) == 44
+    assert formulas.mem_os_g_p(8, 4) == 32
 
 
 def test_paper_model_on_64_gpus():
     # Figure 1 / Table 1: 7.5B parameters on 64 GPUs -> 120, 31.4, 16.6, 1.88 GB.
     psi, n = 7.5e9, 64
-    got = [est.model_state_bytes(s, psi, n) / GB for s in est.STAGES]
+    got = [formulas.model_state_bytes(s, psi, n) / GB for s in formulas.STAGES]
     assert got == pytest.approx([120, 31.40625, 16.640625, 1.875])
-    assert [est.fmt_gb(est.model_state_bytes(s, psi, n)) for s in est.STAGES] == [
+    assert [report.fmt_gb(formulas.model_state_bytes(s, psi, n)) for s in formulas.STAGES] == [
         "120",
         "31.4",
         "16.6",
@@ -103,72 +107,72 @@ TABLE1 = {
 @pytest.mark.parametrize("psi", sorted(TABLE1))
 def test_table1(psi):
     for n, cells in TABLE1[psi].items():
-        assert est.mem_dp(psi, n) / GB == pytest.approx(16 * psi / GB)
+        assert formulas.mem_dp(psi, n) / GB == pytest.approx(16 * psi / GB)
         for stage, printed in zip((1, 2, 3), cells, strict=True):
-            got = est.model_state_bytes(stage, psi, n) / GB
+            got = formulas.model_state_bytes(stage, psi, n) / GB
             unit = 10.0 ** -(len(printed.split(".")[1]) if "." in printed else 0)
             assert abs(got - float(printed)) < unit, (psi, n, stage, got, printed)
 
 
 def test_table1_formatting_rounds_half_up():
     # 41.25 GB is printed 41.3 in the paper (round half up, not half to even).
-    assert est.fmt_gb(est.mem_os_g(7.5e9, 4)) == "41.3"
-    assert est.fmt_gb(est.mem_os(7.5e9, 4)) == "52.5"
-    assert est.fmt_gb(est.mem_os_g_p(1e12, 1024)) == "15.6"
+    assert report.fmt_gb(formulas.mem_os_g(7.5e9, 4)) == "41.3"
+    assert report.fmt_gb(formulas.mem_os(7.5e9, 4)) == "52.5"
+    assert report.fmt_gb(formulas.mem_os_g_p(1e12, 1024)) == "15.6"
 
 
 def test_other_paper_numbers():
     # §3.1: GPT-2 1.5B needs 24 GB of model states; §10.4: 1.4B under DP = 22.4 GB.
-    assert est.mem_dp(1.5e9) / GB == pytest.approx(24.0)
-    assert est.mem_dp(1.4e9) / GB == pytest.approx(22.4)
+    assert formulas.mem_dp(1.5e9) / GB == pytest.approx(24.0)
+    assert formulas.mem_dp(1.4e9) / GB == pytest.approx(22.4)
     # §10.4: 13B with stage 2 on 128 GPUs -> 27.4 GB.
-    assert round(est.mem_os_g(13e9, 128) / GB, 1) == 27.4
+    assert round(formulas.mem_os_g(13e9, 128) / GB, 1) == 27.4
     # §10.3: 60B with 16-way MP = 3.75B per slice; stage 2 on N_d = 4 and 25 -> 20.6, 9.6 GB.
-    assert round(est.mem_os_g(3.75e9, 4) / GB, 1) == 20.6
-    assert round(est.mem_os_g(3.75e9, 25) / GB, 1) == 9.6
+    assert round(formulas.mem_os_g(3.75e9, 4) / GB, 1) == 20.6
+    assert round(formulas.mem_os_g(3.75e9, 25) / GB, 1) == 9.6
     # §11: bytes per parameter at N_d = 25: stage 2 2.56, stage 3 0.64.
-    assert est.mem_os_g(1, 25) == pytest.approx(2.56)
-    assert est.mem_os_g_p(1, 25) == pytest.approx(0.64)
+    assert formulas.mem_os_g(1, 25) == pytest.approx(2.56)
+    assert formulas.mem_os_g_p(1, 25) == pytest.approx(0.64)
     # §5.4: a 32 GB GPU holds 2B parameters under DP; stage 3 on 64 GPUs holds 128B.
-    assert est.mem_dp(2e9) == pytest.approx(32 * GB)
-    assert est.mem_os_g_p(128e9, 64) == pytest.approx(32 * GB)
+    assert formulas.mem_dp(2e9) == pytest.approx(32 * GB)
+    assert formulas.mem_os_g_p(128e9, 64) == pytest.approx(32 * GB)
 
 
 def test_k_is_a_parameter():
-    assert est.mem_dp(10, 1, k=8) == 120
-    assert est.mem_os(10, 2, k=8) == 40 + 40
-    assert est.mem_os_g(10, 2, k=8) == 20 + 50
-    assert est.mem_os_g_p(10, 2, k=8) == 60
+    assert formulas.mem_dp(10, 1, k=8) == 120
+    assert formulas.mem_os(10, 2, k=8) == 40 + 40
+    assert formulas.mem_os_g(10, 2, k=8) == 20 + 50
+    assert formulas.mem_os_g_p(10, 2, k=8) == 60
 
 
 def test_bad_inputs_to_functions():
     with pytest.raises(ValueError):
-        est.mem_os(-1, 4)
+        formulas.mem_os(-1, 4)
     with pytest.raises(ValueError):
-        est.mem_os(8, 0)
+        formulas.mem_os(8, 0)
     with pytest.raises(ValueError):
-        est.model_state_bytes(4, 8, 4)
+        formulas.model_state_bytes(4, 8, 4)
 
 
 def test_min_gpus_to_fit():
     cap = 32 * GB
-    got = [est.min_gpus_to_fit(s, 7.5e9, cap) for s in est.STAGES]
+    got = [formulas.min_gpus_to_fit(s, 7.5e9, cap) for s in formulas.STAGES]
     # DP needs 120 GB whatever N; stage 1: 30 + 90/N <= 32 -> N >= 45; stage 2: 15 + 105/N
     # <= 32 -> N >= 7; stage 3: 120/N <= 32 -> N >= 4.
     assert got == [None, 45, 7, 4]
     # exact tie: 128B on 64 GPUs is exactly 32 GB (Table 1 marks it as fitting)
-    assert est.min_gpus_to_fit(3, 128e9, cap) == 64
+    assert formulas.min_gpus_to_fit(3, 128e9, cap) == 64
     # §5.4: for 1T only stage 3 ever fits; Table 1's columns jump from 256 GPUs (62.5 GB) to
     # 1,024 (15.6 GB), and the exact threshold is 16e12 / 32e9 = 500 GPUs
-    assert est.min_gpus_to_fit(1, 1e12, cap) is None
-    assert est.min_gpus_to_fit(2, 1e12, cap) is None
-    assert est.min_gpus_to_fit(3, 1e12, cap) == 500
+    assert formulas.min_gpus_to_fit(1, 1e12, cap) is None
+    assert formulas.min_gpus_to_fit(2, 1e12, cap) is None
+    assert formulas.min_gpus_to_fit(3, 1e12, cap) == 500
     for s in (1, 2, 3):
         for psi in (1e9, 3.3e9, 7.5e9):
-            n = est.min_gpus_to_fit(s, psi, cap)
+            n = formulas.min_gpus_to_fit(s, psi, cap)
             if n is not None:
-                assert est.model_state_bytes(s, psi, n) <= cap
-                assert n == 1 or est.model_state_bytes(s, psi, n - 1) > cap
+                assert formulas.model_state_bytes(s, psi, n) <= cap
+                assert n == 1 or formulas.model_state_bytes(s, psi, n - 1) > cap
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,41 +182,41 @@ def test_min_gpus_to_fit():
 
 def test_comm_volumes():
     psi = 7.5e9
-    assert [est.comm_elements(psi, s) for s in est.STAGES] == [2 * psi] * 3 + [3 * psi]
+    assert [formulas.comm_elements(psi, s) for s in formulas.STAGES] == [2 * psi] * 3 + [3 * psi]
     # §7: 15 billion vs 22.5 billion numbers per step for the 7.5B model: 1.5x
-    assert est.comm_elements(psi, 0) == 15e9
-    assert est.comm_elements(psi, 3) == 22.5e9
-    assert est.comm_bytes(psi, 3) == 45e9  # 2 bytes per fp16/bf16 element
-    assert est.comm_seconds(psi, 0, 100) == pytest.approx(0.3)
-    assert est.comm_seconds(psi, 3, 100) == pytest.approx(0.45)
-    assert est.comm_elements(8, 0) == 16 and est.comm_elements(8, 3) == 24
+    assert formulas.comm_elements(psi, 0) == 15e9
+    assert formulas.comm_elements(psi, 3) == 22.5e9
+    assert formulas.comm_bytes(psi, 3) == 45e9  # 2 bytes per fp16/bf16 element
+    assert formulas.comm_seconds(psi, 0, 100) == pytest.approx(0.3)
+    assert formulas.comm_seconds(psi, 3, 100) == pytest.approx(0.45)
+    assert formulas.comm_elements(8, 0) == 16 and formulas.comm_elements(8, 3) == 24
 
 
 def test_gpt_param_count():
     # §10.1: 125 layers of width 8192 -> about 100.7B parameters.
-    assert est.gpt_params(125, 8192) == 12 * 125 * 8192**2
-    assert round(est.gpt_params(125, 8192) / 1e9, 1) == 100.7
+    assert formulas.gpt_params(125, 8192) == 12 * 125 * 8192**2
+    assert round(formulas.gpt_params(125, 8192) / 1e9, 1) == 100.7
     # GPT-2 1.5B: h = 1600, L = 48 -> 1.47B by the 12 L H^2 rule
-    assert est.gpt_params(48, 1600) == 1_474_560_000
+    assert formulas.gpt_params(48, 1600) == 1_474_560_000
 
 
 def test_activations():
     # §3.2 footnote: 12 * h * b * s * L values; toy h=2, b=1, s=3, L=1 -> 72 values, 144 bytes
-    assert est.activation_values(2, 1, 3, 1) == 72
-    assert est.activation_bytes(2, 1, 3, 1) == 144
+    assert formulas.activation_values(2, 1, 3, 1) == 72
+    assert formulas.activation_bytes(2, 1, 3, 1) == 144
     # GPT-2 1.5B at b=32, s=1024: 30.2e9 values, "about 60 GB" (60.4) in fp16
-    assert round(est.activation_values(1600, 32, 1024, 48) / 1e9, 1) == 30.2
-    assert round(est.activation_bytes(1600, 32, 1024, 48) / GB, 1) == 60.4
+    assert round(formulas.activation_values(1600, 32, 1024, 48) / 1e9, 1) == 30.2
+    assert round(formulas.activation_bytes(1600, 32, 1024, 48) / GB, 1) == 60.4
     # §6.1: checkpoints of the 100B model (L=125, h=8192, b=32, s=1024): 33.6e9 values
-    assert round(est.checkpoint_values(8192, 32, 1024, 125) / 1e9, 1) == 33.6
-    assert est.checkpoint_bytes(8192, 32, 1024, 125) == 2 * 8192 * 32 * 1024 * 125
+    assert round(formulas.checkpoint_values(8192, 32, 1024, 125) / 1e9, 1) == 33.6
+    assert formulas.checkpoint_bytes(8192, 32, 1024, 125) == 2 * 8192 * 32 * 1024 * 125
 
 
 def test_activations_count_against_gpu_mem():
-    r = est.estimate(1.5e9, gpus=[1], gpu_mem_gb=32, layers=48, hidden=1600, batch=32, seq=1024)
-    assert r["activations"]["counted_in_fit_bytes"] == est.activation_bytes(1600, 32, 1024, 48)
-    assert r["rows"][0]["fits"] == {f"stage{s}": False for s in est.STAGES}
-    r = est.estimate(
+    r = estimate(1.5e9, gpus=[1], gpu_mem_gb=32, layers=48, hidden=1600, batch=32, seq=1024)
+    assert r["activations"]["counted_in_fit_bytes"] == formulas.activation_bytes(1600, 32, 1024, 48)
+    assert r["rows"][0]["fits"] == {f"stage{s}": False for s in formulas.STAGES}
+    r = estimate(
         1.5e9,
         gpus=[1],
         gpu_mem_gb=32,
@@ -231,14 +235,16 @@ def test_activations_count_against_gpu_mem():
 
 
 def test_module_does_not_import_torch():
-    # Load estimate.py and the formulas it uses without running the zerokern package's
-    # __init__ (which imports torch): a bare package object stands in for it. Neither module
-    # may pull in torch or matplotlib.
+    # Load the CLI, its report, the estimate and the formulas without running the zerokern
+    # package's __init__ (which imports torch): a bare package object stands in for it. None
+    # of these modules may pull in torch or matplotlib.
     code = (
         "import importlib, sys, types\n"
         f"pkg = types.ModuleType('zerokern'); pkg.__path__ = [{str(REPO / 'zerokern')!r}]\n"
         "sys.modules['zerokern'] = pkg\n"
-        "m = importlib.import_module('zerokern.cli.estimate')\n"
+        "for name in ('zerokern.cli.estimate', 'zerokern.cli.estimate_report',\n"
+        "             'zerokern.estimate', 'zerokern.formulas'):\n"
+        "    m = importlib.import_module(name)\n"
         "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules\n"
         "print(m.mem_os_g_p(8, 4))\n"
     )
@@ -256,16 +262,18 @@ def test_cli_json_subprocess():
     r = json.loads(p.stdout)
     assert r["params"] == 7.5e9 and r["k"] == 12 and r["gpus"] == [1, 4, 64]
     rows = {row["gpus"]: row for row in r["rows"]}
-    assert [rows[64]["gb"][f"stage{s}"] for s in est.STAGES] == pytest.approx(
+    assert [rows[64]["gb"][f"stage{s}"] for s in formulas.STAGES] == pytest.approx(
         [120, 31.40625, 16.640625, 1.875]
     )
-    assert [rows[4]["gb"][f"stage{s}"] for s in est.STAGES] == pytest.approx([120, 52.5, 41.25, 30])
-    assert rows[64]["bytes"]["stage3"] == est.mem_os_g_p(7.5e9, 64)
+    assert [rows[4]["gb"][f"stage{s}"] for s in formulas.STAGES] == pytest.approx(
+        [120, 52.5, 41.25, 30]
+    )
+    assert rows[64]["bytes"]["stage3"] == formulas.mem_os_g_p(7.5e9, 64)
     assert rows[64]["fits"] == {"stage0": False, "stage1": True, "stage2": True, "stage3": True}
     assert rows[4]["fits"] == {"stage0": False, "stage1": False, "stage2": False, "stage3": True}
     assert r["min_gpus_to_fit"] == {"stage0": None, "stage1": 45, "stage2": 7, "stage3": 4}
     comm = r["communication"]["stages"]
-    assert [comm[f"stage{s}"]["elements"] for s in est.STAGES] == [15e9, 15e9, 15e9, 22.5e9]
+    assert [comm[f"stage{s}"]["elements"] for s in formulas.STAGES] == [15e9, 15e9, 15e9, 22.5e9]
     assert comm["stage3"]["bytes"] == 45e9
     assert comm["stage0"]["seconds"] == pytest.approx(0.3)
     assert comm["stage3"]["seconds"] == pytest.approx(0.45)
@@ -292,9 +300,11 @@ def test_cli_table_subprocess():
 def test_cli_layers_hidden_in_process(capsys):
     assert _main(["estimate", "--layers", "125", "--hidden", "8192", "--gpus", "64", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["params"] == est.gpt_params(125, 8192)
+    assert r["params"] == formulas.gpt_params(125, 8192)
     assert r["param_source"] == "layers_hidden"
-    assert r["rows"][0]["bytes"]["stage3"] == pytest.approx(16 * est.gpt_params(125, 8192) / 64)
+    assert r["rows"][0]["bytes"]["stage3"] == pytest.approx(
+        16 * formulas.gpt_params(125, 8192) / 64
+    )
 
 
 def test_cli_activations_in_process(capsys):

@@ -14,7 +14,9 @@ For the paper's mixed precision (p = 2, K = 12: fp32 master weight, momentum and
 these are 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N and 16 Psi/N. fp32 parameters are their
 own master, so K = 8 there. Communication per step (§7): 2 Psi elements for stages 0-2
 (all-reduce = reduce-scatter + all-gather), 3 Psi for stage 3 (parameters all-gathered in
-forward and in backward, gradients reduce-scattered); nothing with one rank.
+forward and in backward, gradients reduce-scattered); nothing with one rank. Model size and
+activations (§3.2, §6.1, §10.1): 12 L H^2 parameters of a GPT-like model, 12 h b s L
+activation values without checkpointing, h b s L with one checkpoint per layer.
 
 GB means 1e9 bytes, as in the paper (7.5B parameters on 64 GPUs: 120, 31.4, 16.6, 1.88 GB).
 """
@@ -29,6 +31,7 @@ PARAM_BYTES = 2  # fp16/bf16 working weights
 GRAD_BYTES = 2  # fp16/bf16 gradients
 DEFAULT_K = 12  # fp32 master weights + Adam momentum + variance: 4 + 4 + 4
 COMM_BYTES = 2  # bytes per communicated element (fp16/bf16)
+ACT_BYTES = 2  # bytes per stored activation value (fp16/bf16)
 
 STAGES = (0, 1, 2, 3)
 STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
@@ -161,6 +164,55 @@ def comm_seconds(
     if not bandwidth_gb_s > 0:
         raise ValueError(f"bandwidth must be positive, got {bandwidth_gb_s!r}")
     return comm_bytes(psi, stage, bytes_per_element) / (bandwidth_gb_s * GB)
+
+
+# --------------------------------------------------------------------------------------------
+# Model size and activations (paper §3.2, §6.1, §10.1)
+# --------------------------------------------------------------------------------------------
+
+
+def gpt_params(layers: int, hidden: int) -> int:
+    """Parameters of a GPT-like transformer: about 12 * layers * hidden**2.
+
+    (4 h^2 attention + 8 h^2 MLP per layer; embeddings, biases and norms ignored. The annotated
+    paper's §10.1 uses it: 125 layers of width 8192 -> 100.7B.)
+    """
+    return 12 * int(layers) * int(hidden) ** 2
+
+
+def activation_values(hidden: int, batch: int, seq: int, layers: int) -> int:
+    """Activation values kept for backward without checkpointing: 12 * h * b * s * L.
+
+    Paper §3.2 (footnote), for a GPT-2-like model: "about 12 x hidden_dim x batch x seq_length
+    x transformer_layers"; GPT-2 1.5B (h=1600, L=48) at b=32, s=1024 -> 30.2e9 values, the
+    paper's "about 60 GB" at 2 bytes each.
+    """
+    return 12 * int(hidden) * int(batch) * int(seq) * int(layers)
+
+
+def checkpoint_values(hidden: int, batch: int, seq: int, layers: int) -> int:
+    """Values kept with activation checkpointing, one checkpoint per layer: h * b * s * L.
+
+    Paper §6.1: a checkpoint is the transformer layer's input, b * s * h values, one per layer
+    (the 100B model, L=125, h=8192, b=32, s=1024 -> 33.6e9 values, the paper's "about 33 GB").
+    The recomputed layer's own activations come on top during backward; the paper's "about
+    8 GB" for checkpointed GPT-2 1.5B (§3.2) is a rough sqrt estimate, not this formula.
+    """
+    return int(hidden) * int(batch) * int(seq) * int(layers)
+
+
+def activation_bytes(
+    hidden: int, batch: int, seq: int, layers: int, bytes_per_value: float = ACT_BYTES
+) -> float:
+    """Bytes of activations without checkpointing (12 h b s L values, 2 bytes each)."""
+    return activation_values(hidden, batch, seq, layers) * bytes_per_value
+
+
+def checkpoint_bytes(
+    hidden: int, batch: int, seq: int, layers: int, bytes_per_value: float = ACT_BYTES
+) -> float:
+    """Bytes of activation checkpoints (h b s L values, 2 bytes each)."""
+    return checkpoint_values(hidden, batch, seq, layers) * bytes_per_value
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,0 +1,160 @@
+"""Everything ``python -m zerokern estimate`` reports, as one dict of numbers (what ``--json``
+prints). Pure arithmetic on top of :mod:`zerokern.formulas`: no printing, no argparse, no torch,
+so the CLI, its text report and the tests share one computation.
+
+Bytes are exact; every ``*_gb`` value is bytes / 1e9, the paper's GB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .formulas import (
+    ACT_BYTES,
+    COMM_BYTES,
+    COMM_FORMULAS,
+    DEFAULT_K,
+    GB,
+    GRAD_BYTES,
+    PARAM_BYTES,
+    STAGE_FORMULAS,
+    STAGE_NAMES,
+    STAGES,
+    activation_bytes,
+    check_psi_n,
+    checkpoint_bytes,
+    comm_bytes,
+    comm_elements,
+    comm_seconds,
+    fits,
+    gpt_params,
+    min_gpus_to_fit,
+    model_state_bytes,
+)
+
+DEFAULT_GPUS = (1, 4, 16, 64, 256, 1024)  # the N_d rows of the paper's Table 1
+
+# Kept in the dict (not only in the text report) so a --json reader knows what "bytes" means.
+COMM_NOTE = (
+    "Counted as the paper's §7 counts it: the data volume of the step's collectives "
+    "(DP and stages 1-2: reduce-scatter + all-gather = 2*Psi; stage 3: all-gather in forward "
+    "+ all-gather in backward + gradient reduce-scatter = 3*Psi). With ring algorithms each "
+    "GPU sends, and receives, about this volume ((N-1)/N of it exactly; nothing at N = 1), "
+    "so time = bytes / per-GPU link bandwidth, ignoring latency and overlap with compute."
+)
+
+
+def _activations(
+    layers: int, hidden: int, batch: int, seq: int, checkpointing: bool
+) -> dict[str, Any]:
+    """The activation section: both variants, and which one counts against --gpu-mem."""
+    full = activation_bytes(hidden, batch, seq, layers)
+    ckpt = checkpoint_bytes(hidden, batch, seq, layers)
+    return {
+        "layers": layers,
+        "hidden": hidden,
+        "batch": batch,
+        "seq": seq,
+        "bytes_per_value": ACT_BYTES,
+        "no_checkpointing_formula": "12*h*b*s*L values (paper §3.2 footnote)",
+        "no_checkpointing_bytes": full,
+        "no_checkpointing_gb": full / GB,
+        "checkpointing_formula": "h*b*s*L values, one layer input per layer (paper §6.1)",
+        "checkpointing_bytes": ckpt,
+        "checkpointing_gb": ckpt / GB,
+        "checkpointing": bool(checkpointing),
+        "counted_in_fit_bytes": ckpt if checkpointing else full,
+    }
+
+
+def _memory_row(psi: float, n: int, k: float, capacity: float | None) -> dict[str, Any]:
+    """One table row: model-state bytes per GPU of every stage on ``n`` GPUs, and what fits."""
+    row: dict[str, Any] = {"gpus": n, "bytes": {}, "gb": {}, "fits": {}}
+    for s in STAGES:
+        b = model_state_bytes(s, psi, n, k)
+        key = f"stage{s}"
+        row["bytes"][key] = b
+        row["gb"][key] = b / GB
+        row["fits"][key] = None if capacity is None else fits(b, capacity)
+    return row
+
+
+def _communication(psi: float, bandwidth_gb_s: float | None) -> dict[str, Any]:
+    """Per-step volume of every stage (paper §7), and its time when a bandwidth is given."""
+    stages = {
+        f"stage{s}": {
+            "formula": COMM_FORMULAS[s],
+            "elements": comm_elements(psi, s),
+            "bytes": comm_bytes(psi, s),
+            "gb": comm_bytes(psi, s) / GB,
+            "seconds": None if bandwidth_gb_s is None else comm_seconds(psi, s, bandwidth_gb_s),
+        }
+        for s in STAGES
+    }
+    return {
+        "bytes_per_element": COMM_BYTES,
+        "bandwidth_gb_s": bandwidth_gb_s,
+        "counting": COMM_NOTE,
+        "stages": stages,
+    }
+
+
+def estimate(
+    psi: float,
+    gpus: Iterable[int] = DEFAULT_GPUS,
+    k: float = DEFAULT_K,
+    gpu_mem_gb: float | None = None,
+    bandwidth_gb_s: float | None = None,
+    layers: int | None = None,
+    hidden: int | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
+    checkpointing: bool = False,
+    param_source: str = "params",
+) -> dict[str, Any]:
+    """Compute everything the command reports. Bytes are exact; ``*_gb`` are bytes / 1e9.
+
+    Activations are computed only when ``layers``, ``hidden``, ``batch`` and ``seq`` are all
+    given; then the chosen variant (``checkpointing``) is subtracted from ``gpu_mem_gb`` before
+    deciding what fits. ``param_source`` only labels where ``psi`` came from.
+    """
+    gpus = [int(n) for n in gpus]
+    for n in gpus:
+        check_psi_n(psi, n)
+
+    activations = None
+    if batch is not None and seq is not None and layers is not None and hidden is not None:
+        activations = _activations(layers, hidden, batch, seq, checkpointing)
+    act_used = 0.0 if activations is None else activations["counted_in_fit_bytes"]
+    capacity = None if gpu_mem_gb is None else gpu_mem_gb * GB - act_used
+
+    report: dict[str, Any] = {
+        "params": psi,
+        "param_source": param_source,
+        "k": k,
+        "bytes_per_param": PARAM_BYTES,
+        "bytes_per_grad": GRAD_BYTES,
+        "gb_bytes": GB,
+        "stages": {
+            f"stage{s}": {"name": STAGE_NAMES[s], "formula": STAGE_FORMULAS[s]} for s in STAGES
+        },
+        "gpus": gpus,
+        "rows": [_memory_row(psi, n, k, capacity) for n in gpus],
+        "gpu_mem_gb": gpu_mem_gb,
+        "fit_counts": (
+            None
+            if gpu_mem_gb is None
+            else "model states" + (" + activations" if activations else " only")
+        ),
+        "min_gpus_to_fit": (
+            None
+            if capacity is None
+            else {f"stage{s}": min_gpus_to_fit(s, psi, capacity, k) for s in STAGES}
+        ),
+        "communication": _communication(psi, bandwidth_gb_s),
+        "activations": activations,
+    }
+    if layers is not None and hidden is not None:
+        report["gpt_params_from_layers_hidden"] = gpt_params(layers, hidden)
+    return report
