@@ -1,0 +1,141 @@
+"""The public sharded-state interface (ZeroAdamW.shards / edit_shards) against torch.optim.AdamW
+trained on the same data in the same processes, and the side-effect-free introspection before
+the first step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _tol import TRAIN_FP32
+from dist_utils import run_ranks
+from models import OddNet, batch
+from test_zero_parity import _ref_average
+
+import zerokern
+
+HP = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.05)
+
+
+def _step(model, opt, step, rank, world, ref=None, ropt=None):
+    x, y = batch(step, rank)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    if ref is not None:
+        F.cross_entropy(ref(x), y).backward()
+        _ref_average(ref, world)
+        ropt.step()
+        ropt.zero_grad()
+
+
+def _build(stage, world):
+    torch.manual_seed(0)
+    base = OddNet()
+    ours = copy.deepcopy(base)
+    if stage == 3:
+        ours = zerokern.shard_model(ours)
+    opt = zerokern.ZeroAdamW(ours.parameters(), stage=stage, bucket_numel=61, **HP)
+    ref = copy.deepcopy(base)
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], foreach=False,
+                             **HP)
+    return ours, opt, ref, ropt
+
+
+def _check_against(opt, ref, ropt, rank, world):
+    """Every range of every shard holds torch AdamW's values; the ranks together hold every
+    element exactly once (stage 0: each rank holds all of it)."""
+    rtol, atol = TRAIN_FP32
+    shards = opt.shards()
+    covered = []
+    for sh, rp in zip(shards, [p for p in ref.parameters() if p.requires_grad]):
+        assert sh.shape == rp.shape and sh.numel == rp.numel()
+        st = ropt.state.get(rp, {})
+        assert sh.step == int(st.get("step", 0))
+        for r in sh.ranges:
+            sl = slice(r.start, r.start + r.numel)
+            torch.testing.assert_close(r.values, rp.detach().reshape(-1)[sl], rtol=rtol,
+                                       atol=atol)
+            if st:
+                torch.testing.assert_close(r.exp_avg, st["exp_avg"].reshape(-1)[sl],
+                                           rtol=rtol, atol=atol)
+                torch.testing.assert_close(r.exp_avg_sq, st["exp_avg_sq"].reshape(-1)[sl],
+                                           rtol=rtol, atol=atol)
+            covered.append((sh.index, r.start, r.numel))
+    every = [None] * world
+    dist.all_gather_object(every, covered)
+    for sh in shards:
+        count = torch.zeros(sh.numel, dtype=torch.int64)
+        for rows in every:
+            for i, s, n in rows:
+                if i == sh.index:
+                    count[s:s + n] += 1
+        expected = world if opt.stage == 0 else 1
+        assert torch.all(count == expected), (sh.index, count)
+
+
+def shards_case(rank, world, stage):
+    ours, opt, ref, ropt = _build(stage, world)
+    if stage < 3:
+        ms = opt.memory_stats()
+        sd = opt.state_dict()
+        assert opt.layout is None, "memory_stats()/state_dict() fixed the layout"
+        assert sd["state"] == {} and sd["zerokern"]["ready_order"] is None
+    for step in range(3):
+        _step(ours, opt, step, rank, world, ref, ropt)
+    _check_against(opt, ref, ropt, rank, world)
+    if stage < 3:  # what was reported before the first step is what was allocated
+        after = opt.memory_stats()
+        for k in ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding"):
+            assert ms[k] == after[k], (k, ms[k], after[k])
+        assert ms["arena_capacity"] == after["arena_capacity"]
+
+    # edit_shards: perturb our state, write torch AdamW's back, and both continue alike.
+    _step(ours, opt, 3, rank, world)
+    refp = [p for p in ref.parameters() if p.requires_grad]
+    with opt.edit_shards() as shards:
+        for sh, rp in zip(shards, refp):
+            st = ropt.state.get(rp) or {}  # no state: never had a gradient
+            zero = torch.zeros(rp.numel())
+            for r in sh.ranges:
+                sl = slice(r.start, r.start + r.numel)
+                r.values.copy_(rp.detach().reshape(-1)[sl])
+                r.exp_avg.copy_(st.get("exp_avg", zero).reshape(-1)[sl])
+                r.exp_avg_sq.copy_(st.get("exp_avg_sq", zero).reshape(-1)[sl])
+            sh.step = int(st.get("step", 0))
+    for step in range(4, 6):
+        _step(ours, opt, step, rank, world, ref, ropt)
+    _check_against(opt, ref, ropt, rank, world)
+    full = zerokern.full_state_dict(ours, rank0_only=False)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shards_hold_torch_adamw_state_and_edit_shards_sets_it(stage, world, tmp_path):
+    run_ranks(world, shards_case, stage, tmp_path=tmp_path)
+
+
+def bad_step_case(rank, world, stage):
+    ours, opt, _, _ = _build(stage, world)
+    _step(ours, opt, 0, rank, world)
+    before = [p.detach().clone() for p in opt.managed_params]
+    steps = [sh.step for sh in opt.shards()]
+    assert 1 in steps
+    with pytest.raises(ValueError, match="step of parameter 0"):
+        with opt.edit_shards() as shards:
+            for sh in shards:
+                sh.step = 7
+            shards[0].step = -1
+    assert [sh.step for sh in opt.shards()] == steps
+    for a, p in zip(before, opt.managed_params):
+        assert torch.equal(a, p.detach())
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_edit_shards_refuses_a_bad_step(stage, tmp_path):
+    run_ranks(2, bad_step_case, stage, tmp_path=tmp_path)
