@@ -1,20 +1,28 @@
 """Shared benchmark plumbing: timing (warm-up, repeats, median and spread), a memory-bandwidth
-probe measured in the same run, machine metadata, CSV and optional PNG output."""
+probe measured in the same run, machine metadata, CSV and table output, and the two
+measurements of a training step that need more than a clock: the model-state bytes a rank
+holds (a walk over tensor storages) and the collectives it ran (from torch.profiler events).
+bench/README.md says what each measurement counts."""
 
 from __future__ import annotations
 
 import csv
 import datetime as _dt
+import math
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MB = 1 << 20
 
 
 def sync(device: torch.device) -> None:
@@ -124,3 +132,153 @@ def print_table(rows: Sequence[dict[str, object]], cols: Sequence[str]) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
     for x in cells:
         print("  ".join(v.rjust(w) for v, w in zip(x, widths)))
+
+
+# -- model-state bytes ------------------------------------------------------------------------
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # DTensor -> its shard
+
+
+class StateBytes:
+    """Bytes of unique tensor storages, attributed to the first kind that reaches them (a
+    gradient that views a DDP bucket, or a master that views a flat partition, counts once)."""
+
+    # Only these libraries' objects are entered: their attributes lead to optimizer state,
+    # anything else (loggers, modules of the standard library) only to more of the same.
+    WALKED = ("torch", "deepspeed", "zerokern")
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.out: dict[str, int] = {}
+
+    def add(self, kind: str, t: torch.Tensor) -> None:
+        st = _local(t).untyped_storage()
+        key = st.data_ptr()
+        if key == 0 or key in self.seen:
+            return
+        self.seen.add(key)
+        self.out[kind] = self.out.get(kind, 0) + st.nbytes()
+
+    def walk(self, kind: str, obj: Any, depth: int = 6, _ids: set[int] | None = None) -> None:
+        """Every tensor reachable from obj through containers and object attributes."""
+        ids = set() if _ids is None else _ids
+        if id(obj) in ids or depth < 0:
+            return
+        ids.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            self.add(kind, obj)
+            if obj.grad is not None:
+                self.add(kind, obj.grad)
+            return
+        if isinstance(obj, nn.Module) or dist.is_available() and isinstance(obj, dist.ProcessGroup):
+            return  # the model is counted as params/grads; process groups hold no state
+        if isinstance(obj, dict):
+            items = [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            items = list(obj)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in self.WALKED:
+            items = list(vars(obj).values())
+        else:
+            return
+        for x in items:
+            if isinstance(x, (str, bytes, int, float, bool, type(None))):
+                continue
+            self.walk(kind, x, depth - 1, ids)
+
+
+def generic_state(model: nn.Module, *extra: Any) -> Callable[[], dict[str, int]]:
+    """A function giving the params, grads and optim bytes this rank holds: the model's
+    parameters, then their .grad, then whatever else is reachable from ``extra`` (optimizer,
+    engine, master copies)."""
+
+    def state() -> dict[str, int]:
+        sb = StateBytes()
+        params = list(model.parameters())
+        for p in params:
+            sb.add("params", p)
+        for p in params:
+            if p.grad is not None:
+                sb.add("grads", p.grad)
+        for obj in extra:
+            sb.walk("optim", obj)
+        return {k: sb.out.get(k, 0) for k in ("params", "grads", "optim")}
+
+    return state
+
+
+# -- collectives from the profiler ------------------------------------------------------------
+# The names the profiler gives input dtypes (C++ spellings), for the element size.
+_DTYPE_NAMES = {
+    "float": torch.float32,
+    "double": torch.float64,
+    "c10::BFloat16": torch.bfloat16,
+    "c10::Half": torch.float16,
+    "long int": torch.int64,
+    "int": torch.int32,
+    "signed char": torch.int8,
+    "unsigned char": torch.uint8,
+    "bool": torch.bool,
+    "BFloat16": torch.bfloat16,
+    "Half": torch.float16,
+}
+
+
+def _event_bytes(e: Any, kind: str, world: int) -> int:
+    """Bytes of one backend event as the ZeRO paper counts them, from its input shapes."""
+    sizes = []
+    for shape, dt in zip(e.input_shapes or [], getattr(e, "input_dtypes", None) or []):
+        if isinstance(shape, list) and shape and all(isinstance(s, int) for s in shape):
+            try:
+                esz = torch.empty(0, dtype=_DTYPE_NAMES[dt]).element_size()
+            except (TypeError, KeyError):
+                continue
+            sizes.append(math.prod(shape) * esz)
+    if not sizes:
+        return 0
+    # all-reduce / broadcast: the tensor itself; reduce-scatter: the largest operand is the
+    # full input; all-gather: the full output (gloo records only the shard).
+    nbytes = max(sizes) * (2 if "all_reduce" in kind or "allreduce" in kind else 1)
+    if "gather" in kind:
+        nbytes = max(nbytes, world * min(sizes))
+    return nbytes
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals."""
+    busy, cur_s, cur_e = 0.0, 0.0, None
+    for s, t in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, t
+        else:
+            cur_e = max(cur_e, t)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    return busy
+
+
+def comm_from_profile(prof: Any, device: torch.device, steps: int, world: int) -> dict[str, Any]:
+    """Per step: bytes (paper count) and union-of-intervals time of the process-group
+    backend's collective events ("gloo:<kind>" / "nccl:<kind>"), and the bytes by kind."""
+    by_kind: dict[str, float] = {}
+    intervals: list[tuple[float, float]] = []
+    for e in prof.events():
+        backend, _, kind = e.name.partition(":")
+        if backend not in ("gloo", "nccl") or not kind:
+            continue
+        by_kind[kind] = by_kind.get(kind, 0) + _event_bytes(e, kind, world)
+        if device.type != "cuda":
+            intervals.append((e.time_range.start, e.time_range.end))
+    if device.type == "cuda":  # the NCCL kernels' own intervals on the device
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.name.lower().startswith(
+                "nccl"
+            ):
+                intervals.append((e.time_range.start, e.time_range.end))
+    out = {
+        "comm_bytes": sum(by_kind.values()) / steps,
+        "comm_ms": _union_us(intervals) / 1e3 / steps,
+    }
+    out["comm_kinds"] = ",".join(f"{k}:{v / steps / MB:.2f}MB" for k, v in sorted(by_kind.items()))
+    return out

@@ -14,7 +14,6 @@ the pool is discarded (its group may be mid-collective) and the next test forms 
 from __future__ import annotations
 
 import atexit
-import os
 import pickle
 import shutil
 import sys
@@ -27,6 +26,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from zerokern.comm.rendezvous import file_init_method
+
 # A case that runs longer than this is treated as hung (the group timeout is 30 minutes).
 CASE_TIMEOUT_S = 300.0
 # Once one rank has failed, the others get this long to report before the pool is killed
@@ -34,7 +35,7 @@ CASE_TIMEOUT_S = 300.0
 GRACE_S = 10.0
 
 
-def _serve(rank: int, world: int, backend: str, init_file: str, conn: Connection) -> None:
+def _serve(rank: int, world: int, backend: str, init_method: str, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
 
@@ -42,9 +43,7 @@ def _serve(rank: int, world: int, backend: str, init_file: str, conn: Connection
     sys.path.insert(0, str(Path(__file__).parent))
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend, init_method=f"file://{init_file}", rank=rank, world_size=world
-    )
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     while True:
         try:
             payload = conn.recv_bytes()
@@ -71,10 +70,10 @@ class _Pool:
         ctx = mp.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs = []
-        init_file = os.path.join(self.dir, "rendezvous")
+        init_method = file_init_method(self.dir)
         for r in range(world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(r, world, backend, init_file, child),
+            p = ctx.Process(target=_serve, args=(r, world, backend, init_method, child),
                             daemon=True)
             p.start()
             child.close()

@@ -1,0 +1,259 @@
+"""The training setups that bench_zero.py compares, one per policy, built on one rank.
+
+Every setup gets the same model (same initial weights), the same AdamW hyper-parameters and
+no gradient clipping, and returns one training step plus a count of the model-state bytes
+the rank holds. bench/README.md describes each policy and its bf16 pipeline.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from _harness import generic_state
+from gpt import GPT, GPTConfig
+from torch import nn
+
+HP = dict(lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+POLICIES = [
+    "ddp",
+    "zero_redundancy",
+    "fsdp2",
+    "zk_stage0",
+    "zk_stage1",
+    "zk_stage2",
+    "zk_stage3",
+    "ds_stage1",
+    "ds_stage2",
+]
+
+
+class Skip(Exception):
+    """The policy cannot run in this environment (recorded as 'skipped: ...')."""
+
+
+@dataclass
+class Job:
+    """What the ranks of one policy run: picklable, handed to every spawned rank."""
+
+    policy: str
+    precision: str
+    device: str
+    cfg: dict[str, Any]
+    micro_batch: int
+    steps: int
+    prof_steps: int
+    world: int
+    init_method: str  # the group's rendezvous (zerokern.comm.rendezvous.file_init_method)
+    outdir: str  # where each rank writes its result or its error
+    bucket_numel: int | None = None  # zerokern stages 0-2 (None: ZeroAdamW's default)
+
+
+@dataclass
+class Setup:
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # one training step -> loss
+    state: Callable[[], dict[str, int]]  # model-state bytes held by this rank, by kind
+    optim: str  # what does the update, for the CSV
+
+
+def unavailable(policy: str) -> str | None:
+    """Why the policy cannot run here, found without spawning its ranks (None: it can)."""
+    if policy == "zk_stage3":
+        import zerokern
+
+        if not hasattr(zerokern, "shard_model"):
+            return "zerokern.shard_model not available"
+    if policy.startswith("ds_") and importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed not installed (optional provider)"
+    return None
+
+
+def adamw_impl(device: torch.device) -> dict[str, bool]:
+    """fused=True where torch has a fused AdamW for this device (CUDA; CPU in recent torch),
+    else foreach=True. Checked by running one step, not by version."""
+    try:
+        p = nn.Parameter(torch.zeros(4, device=device))
+        p.grad = torch.ones(4, device=device)
+        torch.optim.AdamW([p], fused=True).step()
+        return {"fused": True}
+    except (RuntimeError, TypeError, NotImplementedError):
+        return {"foreach": True}
+
+
+class Masters:
+    """fp32 master copy of a bf16 model for torch's optimizers (the mixed-precision pipeline
+    of bench_adam's torch_mixed): grads bf16 -> fp32, AdamW on the masters, copy back."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.masters = [nn.Parameter(p.detach().float().clone()) for p in params]
+
+    def alloc_grads(self, owned: set[int] | None = None) -> None:
+        """Persistent fp32 grads for the masters this rank's optimizer steps (all: None)."""
+        self.owned = owned
+        for m in self.masters:
+            if owned is None or id(m) in owned:
+                m.grad = torch.zeros_like(m)
+
+    def grads_in(self) -> None:
+        pairs = [
+            (m.grad, p.grad)
+            for m, p in zip(self.masters, self.params)
+            if p.grad is not None and m.grad is not None
+        ]
+        if pairs:
+            torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
+
+    @torch.no_grad()
+    def params_out(self) -> None:
+        torch._foreach_copy_([p.data for p in self.params], self.masters)
+
+
+def setup_ddp(job: Job, model: nn.Module, device: torch.device, zero1: bool) -> Setup:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    kw = adamw_impl(device)
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+    )
+    params = list(model.parameters())
+    ms = Masters(params) if job.precision == "bf16" else None
+    targets = ms.masters if ms else params
+    if zero1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(targets, optimizer_class=torch.optim.AdamW, **HP, **kw)
+        owned = {id(p) for g in opt.optim.param_groups for p in g["params"]}
+    else:
+        opt = torch.optim.AdamW(targets, **HP, **kw)
+        owned = None
+    if ms is not None:
+        ms.alloc_grads(owned)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        _, loss = ddp(x, y)
+        loss.backward()
+        if ms is not None:
+            ms.grads_in()
+        opt.step()
+        if ms is not None:
+            ms.params_out()
+        return loss
+
+    name = ("ZeroRedundancyOptimizer(AdamW)" if zero1 else "AdamW") + f"({next(iter(kw))})"
+    if ms is not None:
+        name += ", fp32 masters"
+    return Setup(step, generic_state(model, opt, ms.masters if ms else []), name)
+
+
+def _plain_step(
+    model: nn.Module, opt: torch.optim.Optimizer
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The step of the setups whose optimizer does all the communication itself."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def setup_fsdp2(job: Job, model: nn.Module, device: torch.device) -> Setup:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        if job.precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    for blk in model.blocks:
+        fully_shard(blk, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    kw = adamw_impl(device)
+    opt = torch.optim.AdamW(model.parameters(), **HP, **kw)
+    name = f"AdamW({next(iter(kw))}) on DTensor shards"
+    if job.precision == "bf16":
+        name += ", MixedPrecisionPolicy(bf16, reduce bf16)"
+    return Setup(_plain_step(model, opt), generic_state(model, opt), name)
+
+
+def setup_zerokern(job: Job, model: nn.Module, stage: int) -> Setup:
+    import zerokern
+
+    if stage == 3:
+        if not hasattr(zerokern, "shard_model"):
+            raise Skip("zerokern.shard_model not available (stage 3 not implemented)")
+        model = zerokern.shard_model(model)
+    kw = {"bucket_numel": job.bucket_numel} if job.bucket_numel else {}
+    opt = zerokern.ZeroAdamW(model.parameters(), **HP, stage=stage, **kw)
+
+    def state() -> dict[str, int]:
+        s = opt.memory_stats()
+        grads = s["grads"] + s["buckets"] + s.get("comm_scratch", 0)
+        return {
+            "params": s["params"],
+            "grads": grads,
+            "optim": s["total"] - s["params"] - grads,
+            "zk_comm": opt.comm_stats()["bytes"],
+        }
+
+    return Setup(_plain_step(model, opt), state, f"ZeroAdamW(stage={stage})")
+
+
+def setup_deepspeed(job: Job, model: nn.Module, device: torch.device, stage: int) -> Setup:
+    import deepspeed  # the rank imported it before forming its group (zero_ranks.run_rank)
+
+    kw = adamw_impl(device)
+    opt = torch.optim.AdamW(model.parameters(), **HP, **kw)
+    config = {
+        "train_micro_batch_size_per_gpu": job.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": job.precision == "bf16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return Setup(
+        step,
+        generic_state(engine.module, ds_opt),
+        f"deepspeed {deepspeed.__version__} ZeRO-{stage}, AdamW({next(iter(kw))})",
+    )
+
+
+def build(job: Job, device: torch.device) -> Setup:
+    """The seeded model of job.cfg on `device`, set up for job.policy."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**job.cfg))
+    pol = job.policy
+    # bf16: the model is bf16 except for fsdp2 (its fp32 shard is the master) and deepspeed
+    # (it casts the model itself).
+    keep_fp32 = pol == "fsdp2" or pol.startswith("ds_")
+    lowp = job.precision == "bf16" and not keep_fp32
+    model = model.to(device=device, dtype=torch.bfloat16 if lowp else torch.float32)
+    if pol in ("ddp", "zero_redundancy"):
+        return setup_ddp(job, model, device, zero1=pol == "zero_redundancy")
+    if pol == "fsdp2":
+        return setup_fsdp2(job, model, device)
+    if pol.startswith("zk_stage"):
+        return setup_zerokern(job, model, int(pol[-1]))
+    if pol.startswith("ds_stage"):
+        return setup_deepspeed(job, model, device, int(pol[-1]))
+    raise ValueError(f"unknown policy {pol!r}")

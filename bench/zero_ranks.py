@@ -1,0 +1,209 @@
+"""The ranks of one bench_zero.py policy: spawned fresh, trained, their results combined.
+
+``run_policy`` (the driver side) spawns ``job.world`` processes, waits for them and turns what
+they wrote into one row. ``worker`` (the rank side) forms the process group through the job's
+file rendezvous, builds the policy (zero_policies.build), runs the timed steps and then the
+profiled ones, and writes its result, or its error, as JSON into ``job.outdir``: a failing
+policy becomes a row with a status instead of ending the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _harness import MB, comm_from_profile
+from gpt import GPTConfig, batch
+from zero_policies import Job, Setup, Skip, build
+
+
+# -- one rank -----------------------------------------------------------------------------------
+def worker(rank: int, job: Job) -> None:
+    # Not read by torch (the rendezvous is job.init_method) but by DeepSpeed, which expects a
+    # launcher's environment (LOCAL_RANK for its device, RANK for who logs).
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job.world))
+    out = Path(job.outdir)
+    try:
+        result = run_rank(rank, job)
+    except BaseException as exc:
+        kind = (
+            "skipped"
+            if isinstance(exc, Skip)
+            else ("oom" if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) else "error")
+        )
+        (out / f"rank{rank}.err").write_text(
+            json.dumps(
+                {
+                    "kind": kind,
+                    "msg": f"{type(exc).__name__}: {exc}".splitlines()[0][:300],
+                    "traceback": traceback.format_exc(),
+                }
+            )
+        )
+        raise
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_rank(rank: int, job: Job) -> dict[str, Any]:
+    # torch 2.14 deprecates reduce_scatter_tensor / all_gather_into_tensor (the libraries
+    # measured still call them): one warning per rank and call site is noise here.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    cuda = job.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    ds = job.policy.startswith("ds_")
+    if ds:
+        if not cuda:
+            os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is imported
+        try:
+            import deepspeed
+        except Exception as exc:  # not installed, or broken: never a dependency
+            raise Skip(f"import deepspeed failed: {type(exc).__name__}: {exc}") from exc
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=job.init_method,
+        rank=rank,
+        world_size=job.world,
+        device_id=device if cuda else None,
+    )
+    try:
+        if ds:
+            # Finding torch's group formed, DeepSpeed adopts it instead of forming its own
+            # (which would want a launcher's MASTER_ADDR/MASTER_PORT, or MPI).
+            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+        return train(rank, job, device, build(job, device))
+    finally:
+        dist.destroy_process_group()
+
+
+def train(rank: int, job: Job, device: torch.device, s: Setup) -> dict[str, Any]:
+    cfg = GPTConfig(**job.cfg)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    dist.barrier()
+    times, losses = [], []
+    for step in range(1, job.steps + 1):
+        x, y = batch(step, rank, job.micro_batch, cfg.seq, cfg.vocab, device)
+        sync()
+        t0 = time.perf_counter()
+        loss = s.step(x, y)
+        sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach().float()))
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"loss is {losses[-1]} at step {step}")
+    res: dict[str, Any] = {"times": times, "losses": losses, "optim": s.optim}
+    res.update({f"{k}_bytes": v for k, v in s.state().items()})
+    if device.type == "cuda":
+        res["max_alloc"] = torch.cuda.max_memory_allocated(device)
+        res["max_reserved"] = torch.cuda.max_memory_reserved(device)
+    else:
+        res["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if job.prof_steps > 0:
+        # Extra steps after the timed ones, so that the profiler's overhead is in no timing.
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        dist.barrier()
+        with profile(activities=acts, record_shapes=True) as prof:
+            for step in range(job.steps + 1, job.steps + 1 + job.prof_steps):
+                x, y = batch(step, rank, job.micro_batch, cfg.seq, cfg.vocab, device)
+                s.step(x, y)
+            sync()
+        res.update(comm_from_profile(prof, device, job.prof_steps, job.world))
+    return res
+
+
+# -- driver -------------------------------------------------------------------------------------
+def run_policy(job: Job, timeout: float) -> dict[str, Any]:
+    """Spawn the ranks, wait (at most `timeout` s), combine their results into one row."""
+    t0 = time.perf_counter()
+    ctx = mp.start_processes(
+        worker, args=(job,), nprocs=job.world, join=False, start_method="spawn"
+    )
+    failure = None
+    try:
+        while not ctx.join(timeout=5):
+            if time.perf_counter() - t0 > timeout:
+                failure = f"error: timed out after {timeout:.0f} s"
+                break
+    except Exception as exc:  # a rank raised or died: the context has ended the others
+        failure = f"error: {type(exc).__name__}"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+            p.join(5)
+    out = Path(job.outdir)
+    errs = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.err"))]
+    if errs:
+        # A skip or an out-of-memory explains the others' errors (their peer vanished).
+        e = next((x for x in errs if x["kind"] != "error"), errs[0])
+        if e["kind"] == "error":
+            print(f"# {job.policy} failed:\n{e['traceback']}", file=sys.stderr)
+        return {"status": f"{e['kind']}: {e['msg']}" if e["kind"] != "oom" else "oom"}
+    ranks = [
+        json.loads((out / f"rank{r}.json").read_text())
+        for r in range(job.world)
+        if (out / f"rank{r}.json").exists()
+    ]
+    if failure or len(ranks) != job.world:
+        return {"status": failure or "error: a rank wrote no result"}
+    return combine(ranks, job.steps)
+
+
+def combine(ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """One row from the ranks' results (bench/README.md: how each column combines them)."""
+    per_step = [max(r["times"][i] for r in ranks) for i in range(steps)]
+    # Steps 1 and 2 pay one-time costs (allocation, layouts, autotuning): not in the median.
+    window = per_step[2:] if steps >= 3 else per_step[-1:]
+    med = statistics.median(window)
+    row: dict[str, Any] = {
+        "status": "ok",
+        "steps_s": 1.0 / med,
+        "step_ms": med * 1e3,
+        "step_ms_min": min(window) * 1e3,
+        "step_ms_max": max(window) * 1e3,
+        "first_step_ms": per_step[0] * 1e3,
+    }
+    for k in ("params", "grads", "optim"):
+        row[f"{k}_mb"] = max(r.get(f"{k}_bytes", 0) for r in ranks) / MB
+    row["state_mb"] = (
+        max(sum(r.get(f"{k}_bytes", 0) for k in ("params", "grads", "optim")) for r in ranks) / MB
+    )
+    if "comm_bytes" in ranks[0]:
+        row["comm_mb"] = ranks[0]["comm_bytes"] / MB
+        row["comm_ms"] = max(r["comm_ms"] for r in ranks)
+        row["comm_kinds"] = ranks[0]["comm_kinds"]
+    if "zk_comm_bytes" in ranks[0]:
+        row["zk_comm_mb"] = ranks[0]["zk_comm_bytes"] / MB
+    if "rss" in ranks[0]:
+        row["rss_mb"] = max(r["rss"] for r in ranks) / MB
+    if "max_alloc" in ranks[0]:
+        row["max_alloc_mb"] = max(r["max_alloc"] for r in ranks) / MB
+        row["max_reserved_mb"] = max(r["max_reserved"] for r in ranks) / MB
+    row["loss"] = statistics.fmean(r["losses"][-1] for r in ranks)
+    row["optim"] = ranks[0]["optim"]
+    return row
