@@ -243,7 +243,7 @@ def failed_forward(rank, world):
     handle.remove()
     # Nothing stays gathered, and no saved-tensor hooks are left installed.
     assert not any(u.gathered for u in rt.units)
-    assert not rt._saved_hooks.active
+    assert not rt._saved_hooks.active  # noqa: SLF001 - the runtime's own state
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     # Training goes on as if the failed forward never happened: same numbers as a fresh run.
     F.cross_entropy(model(x), y).backward()

@@ -23,31 +23,7 @@ from .scaler import LossScaler
 from .shards import ParamShard, ShardRange
 from .stages import ENGINES, Engine, Run
 from .stages.flat import planned_flat_memory
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                   where: str = "") -> None:
-    if not (isinstance(lr, (int, float)) or torch.is_tensor(lr)) or not _finite_ge0(lr):
-        raise ValueError(f"lr{where} must be a finite number >= 0, got {lr!r}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"betas{where} must be a pair (beta1, beta2), got {betas!r}")
-    for i, b in enumerate(betas):
-        if not 0.0 <= float(b) < 1.0:
-            raise ValueError(f"betas[{i}]{where} must be in [0, 1), got {b!r}")
-    if not _finite_ge0(eps):
-        raise ValueError(f"eps{where} must be a finite number >= 0, got {eps!r}")
-    if not _finite_ge0(weight_decay):
-        raise ValueError(f"weight_decay{where} must be a finite number >= 0, got {weight_decay!r}")
-
-
-def _finite_ge0(x: Any) -> bool:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return False
-    return math.isfinite(v) and v >= 0
+from .validate import check_hparams, check_same_on_all_ranks, common_dtype_device
 
 
 class ZeroAdamW(torch.optim.Optimizer):
@@ -77,7 +53,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         overlap_comm: bool = True,
         backend: str | None = None,
     ) -> None:
-        _check_hparams(lr, betas, eps, weight_decay)
+        check_hparams(lr, betas, eps, weight_decay)
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
         if bucket_numel is not None and (isinstance(bucket_numel, bool)
@@ -89,7 +65,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         for gi, g in enumerate(self.param_groups):
-            _check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"],
+            check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"],
                            f" (param group {gi})")
         self.stage = stage
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -104,10 +80,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._rt = self._stage3_runtime(stage)
         self.comm = self._rt.comm if self._rt is not None else Comm(process_group)
         self._shapes = [self._rt.shape_of(p) if self._rt else p.shape for p in self._params]
-        self.dtype, self.device = self._common_dtype_device()
+        self.dtype, self.device = common_dtype_device(self._params)
         self._bucket_numel = bucket_numel
         self._overlap = overlap_comm
-        self._check_same_on_all_ranks(bucket_numel)
+        check_same_on_all_ranks(self.comm, stage, bucket_numel, [len(ps) for ps in managed],
+                                self._shapes, self._params)
         if self._rt is None:
             self._broadcast_params()  # stage 3: shard_model did it
         self._group_sizes = [[self._shapes[self._index[id(p)]].numel() for p in ps]
@@ -206,48 +183,6 @@ class ZeroAdamW(torch.optim.Optimizer):
             if self._params[i].grad is not None:
                 self._engine.reducer.on_grad_ready(i, in_backward=False)
 
-    # -- construction -----------------------------------------------------------------------
-    def _common_dtype_device(self) -> tuple[torch.dtype, torch.device]:
-        p0 = self._params[0]
-        for i, p in enumerate(self._params):
-            if p.dtype not in _DTYPES:
-                raise TypeError(f"params: parameter {i} has dtype {p.dtype}; supported: "
-                                "float32, bfloat16, float16")
-            if p.dtype != p0.dtype or p.device != p0.device:
-                raise ValueError(
-                    f"params: all trainable parameters must share one dtype and device; "
-                    f"parameter 0 is {p0.dtype} on {p0.device}, parameter {i} is {p.dtype} "
-                    f"on {p.device}"
-                )
-        if p0.dtype == torch.float16 and self.scaler is None:
-            pass  # allowed (a static scale of 1); fp16 users normally pass loss_scale
-        return p0.dtype, p0.device
-
-    def _check_same_on_all_ranks(self, bucket_numel: int | None) -> None:
-        sig = {
-            "stage": self.stage, "bucket_numel": bucket_numel,
-            "groups": [len([p for p in g["params"] if p.requires_grad])
-                       for g in self.param_groups],
-            "params": [(tuple(sh), str(p.dtype)) for sh, p in zip(self._shapes, self._params)],
-        }
-        sigs = self.comm.all_gather_object(sig, "parameter signatures")
-        ref = sigs[0]
-        for r, s in enumerate(sigs):
-            if s == ref:
-                continue
-            for key in ("stage", "bucket_numel", "groups"):
-                if s[key] != ref[key]:
-                    raise ValueError(f"ZeroAdamW arguments differ across ranks: {key} is "
-                                     f"{ref[key]} on rank 0 but {s[key]} on rank {r}")
-            if len(s["params"]) != len(ref["params"]):
-                raise ValueError(f"parameter lists differ across ranks: rank 0 has "
-                                 f"{len(ref['params'])} trainable parameters, rank {r} has "
-                                 f"{len(s['params'])}")
-            for i, (a, b) in enumerate(zip(ref["params"], s["params"])):
-                if a != b:
-                    raise ValueError(f"parameter lists differ across ranks: parameter {i} is "
-                                     f"{a[0]} {a[1]} on rank 0 but {b[0]} {b[1]} on rank {r}")
-
     # -- training-loop API ------------------------------------------------------------------
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -290,7 +225,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         # Every group's hyperparameters (a scheduler may have changed them) before any group
         # is touched: a NaN lr in the second group must not leave the first one updated.
         for gi, g in enumerate(self.param_groups):
-            _check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"],
+            check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"],
                            f" (param group {gi})")
         if self.layout is None:
             self._first_step_layout()

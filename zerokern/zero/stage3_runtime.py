@@ -7,11 +7,8 @@ into a buffer from the gather arena and the parameters become views of it; after
 are released (the buffer returns to the arena). When the unit's backward has produced all its
 gradients they are flattened, reduce-scattered into ``local_grads`` and freed.
 
-Why saved-tensor hooks: autograd keeps views of the gathered parameters for the backward
-(e.g. ``weight.t()`` of a linear layer). A released buffer is reused by the next unit, so such a
-view would read someone else's weights. While the model's forward runs, tensors saved for
-backward that live in the gather arena are packed as (unit, offset, shape, stride) and
-unpacked against wherever that unit is gathered when backward needs them.
+Tensors autograd saves from a gathered buffer are packed as references while the root's
+forward runs (stage3_saved.py). The optimizer side of stage 3 is stages/stage3.py.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ from ..comm import Comm
 from ..memory import Arena, ArenaOutOfMemory, Block
 from .layout import ALIGN_ELEMS
 from .plan import UnitPlan, plan_units
+from .stage3_saved import SavedTensorHooks
 from .stages.base import average_
 
 
@@ -125,7 +123,7 @@ class Stage3Runtime:
         self.sync = True
         self.fwd_order: list[int] = []
         self.prev_order: list[int] = []
-        self._saved_hooks = _SavedTensorHooks(self._pack, self._unpack)
+        self._saved_hooks = SavedTensorHooks(self)
         self._callback_queued = False
         self._inflight_rs: Any = None
         # Prefetched gathers run asynchronously on every backend (NCCL stream, gloo threads).
@@ -234,7 +232,7 @@ class Stage3Runtime:
             tensors = [t for t in tree_flatten(out)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             for t in tensors:
-                t.register_hook(lambda g, u=u: self._pre_backward(u, g))
+                t.register_hook(lambda g, u=u: self.pre_backward(u, g))
         if u.is_root and not u.in_backward:
             self._saved_hooks.exit()
             for other in self.units:  # prefetched but never run this time
@@ -255,38 +253,8 @@ class Stage3Runtime:
                 self._release(u)
         self.fwd_order = []
 
-    # -- saved tensors -----------------------------------------------------------------------
-    def _pack(self, t: torch.Tensor) -> Any:
-        if t.device != self.device or t.dtype != self.dtype:
-            return t
-        base = self.gather_arena.buffer
-        if t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
-            return t
-        # Block offsets count from the arena's base, which may start inside its storage.
-        byte = t.storage_offset() * t.element_size() - base.storage_offset()
-        for u in self.units:
-            if u.block is not None and u.block.offset <= byte < u.block.offset + u.block.nbytes:
-                return (_GatheredRef, u.index, byte - u.block.offset, tuple(t.shape),
-                        tuple(t.stride()))
-        return t
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if not (isinstance(packed, tuple) and packed and packed[0] is _GatheredRef):
-            return packed
-        _, idx, rel, shape, stride = packed
-        u = self.units[idx]
-        if not u.gathered:
-            self._pre_backward(u, None)
-        assert u.buf is not None
-        esz = u.buf.element_size()
-        if u.block is not None:
-            base = self.gather_arena.buffer
-            start = (base.storage_offset() + u.block.offset + rel) // esz
-            return base.view(self.dtype).as_strided(shape, stride, start)
-        return u.buf.as_strided(shape, stride, u.buf.storage_offset() + rel // esz)
-
     # -- backward ----------------------------------------------------------------------------
-    def _pre_backward(self, u: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
+    def pre_backward(self, u: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
@@ -318,7 +286,7 @@ class Stage3Runtime:
         if not self.sync:
             return  # no_sync: gradients accumulate on the parameters until the last micro-batch
         if not u.in_backward:  # its output hook did not fire (output not seen by autograd)
-            self._pre_backward(u, None)
+            self.pre_backward(u, None)
         u.waiting.discard(j)
         if not u.waiting and u.in_backward:
             self._reduce(u)
@@ -434,31 +402,3 @@ class Stage3Runtime:
             "gather_overflow": self.overflow_bytes,
             "peak_gathered_units": self.peak_units,
         }
-
-
-class _SavedTensorHooks:
-    """The root forward's saved-tensor hooks (they turn views of gathered parameters into
-    references that the backward re-gathers), entered at most once and always left: by the
-    root's forward hook, or by its always-called hook when the forward raised."""
-
-    def __init__(self, pack: Any, unpack: Any) -> None:
-        self._pack, self._unpack = pack, unpack
-        self._ctx: Any = None
-
-    @property
-    def active(self) -> bool:
-        return self._ctx is not None
-
-    def enter(self) -> None:
-        if self._ctx is None:
-            self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._ctx.__enter__()
-
-    def exit(self) -> None:
-        if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            ctx.__exit__(None, None, None)
-
-
-class _GatheredRef:
-    """Marker for a saved tensor packed as a reference into a gathered unit."""

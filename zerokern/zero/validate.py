@@ -1,0 +1,80 @@
+"""ZeroAdamW's argument checks: hyperparameters, parameter dtypes and devices, and the
+comparison across ranks that refuses, on every rank and before anything changes, optimizers
+built differently (otherwise the first bucket collective would wait on mismatched sizes until
+the process-group timeout)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..comm import Comm
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                   where: str = "") -> None:
+    if not (isinstance(lr, (int, float)) or torch.is_tensor(lr)) or not finite_ge0(lr):
+        raise ValueError(f"lr{where} must be a finite number >= 0, got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas{where} must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= float(b) < 1.0:
+            raise ValueError(f"betas[{i}]{where} must be in [0, 1), got {b!r}")
+    if not finite_ge0(eps):
+        raise ValueError(f"eps{where} must be a finite number >= 0, got {eps!r}")
+    if not finite_ge0(weight_decay):
+        raise ValueError(f"weight_decay{where} must be a finite number >= 0, got {weight_decay!r}")
+
+
+def finite_ge0(x: Any) -> bool:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(v) and v >= 0
+
+
+
+def common_dtype_device(params: list[torch.nn.Parameter]) -> tuple[torch.dtype, torch.device]:
+    p0 = params[0]
+    for i, p in enumerate(params):
+        if p.dtype not in _DTYPES:
+            raise TypeError(f"params: parameter {i} has dtype {p.dtype}; supported: "
+                            "float32, bfloat16, float16")
+        if p.dtype != p0.dtype or p.device != p0.device:
+            raise ValueError(
+                f"params: all trainable parameters must share one dtype and device; "
+                f"parameter 0 is {p0.dtype} on {p0.device}, parameter {i} is {p.dtype} "
+                f"on {p.device}"
+            )
+    return p0.dtype, p0.device
+
+
+def check_same_on_all_ranks(comm: Comm, stage: int, bucket_numel: int | None,
+                            group_counts: list[int], shapes: list[torch.Size],
+                            params: list[torch.nn.Parameter]) -> None:
+    sig = {
+        "stage": stage, "bucket_numel": bucket_numel, "groups": group_counts,
+        "params": [(tuple(sh), str(p.dtype)) for sh, p in zip(shapes, params)],
+    }
+    sigs = comm.all_gather_object(sig, "parameter signatures")
+    ref = sigs[0]
+    for r, s in enumerate(sigs):
+        if s == ref:
+            continue
+        for key in ("stage", "bucket_numel", "groups"):
+            if s[key] != ref[key]:
+                raise ValueError(f"ZeroAdamW arguments differ across ranks: {key} is "
+                                 f"{ref[key]} on rank 0 but {s[key]} on rank {r}")
+        if len(s["params"]) != len(ref["params"]):
+            raise ValueError(f"parameter lists differ across ranks: rank 0 has "
+                             f"{len(ref['params'])} trainable parameters, rank {r} has "
+                             f"{len(s['params'])}")
+        for i, (a, b) in enumerate(zip(ref["params"], s["params"])):
+            if a != b:
+                raise ValueError(f"parameter lists differ across ranks: parameter {i} is "
+                                 f"{a[0]} {a[1]} on rank 0 but {b[0]} {b[1]} on rank {r}")
