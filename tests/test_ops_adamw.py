@@ -157,6 +157,9 @@ BAD = [
     ("grad", lambda a: a.update(grad=torch.zeros(32, dtype=torch.bfloat16)[::2]), ValueError),
     ("grad", lambda a: a.update(grad=a["grad"][:15]), ValueError),
     ("exp_avg", lambda a: a.update(exp_avg=a["param"]), ValueError),  # aliasing
+    # partial overlap: exp_avg_sq starts inside exp_avg
+    ("exp_avg_sq", lambda a: a.update(exp_avg=(b := torch.zeros(24))[:16],
+                                      exp_avg_sq=b[8:24]), ValueError),
 ]
 
 
@@ -177,6 +180,9 @@ def test_bad_tensor_input_names_argument_and_writes_nothing(name, mutate, exc):
         (dict(step=0), ValueError, "step"),
         (dict(step=1.5), TypeError, "step"),
         (dict(lr=-1.0), ValueError, "lr"),
+        (dict(lr=float("inf")), ValueError, "lr"),
+        (dict(eps=float("inf")), ValueError, "eps"),
+        (dict(weight_decay=float("inf")), ValueError, "weight_decay"),
         (dict(beta1=1.0), ValueError, "beta1"),
         (dict(grad_scale=0.0), ValueError, "grad_scale"),
         (dict(backend="gpu"), ValueError, "backend"),

@@ -32,16 +32,17 @@ def _step(model, opt, step, rank, world, ref=None, ropt=None):
         ropt.zero_grad()
 
 
-def _build(stage, world):
+def _build(stage, world, hp=HP):
+    """OddNet under ZeroAdamW (stage 3: sharded) and an identical copy under torch AdamW."""
     torch.manual_seed(0)
     base = OddNet()
     ours = copy.deepcopy(base)
     if stage == 3:
         ours = zerokern.shard_model(ours)
-    opt = zerokern.ZeroAdamW(ours.parameters(), stage=stage, bucket_numel=61, **HP)
+    opt = zerokern.ZeroAdamW(ours.parameters(), stage=stage, bucket_numel=61, **hp)
     ref = copy.deepcopy(base)
     ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], foreach=False,
-                             **HP)
+                             **hp)
     return ours, opt, ref, ropt
 
 

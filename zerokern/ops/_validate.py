@@ -46,12 +46,15 @@ def check_real(
     lo_open: bool = False,
     hi: float | None = None,
     hi_open: bool = False,
+    finite: bool = False,
 ) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     v = float(value)
     if v != v:
         raise ValueError(f"{name} must not be nan")
+    if finite and v in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {v}")
     if lo is not None and (v < lo or (lo_open and v == lo)):
         raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
     if hi is not None and (v > hi or (hi_open and v == hi)):

@@ -111,11 +111,11 @@ def validate_adamw_args(
     check_flat(exp_avg_sq, "exp_avg_sq", dtypes=(torch.float32,), numel=n, device=dev)
     if param_lp is not None:
         check_flat(param_lp, "param_lp", dtypes=LOW_DTYPES, numel=n, device=dev)
-    check_real(lr, "lr", lo=0.0)
+    check_real(lr, "lr", lo=0.0, finite=True)
     check_real(beta1, "beta1", lo=0.0, hi=1.0, hi_open=True)
     check_real(beta2, "beta2", lo=0.0, hi=1.0, hi_open=True)
-    check_real(eps, "eps", lo=0.0)
-    check_real(weight_decay, "weight_decay", lo=0.0)
+    check_real(eps, "eps", lo=0.0, finite=True)
+    check_real(weight_decay, "weight_decay", lo=0.0, finite=True)
     check_real(grad_scale, "grad_scale", lo=0.0, lo_open=True)
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int (1-based), got {type(step).__name__}")
@@ -125,11 +125,12 @@ def validate_adamw_args(
     ptrs = {"param": p, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if param_lp is not None:
         ptrs["param_lp"] = param_lp
-    seen: dict[int, str] = {}
-    for name, t in ptrs.items():
-        if n and t.data_ptr() in seen:
-            raise ValueError(f"{name} shares memory with {seen[t.data_ptr()]}")
-        seen[t.data_ptr()] = name
+    spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for name, t in ptrs.items()]
+    for i, (a, lo_a, hi_a) in enumerate(spans):
+        for b, lo_b, hi_b in spans[:i]:
+            if n and lo_a < hi_b and lo_b < hi_a:  # any overlap, not only the same start
+                raise ValueError(f"{a} overlaps the memory of {b}")
 
 
 def fused_adamw_(

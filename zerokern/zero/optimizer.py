@@ -12,18 +12,40 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..comm import Comm
+from . import interop
 from .layout import Layout, build_layout, build_stage3_layout
 from .registry import runtime_of_param
 from .scaler import LossScaler
-from .shards import ParamShard, ShardRange
+from .shards import ParamShard, ShardedStateView, ShardRange
 from .stages import ENGINES, Engine, Run
 from .stages.flat import planned_flat_memory
-from .validate import check_hparams, check_same_on_all_ranks, common_dtype_device
+from .validate import (
+    check_hparams,
+    check_no_duplicates,
+    check_same_on_all_ranks,
+    common_dtype_device,
+    finite_ge0,
+)
+
+
+@dataclass
+class _Reduced:
+    """The step's gradient reduction: its all-reduced norm and flags, and the clipping
+    coefficient clip_grad_norm_ asked for."""
+
+    events: int
+    sq_norm: float
+    active: list[bool]
+    has_norm: bool
+    norm: float = 0.0
+    clip: float = 1.0
+    clip_before: float = 1.0  # clip before the latest clip_grad_norm_ call
 
 
 class ZeroAdamW(torch.optim.Optimizer):
@@ -73,10 +95,20 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.backend = backend
         self.last_grad_norm: float | None = None
 
+        for gi, g in enumerate(self.param_groups):
+            check_no_duplicates(g["params"], gi)
         managed = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         self._params: list[torch.nn.Parameter] = [p for ps in managed for p in ps]
         if not self._params:
             raise ValueError("params: no parameter requires grad; nothing to optimize")
+        if not any(p.numel() for p in self._params) and runtime_of_param(self._params[0]) \
+                is None:
+            raise ValueError("params: every trainable parameter has 0 elements; nothing to "
+                             "optimize")
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        # Frozen now, trainable later: refused at step() (its state was never planned).
+        self._frozen = [p for g in self.param_groups for p in g["params"]
+                        if not p.requires_grad]
         self._rt = self._stage3_runtime(stage)
         self.comm = self._rt.comm if self._rt is not None else Comm(process_group)
         self._shapes = [self._rt.shape_of(p) if self._rt else p.shape for p in self._params]
@@ -98,6 +130,13 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._sync = True
         self._observed: list[int] = []
         self._seen: set[int] = set()
+        self._events = 0  # gradients delivered by autograd hooks (stages 0-2)
+        self._stepped_events: int | None = None  # _grad_events() when the last step ended
+        self._reduced: _Reduced | None = None  # this step's reduction, once done
+        self._zero_kept = False  # zero_grad(set_to_none=False): every .grad is a zero tensor
+        interop.register_params(self._params, self)
+        self._ddp_guard: interop.DDPGuard | None = interop.DDPGuard(self)
+        self.state = ShardedStateView(self)  # type: ignore[assignment]
         if self._rt is None:
             self._hooks = [
                 p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad(i))
@@ -109,19 +148,75 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._constructed = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch.optim.Optimizer's constructor adds the initial groups through this. A group
-        added later would need a new layout (its state sharded, its gradients bucketed),
-        which is not supported yet: refuse it, unchanged, rather than never update it."""
-        if getattr(self, "_constructed", False):
-            raise NotImplementedError(
-                "ZeroAdamW.add_param_group after construction is not supported yet (its "
-                "parameters would never be updated): pass every param group to ZeroAdamW "
-                "when you build it")
-        super().add_param_group(param_group)
+        """As torch's: the new group's parameters are trained from the next step() on.
 
-    @property
-    def _index(self) -> dict[int, int]:
-        return {id(p): i for i, p in enumerate(self._params)}
+        After construction this re-plans the layout with the new group appended (the
+        existing groups keep their place, so their state is copied over unchanged) and is a
+        collective: call it on every rank with the same group. Not between a backward and its
+        step() (the pending gradients would be lost): that is refused."""
+        if not getattr(self, "_constructed", False):
+            super().add_param_group(param_group)  # the constructor's groups
+            return
+        if self._engine is not None and self._rt is None and \
+                any(self._engine.reducer.got_grad):
+            raise RuntimeError("add_param_group between backward() and step(): the pending "
+                               "gradients would be lost; call it after step()")
+        n_groups = len(self.param_groups)
+        super().add_param_group(param_group)
+        try:
+            self._adopt_group(self.param_groups[-1])
+        except BaseException:
+            del self.param_groups[n_groups:]  # refused: nothing changed
+            raise
+
+    def _adopt_group(self, group: dict[str, Any]) -> None:
+        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                      f" (param group {len(self.param_groups) - 1})")
+        check_no_duplicates(group["params"], len(self.param_groups) - 1)
+        new = [p for p in group["params"] if p.requires_grad]
+        owners = {id(rt) for rt in map(runtime_of_param, new)}
+        if new and owners != {id(self._rt)}:
+            raise ValueError("add_param_group: the new parameters must belong to the same "
+                             + ("shard_model'ed model (stage 3)" if self._rt is not None
+                                else "kind of model (not partitioned by shard_model)"))
+        if new:
+            common_dtype_device(self._params + new)
+        shapes = [self._rt.shape_of(p) if self._rt else p.shape for p in new]
+        check_same_on_all_ranks(self.comm, self.stage, self._bucket_numel,
+                                [len(g) for g in self._group_sizes] + [len(new)],
+                                self._shapes + shapes, self._params + new)
+        first = len(self._params)
+        if self._rt is None and new:
+            self._broadcast_params(new)
+        self._params += new
+        self._shapes += shapes
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._group_sizes.append([sh.numel() for sh in shapes])
+        self._steps += [0] * len(new)
+        self._frozen += [p for p in group["params"] if not p.requires_grad]
+        interop.register_params(new, self)
+        if self._rt is None:
+            self._hooks += [self._params[i].register_post_accumulate_grad_hook(
+                lambda _p, i=i: self._on_grad(i)) for i in range(first, len(self._params))]
+        else:
+            self._rt.hook_params(new)
+        old = self._engine
+        if old is None:
+            return  # laid out at the first step, with the new group in it
+        order = list(self.layout.ready_order) + list(range(first, len(self._params)))
+        self.layout, self._engine = None, None
+        self._build(order)
+        eng = self._engine
+        with torch.no_grad():
+            # The existing groups keep their local space: a prefix of the new one (stage 3:
+            # the same space).
+            n = old.layout.local_numel
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                src = getattr(old, key)
+                if src is not None:
+                    getattr(eng, key).narrow(0, 0, n).copy_(src)
+        if self._zero_kept:
+            eng.zero_grad(set_to_none=False)
 
     def _stage3_runtime(self, stage: int) -> Any:
         found = [runtime_of_param(p) for p in self._params]
@@ -137,20 +232,27 @@ class ZeroAdamW(torch.optim.Optimizer):
         return next(iter(rts.values()))
 
     def _on_grad(self, index: int) -> None:
+        self._events += 1
+        g = self._params[index].grad
+        if g is not None and g.layout != torch.strided:
+            raise TypeError(
+                f"ZeroAdamW: parameter {index} got a {g.layout} gradient; sparse gradients "
+                "are not supported (build nn.Embedding / EmbeddingBag with sparse=False)")
         if self._engine is not None:
             self._engine.on_grad(index)
         elif index not in self._seen:  # before the layout exists: learn the ready order
             self._seen.add(index)
             self._observed.append(index)
 
-    def _broadcast_params(self) -> None:
+    def _broadcast_params(self, params: list[torch.nn.Parameter] | None = None) -> None:
+        params = self._params if params is None else params
         if self.comm.world_size == 1:
             return
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in self._params])
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
             self.comm.broadcast(flat, 0, "initial parameters")
             off = 0
-            for p in self._params:
+            for p in params:
                 p.copy_(flat[off:off + p.numel()].view_as(p))
                 off += p.numel()
 
@@ -207,6 +309,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._stepped_events = None
+        # torch keeps zero gradients on every parameter: AdamW then updates them all (decay,
+        # moments), those autograd left alone included. Stages 2-3 hold no .grad to zero, so
+        # the next steps count every parameter as having one, as torch would.
+        self._zero_kept = not set_to_none
         if self._engine is not None:
             self._engine.zero_grad(set_to_none)
             return
@@ -222,18 +329,91 @@ class ZeroAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        red = self._reduce_grads()
+        if self.scaler is not None and not math.isfinite(red.sq_norm):
+            self.scaler.update(True)  # every rank saw the same sum: all skip together
+            self._end_step()
+            return loss
+        clip = red.clip
+        if self.max_grad_norm is not None:
+            clip *= min(1.0, self.max_grad_norm / (red.norm * clip + 1e-6))
+        # An infinite norm (no loss scaler to skip the step) clips by 0, as torch's
+        # clip_grad_norm_ does: finite gradients become 0, infinite ones NaN.
+        grad_scale = self.loss_scale / clip if clip > 0 else math.inf
+        self._engine.update(self._runs(red.active), self.param_groups, grad_scale, red.active)
+        for i, a in enumerate(red.active):
+            if a:
+                self._steps[i] += 1
+        if self.scaler is not None:
+            self.scaler.update(False)
+        self._end_step()
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over every parameter this optimizer trains: returns
+        the total norm of the averaged gradients over all ranks (a 0-d tensor on the
+        parameters' device) and clips them by it at the next step(). A collective: call it on
+        every rank, between the last backward and step() (torch.nn.utils.clip_grad_norm_ on
+        these parameters comes here too). With a loss scaler the norm is of the unscaled
+        gradients."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"norm_type: ZeroAdamW clips by the 2-norm only, got {norm_type!r}")
+        if not (isinstance(max_norm, (int, float)) or torch.is_tensor(max_norm)) or \
+                not finite_ge0(max_norm):
+            raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm!r}")
+        red = self._reduce_grads(need_norm=True)
+        if error_if_nonfinite and not math.isfinite(red.norm):
+            raise RuntimeError(
+                "The total norm of order 2.0 for gradients from `parameters` is non-finite, "
+                "so it cannot be clipped. To disable this error and scale the gradients by "
+                "the non-finite norm anyway, set `error_if_nonfinite=False`")
+        red.clip *= min(1.0, float(max_norm) / (red.norm * red.clip + 1e-6))
+        return torch.tensor(red.norm * red.clip_before, device=self.device)
+
+    def _reduce_grads(self, need_norm: bool = False) -> _Reduced:
+        """Finish this step's gradient reduction and run the one small all-reduce (and host
+        sync) of the step: the squared-norm partial and a flag per parameter saying whether it
+        got a gradient on some rank (the others are left untouched, as AdamW does). Done once
+        per step: clip_grad_norm_ and step() share it."""
+        events = self._grad_events()
+        red = self._reduced
+        if red is not None:
+            if red.events != events:
+                raise RuntimeError(
+                    "ZeroAdamW: gradients were produced after clip_grad_norm_() in this step; "
+                    "call it after the last backward, right before step()")
+            if need_norm and not red.has_norm:
+                raise RuntimeError("ZeroAdamW: clip_grad_norm_() after the gradients were "
+                                   "reduced without a norm; call it right before step()")
+            red.clip_before = red.clip
+            return red
+        if self._stepped_events is not None and events == self._stepped_events:
+            raise RuntimeError(
+                "ZeroAdamW: step() again with no backward since the last step(). torch's "
+                "AdamW would step again with the same gradients; ZeroAdamW has used them up. "
+                "Run backward() before every step() (call opt.zero_grad() first if a step "
+                "without gradients is what you mean: it then updates nothing, as in torch)")
         # Every group's hyperparameters (a scheduler may have changed them) before any group
         # is touched: a NaN lr in the second group must not leave the first one updated.
         for gi, g in enumerate(self.param_groups):
             check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"],
-                           f" (param group {gi})")
+                          f" (param group {gi})")
+        for p in self._frozen:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"ZeroAdamW: a parameter of shape {tuple(p.shape)} had requires_grad=False "
+                    "when ZeroAdamW was built and requires grad now; its optimizer state was "
+                    "never planned, so it would not be trained. Set requires_grad before "
+                    "building ZeroAdamW")
         if self.layout is None:
             self._first_step_layout()
+        self._deliver_unseen_grads()
         eng = self._engine
         got = eng.finish_grads()
-        need_norm = self.max_grad_norm is not None or self.scaler is not None
-        # One small all-reduce (and one host sync) per step: the squared-norm partial and
-        # which parameters got a gradient on any rank (the others are left untouched).
+        if self._zero_kept:
+            got = [True] * len(got)
+        need_norm = need_norm or self.max_grad_norm is not None or self.scaler is not None
         flags = torch.tensor([float(x) for x in got], dtype=torch.float32)
         vec = torch.cat([torch.zeros(1), flags]).to(self.device)
         if need_norm and not eng.replicated_grads:
@@ -242,31 +422,38 @@ class ZeroAdamW(torch.optim.Optimizer):
         if need_norm and eng.replicated_grads:  # every rank holds the full averaged grad
             vec[0] = eng.grad_sq_norm()
         vals = vec.tolist()
-        active = [v > 0 for v in vals[1:]]
-        scale = self.loss_scale
+        red = _Reduced(events=events, sq_norm=vals[0], active=[v > 0 for v in vals[1:]],
+                       has_norm=need_norm)
+        red.norm = math.sqrt(vals[0]) / self.loss_scale if need_norm else 0.0
         if need_norm:
-            self.last_grad_norm = math.sqrt(vals[0]) / scale
-        if self.scaler is not None and not math.isfinite(vals[0]):
-            self.scaler.update(True)  # every rank saw the same sum: all skip together
-            self._end_step()
-            return loss
-        clip = 1.0
-        if self.max_grad_norm is not None:
-            clip = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
-        # An infinite norm (no loss scaler to skip the step) clips by 0, as torch's
-        # clip_grad_norm_ does: finite gradients become 0, infinite ones NaN.
-        grad_scale = scale / clip if clip > 0 else math.inf
-        eng.update(self._runs(active), self.param_groups, grad_scale, active)
-        for i, a in enumerate(active):
-            if a:
-                self._steps[i] += 1
-        if self.scaler is not None:
-            self.scaler.update(False)
-        self._end_step()
-        return loss
+            self.last_grad_norm = red.norm
+        if self._ddp_guard is not None:  # the first forward ran outside DDP
+            self._ddp_guard.remove()
+            self._ddp_guard = None
+        self._reduced = red
+        return red
+
+    def _grad_events(self) -> int:
+        return self._rt.grad_events if self._rt is not None else self._events
+
+    def _deliver_unseen_grads(self) -> None:
+        """Gradients on the parameters that no autograd hook delivered in this step (set by
+        hand, left by no_sync backwards, or zeros kept by zero_grad(set_to_none=False)) are
+        used, as torch's AdamW uses whatever .grad holds (stage 3: its runtime does this)."""
+        if self._rt is not None or not self._sync:
+            return
+        red = self._engine.reducer
+        for i, p in enumerate(self._params):
+            if p.grad is not None and not red.got_grad[i]:
+                if p.grad.layout != torch.strided:
+                    raise TypeError(f"ZeroAdamW: parameter {i} has a {p.grad.layout} "
+                                    "gradient; sparse gradients are not supported")
+                red.on_grad_ready(i, in_backward=False)
 
     def _end_step(self) -> None:
         self._engine.end_step()
+        self._reduced = None
+        self._stepped_events = self._grad_events()
         self._last_comm = self.comm.reset_stats()
 
     def _runs(self, active: list[bool]) -> list[Run]:
@@ -296,6 +483,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         """The parameters this optimizer trains (requires_grad at construction), in
         param-group order: the indices of shards() and of the state dicts."""
         return tuple(self._params)
+
+    def shards_step(self, index: int) -> int:
+        """The step count of managed parameter ``index`` (torch: ``state[p]["step"]``)."""
+        return self._steps[index]
 
     def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
         """The full shape of a managed parameter (stage 3: not its released empty shape)."""
@@ -387,7 +578,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         return {"stage": self.stage, "world_size": self.comm.world_size,
                 "rank": self.comm.rank, "local_numel": None if L is None else L.local_numel,
                 "flat_numel": None if L is None else L.flat_numel,
-                "ready_order": None if L is None else list(L.ready_order)}
+                "ready_order": None if L is None else list(L.ready_order),
+                "shapes": [list(sh) for sh in self._shapes]}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (flat buffers in its local layout). Before
@@ -419,6 +611,15 @@ class ZeroAdamW(torch.optim.Optimizer):
         st = state_dict["state"]
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError("state_dict: number of param groups differs")
+        shapes = meta.get("shapes")  # absent in state dicts of zerokern before 2026-12
+        if shapes is not None and shapes != self._meta()["shapes"]:
+            mine = self._meta()["shapes"]
+            if len(shapes) != len(mine):
+                raise ValueError(f"state_dict holds {len(shapes)} trainable parameters, this "
+                                 f"optimizer has {len(mine)}: it comes from another model")
+            i = next(k for k, (a, b) in enumerate(zip(shapes, mine)) if a != b)
+            raise ValueError(f"state_dict: parameter {i} has shape {shapes[i]} there and "
+                             f"{mine[i]} here: it comes from another model")
         for k in ("stage", "world_size", "rank"):
             if meta[k] != self._meta()[k]:
                 raise ValueError(

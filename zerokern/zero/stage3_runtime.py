@@ -24,10 +24,16 @@ from torch.utils._pytree import tree_flatten
 from .. import ops
 from ..comm import Comm
 from ..memory import Arena, ArenaOutOfMemory, Block
+from .interop import active_ddp_module
 from .layout import ALIGN_ELEMS
 from .plan import UnitPlan, plan_units
 from .stage3_saved import SavedTensorHooks
 from .stages.base import average_
+
+# Appended to the label of a unit's gather: in an error (a peer died, or timed out because it
+# is not running this forward) it says the likely cause.
+_COLLECTIVE_HINT = (" (stage 3: every forward, model.state_dict() and full_state_dict() gather "
+                    "from all ranks; run them on every rank, not under `if rank == 0`)")
 
 
 class GradPhase(enum.Enum):
@@ -119,6 +125,10 @@ class Stage3Runtime:
         self.overflow_bytes = 0
         self.peak_units = 0
         self.got_grad: dict[int, bool] = {}
+        self.grad_events = 0  # gradients delivered by autograd hooks
+        self.param_names: dict[int, str] = {}
+        self._ddp_checked: set[int] = set()
+        self._hooked: set[int] = set()
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
         self.sync = True
         self.fwd_order: list[int] = []
@@ -159,10 +169,17 @@ class Stage3Runtime:
                 # Runs even when the forward raised (after the hook above otherwise): then
                 # nothing stays gathered and the saved-tensor hooks are removed.
                 u.module.register_forward_hook(self._after_root_forward, always_call=True)
-            for j, p in enumerate(u.params):
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(
-                        lambda _p, u=u, j=j: self._on_grad(u, j))
+        self.hook_params([p for u in self.units for p in u.params if p.requires_grad])
+
+    def hook_params(self, params: list[torch.nn.Parameter]) -> None:
+        """Reduce these parameters' gradients (once each: an optimizer's later
+        add_param_group of a parameter frozen at shard_model time comes here too)."""
+        for p in params:
+            if id(p) in self._hooked:
+                continue
+            u, j = self._param_unit[id(p)]
+            p.register_post_accumulate_grad_hook(lambda _p, u=u, j=j: self._on_grad(u, j))
+            self._hooked.add(id(p))
 
     # -- gather / release --------------------------------------------------------------------
     def _alloc(self, numel: int) -> tuple[torch.Tensor, Block | None]:
@@ -179,7 +196,8 @@ class Stage3Runtime:
             buf, blk = self._alloc(u.plan.padded_numel)
             u.buf, u.block = buf, blk
             u.work = self.comm.all_gather(buf, self.local_shard(u, self.local_params),
-                                          f"parameters of unit {u.name}", async_op=self.overlap)
+                                          f"parameters of unit {u.name}{_COLLECTIVE_HINT}",
+                                          async_op=self.overlap)
             for p, shape, off, n in zip(u.params, u.shapes, u.plan.param_offsets, u.plan.numels):
                 p.data = buf.narrow(0, off, n).view(shape)
             self.peak_units = max(self.peak_units,
@@ -206,6 +224,8 @@ class Stage3Runtime:
 
     # -- forward -----------------------------------------------------------------------------
     def _pre_forward(self, u: Unit) -> None:
+        if u.is_root:
+            self._check_not_in_ddp()
         if u.is_root and not u.in_backward:
             self.prev_order, self.fwd_order = self.fwd_order or self.prev_order, []
             if torch.is_grad_enabled():
@@ -214,6 +234,16 @@ class Stage3Runtime:
         if not u.in_backward:
             self.fwd_order.append(u.index)
             self._prefetch_forward()
+
+    def _check_not_in_ddp(self) -> None:
+        ddp = active_ddp_module()
+        if ddp is None or id(ddp) in self._ddp_checked:
+            return
+        if any(m is self.root for m in ddp.module.modules()):
+            raise RuntimeError(
+                "shard_model: the sharded model runs inside torch DistributedDataParallel. "
+                "ZeroAdamW(stage=3) reduces its gradients itself; remove the DDP(...) wrapper")
+        self._ddp_checked.add(id(ddp))
 
     def _prefetch_forward(self) -> None:
         # Follow the previous step's order; if this step diverges, the extra gathers are
@@ -282,6 +312,10 @@ class Stage3Runtime:
 
     def _on_grad(self, u: Unit, j: int) -> None:
         p = u.params[j]
+        self.grad_events += 1
+        if p.grad is not None and p.grad.layout != torch.strided:
+            raise TypeError(f"ZeroAdamW: parameter {self.param_names.get(id(p), j)} got a "
+                            f"{p.grad.layout} gradient; sparse gradients are not supported")
         self.got_grad[id(p)] = True
         if not self.sync:
             return  # no_sync: gradients accumulate on the parameters until the last micro-batch
@@ -353,6 +387,9 @@ class Stage3Runtime:
         if the user steps right after no_sync backwards, reduce what the params hold."""
         for u in self.units:
             if any(p.grad is not None for p in u.params):
+                for p in u.params:  # set by hand, or left by no_sync: used as torch does
+                    if p.grad is not None:
+                        self.got_grad[id(p)] = True
                 u.start_backward()
                 self.gather(u)
                 self._reduce(u)

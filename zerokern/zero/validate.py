@@ -39,6 +39,19 @@ def finite_ge0(x: Any) -> bool:
 
 
 
+def check_no_duplicates(params: list[torch.nn.Parameter], group: int) -> None:
+    """torch's AdamW warns about a parameter listed twice and then updates it twice per step
+    (its step count advances by 2; torch says this will become an error): refused here."""
+    seen: dict[int, int] = {}
+    for j, p in enumerate(params):
+        if id(p) in seen:
+            raise ValueError(
+                f"params: param group {group} lists the same parameter twice (positions "
+                f"{seen[id(p)]} and {j}; torch's AdamW would update it twice per step); list "
+                "each parameter once")
+        seen[id(p)] = j
+
+
 def common_dtype_device(params: list[torch.nn.Parameter]) -> tuple[torch.dtype, torch.device]:
     p0 = params[0]
     for i, p in enumerate(params):

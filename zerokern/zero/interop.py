@@ -1,0 +1,108 @@
+"""Where torch habits meet ZeroAdamW.
+
+- ``torch.nn.utils.clip_grad_norm_`` reads ``p.grad``, which ZeroAdamW has reduced into flat
+  shards (stage 1: this rank's slices of a flat gradient; stages 2-3: no ``p.grad`` at all), so
+  it would silently compute a per-rank partial norm. Trainers (HF Trainer, Accelerate,
+  Lightning) call it themselves. zerokern replaces it (at import) by a function that hands the
+  parameters of a ZeroAdamW to ``ZeroAdamW.clip_grad_norm_`` (the global norm, a collective)
+  and passes every other call through unchanged.
+- A model run inside ``DistributedDataParallel`` would have its gradients averaged twice (or,
+  at stage 3, break inside autograd). DDP marks the module it is running
+  (``DistributedDataParallel._active_ddp_module``) for torch.compile; a forward pre-hook
+  looks at that mark and refuses, before the first step changes anything.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.weak import WeakIdKeyDictionary
+
+_OPT_OF_PARAM: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_TORCH_CLIP = torch.nn.utils.clip_grad_norm_
+
+
+def register_params(params: list[torch.nn.Parameter], opt: Any) -> None:
+    # A weak reference: a deleted optimizer must not live on through its parameters.
+    ref = weakref.ref(opt)
+    for p in params:
+        _OPT_OF_PARAM[p] = ref
+
+
+def optimizer_of(p: object) -> Any:
+    """The ZeroAdamW that trains ``p`` (None if none)."""
+    ref = _OPT_OF_PARAM.get(p) if isinstance(p, torch.Tensor) else None
+    return None if ref is None else ref()
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_, made correct for ZeroAdamW's parameters."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    opts = {id(o): o for o in map(optimizer_of, params) if o is not None}
+    if not opts:
+        return _TORCH_CLIP(params, max_norm, norm_type=norm_type,
+                           error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+    if len(opts) > 1:
+        raise ValueError("clip_grad_norm_: the parameters belong to several ZeroAdamW "
+                         "optimizers; call opt.clip_grad_norm_(max_norm) on each")
+    (opt,) = opts.values()
+    others = [p for p in params if optimizer_of(p) is None and p.grad is not None]
+    given = {id(p) for p in params if optimizer_of(p) is opt}
+    if others or given != {id(p) for p in opt.managed_params}:
+        raise ValueError(
+            "clip_grad_norm_: ZeroAdamW clips by the norm over all of its parameters; pass "
+            "exactly the parameters it trains (e.g. model.parameters()), or call "
+            "opt.clip_grad_norm_(max_norm) / set ZeroAdamW(max_grad_norm=...)")
+    return opt.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+
+
+def install() -> None:
+    """Point torch's clip_grad_norm_ (both places it is reachable from) at the function above;
+    idempotent."""
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+def active_ddp_module() -> Any:
+    # Present since torch 2.0 (torch.compile's DDP support); absent: nothing to detect with.
+    return getattr(DistributedDataParallel, "_active_ddp_module", None)
+
+
+class DDPGuard:
+    """A global forward pre-hook, until ``remove()``: raises when a module runs inside a DDP
+    whose module holds parameters of ``opt``."""
+
+    def __init__(self, opt: Any) -> None:
+        self._opt = weakref.ref(opt)
+        self._checked: set[int] = set()
+        self._handle: Any = torch.nn.modules.module.register_module_forward_pre_hook(
+            self._hook)
+
+    def _hook(self, module: torch.nn.Module, args: Any) -> None:
+        opt = self._opt()
+        if opt is None:  # the optimizer is gone: nothing left to guard
+            self.remove()
+            return
+        check_not_in_ddp(opt, self._checked)
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def check_not_in_ddp(opt: Any, checked: set[int]) -> None:
+    ddp = active_ddp_module()
+    if ddp is None or id(ddp) in checked:
+        return
+    if any(optimizer_of(p) is opt for p in ddp.module.parameters()):
+        raise RuntimeError(
+            "ZeroAdamW: the model is wrapped in torch DistributedDataParallel. ZeroAdamW "
+            "averages gradients over the ranks itself, so DDP would average them twice (stage "
+            "3: break inside autograd). Remove the DDP(...) wrapper and give ZeroAdamW the "
+            "plain model's parameters.")
+    checked.add(id(ddp))
