@@ -56,9 +56,13 @@ def replica(rank, world, stage, steps=20, accum=2, max_norm=0.05):
     torch.manual_seed(0)
     base = OddNet()
     ours = copy.deepcopy(base)
-    groups = _decay_groups(ours)  # chosen before shard_model: the same Parameter objects
     if stage == 3:
         ours = zerokern.shard_model(ours)
+    # After shard_model too: released parameters keep their full shape, so p.dim() groups
+    # as before and the counts match.
+    groups = _decay_groups(ours)
+    assert [len(g["params"]) for g in groups] == [len(g["params"]) for g in _decay_groups(base)]
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in base.parameters())
     opt = zerokern.ZeroAdamW(groups, stage=stage, bucket_numel=61, **HP)
     ref = copy.deepcopy(base)
     ddp = DDP(ref, find_unused_parameters=True)
@@ -123,17 +127,25 @@ def ddp_wrap_case(rank, world, stage):
     if stage == 3:
         model = zerokern.shard_model(model)
     opt = zerokern.ZeroAdamW(model.parameters(), stage=stage)
-    before = [p.detach().clone() for p in opt.managed_params]
-    if stage == 3:
-        with pytest.raises(RuntimeError, match="DistributedDataParallel"):
-            wrapped = DDP(model, find_unused_parameters=True)
+    before = zerokern.full_state_dict(model, rank0_only=False)
+    # wrapped after ZeroAdamW was built: refused by DDP's constructor
+    with pytest.raises(RuntimeError, match="Remove the DDP"):
+        DDP(model, find_unused_parameters=True)
+    if stage < 3:
+        # wrapped before ZeroAdamW was built (the usual order of a DDP script): refused in
+        # the first forward
+        torch.manual_seed(0)
+        plain = OddNet()
+        wrapped = DDP(plain, find_unused_parameters=True)
+        opt2 = zerokern.ZeroAdamW(wrapped.parameters(), stage=stage)
+        snap = [p.detach().clone() for p in plain.parameters()]
+        with pytest.raises(RuntimeError, match="Remove the DDP"):
             wrapped(batch(0, rank)[0])
-    else:
-        wrapped = DDP(model, find_unused_parameters=True)
-        with pytest.raises(RuntimeError, match="remove the DDP|Remove the DDP"):
-            wrapped(batch(0, rank)[0])
-    for a, p in zip(before, opt.managed_params):
-        assert torch.equal(a, p.detach())
+        for a, p in zip(snap, plain.parameters()):
+            assert torch.equal(a, p.detach())
+        assert all(sh.step == 0 for sh in opt2.shards())
+    after = zerokern.full_state_dict(model, rank0_only=False)
+    assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(sh.step == 0 for sh in opt.shards())
 
 

@@ -187,8 +187,15 @@ def test_misuse_errors():
         zerokern.ZeroAdamW(TinyGPT().parameters(), stage=3)
     with pytest.raises(ValueError, match="stage=3"):
         zerokern.ZeroAdamW(model.parameters(), stage=2)
-    # Released parameters are empty outside the forward: full_state_dict shows them.
-    assert model.head.weight.numel() == 0
+    # Released parameters keep their full shape (param groups by p.dim(), parameter counts),
+    # hold no memory and read as NaN outside the forward; full_state_dict shows the values.
+    w = model.head.weight
+    assert w.shape == (37, 13) and w.dim() == 2 and w.numel() == 37 * 13
+    assert w.untyped_storage().nbytes() == w.element_size() and torch.isnan(w).all()
+    with pytest.raises(RuntimeError):
+        w.data.add_(1)  # a write raises
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        p.numel() for p in TinyGPT().parameters())
     assert zerokern.full_state_dict(model)["head.weight"].shape == (37, 13)
 
 

@@ -7,19 +7,24 @@
   parameters of a ZeroAdamW to ``ZeroAdamW.clip_grad_norm_`` (the global norm, a collective)
   and passes every other call through unchanged.
 - A model run inside ``DistributedDataParallel`` would have its gradients averaged twice (or,
-  at stage 3, break inside autograd). DDP marks the module it is running
-  (``DistributedDataParallel._active_ddp_module``) for torch.compile; a forward pre-hook
-  looks at that mark and refuses, before the first step changes anything.
+  at stage 3, break inside autograd). Two checks refuse it before anything changes: DDP's
+  constructor (wrapped at import) refuses a module holding parameters of a ZeroAdamW or of
+  ``shard_model``; and for a model wrapped before its ZeroAdamW was built, a forward pre-hook
+  looks at the mark DDP sets on the module it runs (``_active_ddp_module``, for
+  torch.compile) until the first step.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .registry import runtime_of_param
 
 _OPT_OF_PARAM: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _TORCH_CLIP = torch.nn.utils.clip_grad_norm_
@@ -60,11 +65,29 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
     return opt.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
 
+_DDP_INIT = DistributedDataParallel.__init__
+_DDP_MESSAGE = (
+    "ZeroAdamW averages gradients over the ranks itself, so DDP would average them twice "
+    "(stage 3: break inside autograd). Remove the DDP(...) wrapper and give ZeroAdamW the "
+    "plain model's parameters.")
+
+
+@functools.wraps(_DDP_INIT)
+def _ddp_init(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+    for p in module.parameters():
+        if optimizer_of(p) is not None or runtime_of_param(p) is not None:
+            raise RuntimeError("DistributedDataParallel(model): the model's parameters are "
+                               "managed by zerokern (ZeroAdamW or shard_model). "
+                               + _DDP_MESSAGE)
+    _DDP_INIT(self, module, *args, **kwargs)
+
+
 def install() -> None:
-    """Point torch's clip_grad_norm_ (both places it is reachable from) at the function above;
-    idempotent."""
+    """Point torch's clip_grad_norm_ (both places it is reachable from) at the function above
+    and put the check in front of DDP's constructor; idempotent."""
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+    DistributedDataParallel.__init__ = _ddp_init
 
 
 def active_ddp_module() -> Any:
@@ -100,9 +123,6 @@ def check_not_in_ddp(opt: Any, checked: set[int]) -> None:
     if ddp is None or id(ddp) in checked:
         return
     if any(optimizer_of(p) is opt for p in ddp.module.parameters()):
-        raise RuntimeError(
-            "ZeroAdamW: the model is wrapped in torch DistributedDataParallel. ZeroAdamW "
-            "averages gradients over the ranks itself, so DDP would average them twice (stage "
-            "3: break inside autograd). Remove the DDP(...) wrapper and give ZeroAdamW the "
-            "plain model's parameters.")
+        raise RuntimeError("ZeroAdamW: the model is wrapped in torch DistributedDataParallel. "
+                           + _DDP_MESSAGE)
     checked.add(id(ddp))

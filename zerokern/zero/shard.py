@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import Comm
 from . import registry
@@ -87,6 +88,7 @@ def shard_model(
     registry.register(model, params, rt)
     model.register_state_dict_post_hook(_state_dict_hook)
     model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+    model.register_load_state_dict_post_hook(_load_state_dict_post_hook)
     return model
 
 
@@ -215,25 +217,43 @@ def _load_state_dict_pre_hook(
     errors: list,
 ) -> None:
     """model.load_state_dict(full) of a sharded model: each rank copies its slice of every unit;
-    the entries then become empty tensors matching the released parameters, so the default
-    copy has nothing left to do. Load the model before building the optimizer (or restore the
-    optimizer's state dict after), since the optimizer keeps its own fp32 master."""
+    the entries are then taken out, since a released parameter cannot be copied into (the
+    post hook below keeps them from being reported missing). Load the model before building
+    the optimizer (or restore the optimizer's state dict after), since the optimizer keeps
+    its own fp32 master."""
     rt = registry.runtime_of_module(module)
     assert rt is not None  # the hook is registered by shard_model only
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    given = {n: state_dict[prefix + n] for n, p in module.named_parameters(remove_duplicate=False)
+             if prefix + n in state_dict}
+    if any(tuple(t.shape) != tuple(rt.shape_of(p)) for n, p in
+           module.named_parameters(remove_duplicate=False) if (t := given.get(n)) is not None):
+        _TAKEN[module] = set()
+        return  # nothing copied: load_state_dict reports the size mismatch
     with torch.no_grad():
         for u in rt.units:
             for sp in u.plan.rank_pieces(rt.comm.rank):
                 p = u.params[sp.param_index]
-                full = state_dict.get(prefix + names[id(p)])
+                full = given.get(names[id(p)])
                 if full is None:
                     continue  # load_state_dict reports it as missing
                 rt.local_params.narrow(0, u.shard_start + sp.local_offset, sp.numel).copy_(
                     full.reshape(-1)[sp.param_offset : sp.param_offset + sp.numel]
                 )
-    for n, _ in module.named_parameters(remove_duplicate=False):
-        if prefix + n in state_dict:
-            state_dict[prefix + n] = torch.empty(0, dtype=rt.dtype)
+    taken = set()
+    for n in given:
+        del state_dict[prefix + n]
+        taken.add(prefix + n)
+    _TAKEN[module] = taken
+
+
+# Parameter keys the pre hook loaded itself, per model, for the post hook of the same call.
+_TAKEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _load_state_dict_post_hook(module: nn.Module, incompatible: Any) -> None:
+    taken = _TAKEN.pop(module, set())
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in taken]
 
 
 def runtime_of(model: Any) -> Stage3Runtime | None:

@@ -129,7 +129,11 @@ class Stage3Runtime:
         self.param_names: dict[int, str] = {}
         self._ddp_checked: set[int] = set()
         self._hooked: set[int] = set()
-        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        # Released parameters keep their full shape, dtype and device (as FSDP2's DTensor
+        # parameters do: shape-based param groups and parameter counts stay right) but hold no
+        # memory: a zero-stride view of one NaN, so a value read outside a forward is NaN,
+        # never a plausible number, and a write raises.
+        self._nan = torch.full((), float("nan"), dtype=self.dtype, device=self.device)
         self.sync = True
         self.fwd_order: list[int] = []
         self.prev_order: list[int] = []
@@ -210,10 +214,9 @@ class Stage3Runtime:
         if u.work is not None:
             u.work.wait()
             u.work = None
-        for p in u.params:
-            # Released: an empty tensor. Reading a parameter now fails on its shape; use
-            # zerokern.full_state_dict(model) (or run the model) to see full parameters.
-            p.data = self._placeholder
+        for p, shape in zip(u.params, u.shapes):
+            # Use zerokern.full_state_dict(model) (or run the model) to see the values.
+            p.data = self._nan.expand(shape)
         if u.block is not None:
             self.gather_arena.free(u.block)
         u.buf, u.block = None, None
