@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 FORMAT = "zerokern-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.json carries meta_sha256 (1: without it, still read)
 META = "meta.json"
 CHUNK_BYTES = 64 << 20  # reads and writes of one tensor are cut into pieces of this size
 _MAX_HEADER = 256 << 20
@@ -53,6 +53,18 @@ DTYPES: dict[str, torch.dtype] = {
 }
 # fmt: on
 CODES = {v: k for k, v in DTYPES.items()}
+
+
+META_DIGEST = "meta_sha256"
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+    """sha256 of meta.json's content without its own digest entry, in a canonical JSON form
+    (sorted keys, no spaces): what a load recomputes to detect edits of meta.json, which no
+    file checksum covers."""
+    body = {k: v for k, v in meta.items() if k != META_DIGEST}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class CheckpointError(RuntimeError):

@@ -44,6 +44,7 @@ from .format import (
     sha256_file,
     siblings,
 )
+from .locks import reading
 from .save import ModelNames, agree, attempt, model_names, stage3_runtime
 
 
@@ -320,12 +321,16 @@ def load_checkpoint(
     opt, comm = optimizer, optimizer.comm
     path = os.path.normpath(os.fspath(path))
     what = f"load_checkpoint({path})"
-    msg, exc, ck = attempt(
-        lambda: open_checkpoint(path, rank=comm.rank, world=comm.world_size, verify=verify)
-    )
-    agree(comm, what, msg, exc)
-    msg, exc, m = attempt(lambda: match(ck, model, opt))
-    agree(comm, what, msg, exc)
-    msg, exc, _ = attempt(lambda: apply(ck, m, model, opt))
-    agree(comm, what + " failed part-way; the model and optimizer are partially loaded", msg, exc)
+    # Shared with other loads, exclusive of a save publishing at this path: the files read
+    # are those of one checkpoint from meta.json to the last byte.
+    with reading(path):
+        msg, exc, ck = attempt(
+            lambda: open_checkpoint(path, rank=comm.rank, world=comm.world_size, verify=verify)
+        )
+        agree(comm, what, msg, exc)
+        msg, exc, m = attempt(lambda: match(ck, model, opt))
+        agree(comm, what, msg, exc)
+        msg, exc, _ = attempt(lambda: apply(ck, m, model, opt))
+        agree(comm, what + " failed part-way; the model and optimizer are partially loaded",
+              msg, exc)
     return ck.meta.get("extra")

@@ -34,18 +34,21 @@ from .format import (
     FORMAT,
     FORMAT_VERSION,
     META,
+    META_DIGEST,
     CheckpointError,
     PieceIndex,
     StreamWriter,
     atomic_write_bytes,
     dtype_name,
     fsync_dir,
+    meta_digest,
     publish,
     rank_file,
     remove_checkpoint_dir,
     siblings,
     tmp_dir,
 )
+from .locks import OWNER, StagingClaim, abandoned, publishing
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -296,7 +299,24 @@ def agree(comm: Any, what: str, msg: str | None, exc: BaseException | None) -> l
     return msgs
 
 
-def _prepare(path: str) -> str:
+def _prepare(path: str) -> tuple[str, StagingClaim]:
+    """Make and claim this save's staging directory (under the publish lock, so a concurrent
+    save's cleanup never sees it unclaimed)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    with publishing(path):
+        _check_target(path)
+        nonce = secrets.token_hex(8)
+        tmp = tmp_dir(path, nonce)
+        os.mkdir(tmp)
+        try:
+            return nonce, StagingClaim(tmp)
+        except BaseException:
+            remove_checkpoint_dir(tmp)
+            raise
+
+
+def _check_target(path: str) -> None:
     if os.path.lexists(path):
         if not os.path.isdir(path):
             raise CheckpointError(f"{path} exists and is not a directory; not overwriting it")
@@ -305,11 +325,6 @@ def _prepare(path: str) -> str:
                 f"{path} is a non-empty directory that is not a zerokern "
                 f"checkpoint (no {META}); not overwriting it"
             )
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    nonce = secrets.token_hex(8)
-    os.mkdir(tmp_dir(path, nonce))
-    return nonce
 
 
 def _finish(path: str, tmp: str, nonce: str, meta: dict[str, Any], files: list[dict]) -> None:
@@ -323,15 +338,25 @@ def _finish(path: str, tmp: str, nonce: str, meta: dict[str, Any], files: list[d
             )
     meta = {**meta, "save_id": nonce, "files": files}
     PieceIndex(meta).check(meta["params"])  # every element of every parameter, exactly once
+    meta[META_DIGEST] = meta_digest(meta)
     # One top-level key per line, values compact: readable, and small for big piece tables.
     body = ",\n".join(
         f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in meta.items()
     )
     atomic_write_bytes(os.path.join(tmp, META), ("{\n" + body + "\n}\n").encode())
     fsync_dir(tmp)
-    publish(tmp, path, nonce)
-    for d in siblings(path):  # leftovers of interrupted saves; ours are gone by now
-        remove_checkpoint_dir(d)
+    with publishing(path):  # no load reads PATH and no other save publishes meanwhile
+        _check_target(path)
+        # The owner marker stays out of the published checkpoint; without the lock a
+        # concurrent cleanup could take the unmarked directory for a dead save's.
+        if os.path.exists(os.path.join(tmp, OWNER)):
+            os.unlink(os.path.join(tmp, OWNER))
+        publish(tmp, path, nonce)
+        for d in siblings(path):
+            # Only what provably belongs to no live save: staging directories whose owner
+            # is gone (crashed saves), and .old-* of an interrupted two-rename publish.
+            if d.rsplit(".", 1)[-1].startswith("old-") or abandoned(d):
+                remove_checkpoint_dir(d)
 
 
 def save_checkpoint(
@@ -349,29 +374,35 @@ def save_checkpoint(
     path = os.path.normpath(os.fspath(path))
     what = f"save_checkpoint({path})"
     msg, exc, plan = attempt(lambda: plan_save(model, opt, extra))
-    nonce = None
+    nonce = claim = None
     if comm.rank == 0 and msg is None:
-        msg, exc, nonce = attempt(lambda: _prepare(path))
+        msg, exc, staged = attempt(lambda: _prepare(path))
+        if staged is not None:
+            nonce, claim = staged
     try:
-        agree(comm, what, msg, exc)
-    except CheckpointError:
-        if nonce is not None:  # rank 0 made the directory before another rank failed
-            remove_checkpoint_dir(tmp_dir(path, nonce))
-        raise
-    nonce = comm.all_gather_object(nonce, "checkpoint nonce")[0]
-    tmp = tmp_dir(path, nonce)
-    msg, exc, info = attempt(lambda: write_rank_file(tmp, comm.rank, opt, plan, nonce))
-    infos = comm.all_gather_object(info, "checkpoint file info")
-    try:
-        agree(comm, what, msg, exc)
-    except CheckpointError:
+        try:
+            agree(comm, what, msg, exc)
+        except CheckpointError:
+            if nonce is not None:  # rank 0 made the directory before another rank failed
+                remove_checkpoint_dir(tmp_dir(path, nonce))
+            raise
+        nonce = comm.all_gather_object(nonce, "checkpoint nonce")[0]
+        tmp = tmp_dir(path, nonce)
+        msg, exc, info = attempt(lambda: write_rank_file(tmp, comm.rank, opt, plan, nonce))
+        infos = comm.all_gather_object(info, "checkpoint file info")
+        try:
+            agree(comm, what, msg, exc)
+        except CheckpointError:
+            if comm.rank == 0:
+                remove_checkpoint_dir(tmp)
+            raise
+        msg = exc = None
         if comm.rank == 0:
-            remove_checkpoint_dir(tmp)
-        raise
-    msg = exc = None
-    if comm.rank == 0:
-        msg, exc, _ = attempt(lambda: _finish(path, tmp, nonce, plan.meta, infos))
-        if msg is not None and os.path.isdir(tmp):
-            remove_checkpoint_dir(tmp)  # not published: the previous checkpoint stays
+            msg, exc, _ = attempt(lambda: _finish(path, tmp, nonce, plan.meta, infos))
+            if msg is not None and os.path.isdir(tmp):
+                remove_checkpoint_dir(tmp)  # not published: the previous checkpoint stays
+    finally:
+        if claim is not None:
+            claim.release()
     agree(comm, what, msg, exc)
     return path
