@@ -271,6 +271,44 @@ def add_group_case(rank, world, stage):
         assert len(opt.param_groups) == n_groups
 
 
+def carry_case(rank, world, stage):
+    """No zero_grad() between steps (torch accumulates across steps): stage 0 does as torch,
+    stage 1 refuses before updating, stages 2-3 warn (they cannot tell it from
+    model.zero_grad())."""
+    ours, opt, ref, ropt = _build(stage, world)
+    kept: list = []  # torch's averaged gradients of the last step, still on .grad
+    for step in range(3):
+        x, y = batch(step, rank)
+        F.cross_entropy(ours(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        if step == 0:
+            _ref_average(ref, world)
+        else:  # torch's .grad holds last step's average plus this step's local gradient
+            for p, prev in zip(ref.parameters(), kept):
+                if p.grad is not None and prev is not None:
+                    p.grad.sub_(prev)
+            _ref_average(ref, world)
+            for p, prev in zip(ref.parameters(), kept):
+                if p.grad is not None and prev is not None:
+                    p.grad.add_(prev)
+        kept = [None if p.grad is None else p.grad.clone() for p in ref.parameters()]
+        if stage == 1 and step == 1:
+            snap = [p.detach().clone() for p in ours.parameters()]
+            with pytest.raises(RuntimeError, match="accumulate gradients across steps"):
+                opt.step()
+            assert all(torch.equal(a, p.detach()) for a, p in zip(snap, ours.parameters()))
+            return
+        if stage >= 2 and step == 1:
+            with pytest.warns(UserWarning, match="no opt.zero_grad"):
+                opt.step()
+            return
+        opt.step()
+        ropt.step()  # neither zeroes its gradients
+        if stage == 0:
+            for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+                _close(a, b, f"step {step} {n}")
+
+
 # Every case on 2 ranks at each stage where it applies (the habits case covers stages 0-2: its
 # hand-set gradient and state checks use the unsharded model).
 CASES = {
@@ -279,6 +317,7 @@ CASES = {
     "ddp_wrapped_model_is_refused": (ddp_wrap_case, [0, 1, 2, 3]),
     "torch_habits_behave_as_adamw_or_are_refused": (habits_case, [0, 1, 2]),
     "add_param_group_trains_the_new_group_as_torch": (add_group_case, [0, 1, 2, 3]),
+    "steps_without_zero_grad": (carry_case, [0, 1, 2, 3]),
 }
 
 

@@ -84,9 +84,14 @@ class GradReducer:
         self.reset()
 
     # -- per-step state ----------------------------------------------------------------------
-    def reset(self) -> None:
-        """Forget everything about the current step (after step() or zero_grad())."""
+    def reset(self, zeroed: bool = False) -> None:
+        """Forget everything about the current step (after step(), or zero_grad(): then
+        ``zeroed``)."""
         self.rounds = 0  # rounds completed in this step
+        # Gradients were cleared since the last step; otherwise a bucket view still on a
+        # parameter holds the last step's gradient, and autograd adds the new one to it.
+        self.zeroed = zeroed
+        self.carried = False  # a parameter's .grad carried the last step's gradient
         self.got_grad = [False] * len(self.params)
         self.inflight: list[tuple[Handle, torch.Tensor, int]] = []
         self._new_round()
@@ -131,6 +136,8 @@ class GradReducer:
             same = dst.data_ptr() + boff * dst.element_size() == (
                 flat_g.data_ptr() + poff * flat_g.element_size()
             )
+            if same and self.rounds == 0 and not self.zeroed:
+                self.carried = True  # no zero_grad since the last step (torch accumulates)
             if not same:  # stage 0/1 after the first round: autograd wrote in place already
                 ops.flatten_into_([flat_g], dst, [boff], ranges=[(poff, n)], backend=self.backend)
             st = self.buckets[b]

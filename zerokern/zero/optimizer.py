@@ -10,6 +10,7 @@ engine in stages/.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -134,6 +135,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._stepped_events: int | None = None  # _grad_events() when the last step ended
         self._reduced: _Reduced | None = None  # this step's reduction, once done
         self._zero_kept = False  # zero_grad(set_to_none=False): every .grad is a zero tensor
+        self._warned_carry = False
         interop.register_params(self._params, self)
         self._ddp_guard: interop.DDPGuard | None = interop.DDPGuard(self)
         self.state = ShardedStateView(self)  # type: ignore[assignment]
@@ -410,6 +412,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._first_step_layout()
         self._deliver_unseen_grads()
         eng = self._engine
+        self._check_not_carried(events)
         got = eng.finish_grads()
         if self._zero_kept:
             got = [True] * len(got)
@@ -432,6 +435,27 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._ddp_guard = None
         self._reduced = red
         return red
+
+    def _check_not_carried(self, events: int) -> None:
+        """No zero_grad() since the last step: torch's AdamW would add this step's gradients
+        to the last step's. Stage 0 does the same (the bucket views keep them); stage 1
+        cannot (the last step's sums were averaged in place), so it refuses; stages 2-3 keep
+        no gradient between steps, and cannot tell this from model.zero_grad(): warn once."""
+        if self._stepped_events is None or events == self._stepped_events:
+            return
+        if self.stage == 1 and self._engine.reducer.carried:
+            raise RuntimeError(
+                "ZeroAdamW(stage=1): no zero_grad() since the last step(), so torch's AdamW "
+                "would accumulate gradients across steps, which stage 1 cannot do. Call "
+                "opt.zero_grad() after every step() (use opt.no_sync() to accumulate "
+                "micro-batches within a step)")
+        if self.stage in (2, 3) and not self._warned_carry:
+            self._warned_carry = True
+            warnings.warn(
+                "ZeroAdamW: step() with no opt.zero_grad() since the last step(). At stages "
+                "2-3 gradients are not carried from one step to the next (torch's AdamW would "
+                "accumulate them). If you clear them with model.zero_grad(), this is harmless; "
+                "otherwise call opt.zero_grad() after every step()", stacklevel=3)
 
     def _grad_events(self) -> int:
         return self._rt.grad_events if self._rt is not None else self._events

@@ -87,7 +87,7 @@ class FlatEngine(Engine):
                 p.grad = None
         if keep_views:
             self.flat_grad.zero_()
-        self.reducer.reset()
+        self.reducer.reset(zeroed=True)
 
     def flat_slices(self, s: int, e: int) -> list[tuple[int, int, int]]:
         """(local start, flat start, numel) of local range [s, e) in stages 1-2: this rank's

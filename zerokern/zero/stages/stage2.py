@@ -113,7 +113,7 @@ class Stage2(FlatEngine):
     def zero_grad(self, set_to_none: bool) -> None:
         for p in self.params:
             p.grad = None
-        self.reducer.reset()
+        self.reducer.reset(zeroed=True)
 
     # -- update the shard, then all-gather every bucket ------------------------------------------
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
