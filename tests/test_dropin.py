@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import shutil
+import tempfile
 import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from _tol import TRAIN_FP32
 from dist_utils import run_ranks
@@ -261,6 +265,22 @@ def add_group_case(rank, world, stage):
         _step_both(opt, ropt)
     _same_params(ours, ref, f"stage {stage}")
     assert [sh.step for sh in opt.shards()][-2:] == [3, 3]
+    # A checkpoint covers the added group: a fresh optimizer built with both groups loads it.
+    where = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(where)
+    ck = os.path.join(where[0], "ck")
+    zerokern.save_checkpoint(ck, ours, opt)
+    g2 = [dict(params=first(ours)), dict(params=later(ours), lr=1e-2, weight_decay=0.0)]
+    opt2 = zerokern.ZeroAdamW(g2, stage=stage, bucket_numel=61, weight_decay=0.05, **HP)
+    zerokern.load_checkpoint(ck, ours, opt2)
+    for a, b in zip(opt.shards(), opt2.shards()):
+        assert a.step == b.step and a.shape == b.shape
+        for ra, rb in zip(a.ranges, b.ranges):
+            assert torch.equal(ra.exp_avg, rb.exp_avg) and torch.equal(ra.values, rb.values)
+    assert opt2.param_groups[1]["lr"] == 1e-2
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(where[0])
     # refused between a backward and its step, unchanged
     x, y = batch(9, rank)
     F.cross_entropy(ours(x), y).backward()
