@@ -21,9 +21,11 @@ import torch
 from ..comm import Comm
 from . import interop
 from .layout import Layout, build_layout, build_stage3_layout
+from .optimizer_state import ShardedStateMixin
+from .param_groups import ParamGroupsMixin
 from .registry import runtime_of_param
 from .scaler import LossScaler
-from .shards import ParamShard, ShardedStateView, ShardRange
+from .shards import ShardedStateView
 from .stages import ENGINES, Engine, Run
 from .stages.flat import planned_flat_memory
 from .validate import (
@@ -49,7 +51,7 @@ class _Reduced:
     clip_before: float = 1.0  # clip before the latest clip_grad_norm_ call
 
 
-class ZeroAdamW(torch.optim.Optimizer):
+class ZeroAdamW(ParamGroupsMixin, ShardedStateMixin, torch.optim.Optimizer):
     """AdamW with ZeRO partitioning across the ranks of ``process_group``.
 
     stage 0: DDP equivalent (bucketed all-reduce, fused step over everything);
@@ -148,77 +150,6 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._build()  # stage 3: the units fix the layout already
         self._last_comm = self.comm.reset_stats()
         self._constructed = True
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As torch's: the new group's parameters are trained from the next step() on.
-
-        After construction this re-plans the layout with the new group appended (the
-        existing groups keep their place, so their state is copied over unchanged) and is a
-        collective: call it on every rank with the same group. Not between a backward and its
-        step() (the pending gradients would be lost): that is refused."""
-        if not getattr(self, "_constructed", False):
-            super().add_param_group(param_group)  # the constructor's groups
-            return
-        if self._engine is not None and self._rt is None and \
-                any(self._engine.reducer.got_grad):
-            raise RuntimeError("add_param_group between backward() and step(): the pending "
-                               "gradients would be lost; call it after step()")
-        n_groups = len(self.param_groups)
-        super().add_param_group(param_group)
-        try:
-            self._adopt_group(self.param_groups[-1])
-        except BaseException:
-            del self.param_groups[n_groups:]  # refused: nothing changed
-            raise
-
-    def _adopt_group(self, group: dict[str, Any]) -> None:
-        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                      f" (param group {len(self.param_groups) - 1})")
-        check_no_duplicates(group["params"], len(self.param_groups) - 1)
-        new = [p for p in group["params"] if p.requires_grad]
-        owners = {id(rt) for rt in map(runtime_of_param, new)}
-        if new and owners != {id(self._rt)}:
-            raise ValueError("add_param_group: the new parameters must belong to the same "
-                             + ("shard_model'ed model (stage 3)" if self._rt is not None
-                                else "kind of model (not partitioned by shard_model)"))
-        if new:
-            common_dtype_device(self._params + new)
-        shapes = [self._rt.shape_of(p) if self._rt else p.shape for p in new]
-        check_same_on_all_ranks(self.comm, self.stage, self._bucket_numel,
-                                [len(g) for g in self._group_sizes] + [len(new)],
-                                self._shapes + shapes, self._params + new)
-        first = len(self._params)
-        if self._rt is None and new:
-            self._broadcast_params(new)
-        self._params += new
-        self._shapes += shapes
-        self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._group_sizes.append([sh.numel() for sh in shapes])
-        self._steps += [0] * len(new)
-        self._frozen += [p for p in group["params"] if not p.requires_grad]
-        interop.register_params(new, self)
-        if self._rt is None:
-            self._hooks += [self._params[i].register_post_accumulate_grad_hook(
-                lambda _p, i=i: self._on_grad(i)) for i in range(first, len(self._params))]
-        else:
-            self._rt.hook_params(new)
-        old = self._engine
-        if old is None:
-            return  # laid out at the first step, with the new group in it
-        order = list(self.layout.ready_order) + list(range(first, len(self._params)))
-        self.layout, self._engine = None, None
-        self._build(order)
-        eng = self._engine
-        with torch.no_grad():
-            # The existing groups keep their local space: a prefix of the new one (stage 3:
-            # the same space).
-            n = old.layout.local_numel
-            for key in ("exp_avg", "exp_avg_sq", "master"):
-                src = getattr(old, key)
-                if src is not None:
-                    getattr(eng, key).narrow(0, 0, n).copy_(src)
-        if self._zero_kept:
-            eng.zero_grad(set_to_none=False)
 
     def _stage3_runtime(self, stage: int) -> Any:
         found = [runtime_of_param(p) for p in self._params]
@@ -501,78 +432,6 @@ class ZeroAdamW(torch.optim.Optimizer):
                 runs.append(cur)
         return [Run(g, lo, hi, st) for g, lo, hi, st in runs]
 
-    # -- sharded state ----------------------------------------------------------------------
-    @property
-    def managed_params(self) -> tuple[torch.nn.Parameter, ...]:
-        """The parameters this optimizer trains (requires_grad at construction), in
-        param-group order: the indices of shards() and of the state dicts."""
-        return tuple(self._params)
-
-    def shards_step(self, index: int) -> int:
-        """The step count of managed parameter ``index`` (torch: ``state[p]["step"]``)."""
-        return self._steps[index]
-
-    def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
-        """The full shape of a managed parameter (stage 3: not its released empty shape)."""
-        return self._shapes[self._index[id(p)]]
-
-    def shards(self, model: torch.nn.Module | None = None, *,
-               ready_order: list[int] | None = None) -> list[ParamShard]:
-        """Per managed parameter: its full shape, step count, and the element ranges this rank
-        holds with writable fp32 views of their values, exp_avg and exp_avg_sq.
-
-        Names come from ``model`` (its ``named_parameters``) when given, else from named
-        param groups (``ZeroAdamW(model.named_parameters())``) or the shard_model'ed model.
-        Before the first step() of stages 0-2 this fixes the bucket layout (in
-        ``ready_order``, indices of managed_params, default reverse registration order),
-        as loading a state does."""
-        L = self._build(ready_order)
-        names = self._names(model)
-        group_of = {id(p): g for g, grp in enumerate(self.param_groups) for p in grp["params"]}
-        ranges: list[list[ShardRange]] = [[] for _ in self._params]
-        eng = self._engine
-        for pc in L.pieces:
-            if pc.param < 0:
-                continue
-            s, n = pc.local_start, pc.numel
-            ranges[pc.param].append(ShardRange(
-                pc.param_offset, n, eng.values(s, n), eng.exp_avg.narrow(0, s, n),
-                eng.exp_avg_sq.narrow(0, s, n)))
-        return [ParamShard(i, names.get(id(p)), p, group_of[id(p)], self._shapes[i], p.dtype,
-                           self._steps[i], tuple(sorted(ranges[i], key=lambda r: r.start)))
-                for i, p in enumerate(self._params)]
-
-    @contextmanager
-    def edit_shards(self, model: torch.nn.Module | None = None, *, gather: bool = True,
-                    ready_order: list[int] | None = None) -> Iterator[list[ParamShard]]:
-        """Write this rank's optimizer state: yields shards(); write into their views and
-        assign their ``step``. On leaving, the steps are taken and the parameters take the
-        new values (16-bit: rounded to nearest even). Call on every rank: with ``gather``
-        (stages 1-2) the new parameters are all-gathered, a collective; ``gather=False``
-        means the caller writes every rank's full parameters itself. If the block raises,
-        the steps and parameters are left as they were (the views may be written)."""
-        shards = self.shards(model, ready_order=ready_order)
-        yield shards
-        for sh in shards:
-            if isinstance(sh.step, bool) or not isinstance(sh.step, int) or sh.step < 0:
-                raise ValueError(f"step of parameter {sh.index} ({sh.name}) must be an int "
-                                 f">= 0, got {sh.step!r}")
-        with torch.no_grad():
-            self._engine.sync_params(gather)
-        for sh in shards:
-            self._steps[sh.index] = sh.step
-
-    def _names(self, model: torch.nn.Module | None) -> dict[int, str]:
-        if model is not None:
-            return {id(p): n for n, p in model.named_parameters()}
-        out: dict[int, str] = {}
-        for g in self.param_groups:
-            for p, n in zip(g["params"], g.get("param_names") or []):
-                out[id(p)] = n
-        if not out and self._rt is not None:
-            out = dict(self._rt.param_names)
-        return out
-
     # -- introspection ----------------------------------------------------------------------
     def comm_stats(self) -> dict[str, Any]:
         """Collectives of the last completed step, counted as the paper counts (§7)."""
@@ -595,86 +454,3 @@ class ZeroAdamW(torch.optim.Optimizer):
         L = build_layout(self._group_sizes, stage=self.stage, world_size=self.comm.world_size,
                          rank=self.comm.rank, bucket_numel=self._bucket_numel)
         return planned_flat_memory(L, self.dtype, ENGINES[self.stage].buffer_specs(L, self.dtype))
-
-    # -- checkpointing ----------------------------------------------------------------------
-    def _meta(self) -> dict[str, Any]:
-        L = self.layout
-        return {"stage": self.stage, "world_size": self.comm.world_size,
-                "rank": self.comm.rank, "local_numel": None if L is None else L.local_numel,
-                "flat_numel": None if L is None else L.flat_numel,
-                "ready_order": None if L is None else list(L.ready_order),
-                "shapes": [list(sh) for sh in self._shapes]}
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (flat buffers in its local layout). Before
-        the first step() nothing has been laid out or trained: as torch's AdamW, the state is
-        empty ({}), and asking fixes nothing."""
-        groups = []
-        idx = 0
-        for g in self.param_groups:
-            n = len(g["params"])
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(idx, idx + n))})
-            idx += n
-        eng = self._engine
-        state: dict[str, Any] = {} if eng is None else {
-            "exp_avg": eng.exp_avg.clone(), "exp_avg_sq": eng.exp_avg_sq.clone(),
-            "master": None if eng.master is None else eng.master.clone(),
-            "steps": torch.tensor(self._steps, dtype=torch.int64),
-        }
-        return {
-            "state": state, "param_groups": groups,
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "zerokern": self._meta(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        meta = state_dict.get("zerokern")
-        if meta is None:
-            raise ValueError("state_dict: not a ZeroAdamW state dict (no 'zerokern' entry)")
-        st = state_dict["state"]
-        if len(state_dict["param_groups"]) != len(self.param_groups):
-            raise ValueError("state_dict: number of param groups differs")
-        shapes = meta.get("shapes")  # absent in state dicts of zerokern before 2026-12
-        if shapes is not None and shapes != self._meta()["shapes"]:
-            mine = self._meta()["shapes"]
-            if len(shapes) != len(mine):
-                raise ValueError(f"state_dict holds {len(shapes)} trainable parameters, this "
-                                 f"optimizer has {len(mine)}: it comes from another model")
-            i = next(k for k, (a, b) in enumerate(zip(shapes, mine)) if a != b)
-            raise ValueError(f"state_dict: parameter {i} has shape {shapes[i]} there and "
-                             f"{mine[i]} here: it comes from another model")
-        for k in ("stage", "world_size", "rank"):
-            if meta[k] != self._meta()[k]:
-                raise ValueError(
-                    f"state_dict was saved with {k}={meta[k]}, this optimizer has {k}="
-                    f"{self._meta()[k]}; use zerokern.load_checkpoint to change world size "
-                    "or stage")
-        if st:
-            self._build(list(meta.get("ready_order") or []) or None)
-            mine = self._meta()
-            for k in ("local_numel", "flat_numel", "ready_order"):
-                if meta[k] != mine[k]:
-                    raise ValueError(
-                        f"state_dict was saved with {k}={meta[k]}, this optimizer has {k}="
-                        f"{mine[k]}; use zerokern.load_checkpoint to change world size or "
-                        "stage")
-        eng = self._engine
-        with torch.no_grad():
-            if st:
-                eng.exp_avg.copy_(st["exp_avg"])
-                eng.exp_avg_sq.copy_(st["exp_avg_sq"])
-                if eng.master is not None:
-                    eng.master.copy_(st["master"])
-                self._steps = [int(x) for x in st["steps"].tolist()]
-            elif eng is not None:  # a state saved before any step: a fresh state
-                eng.exp_avg.zero_()
-                eng.exp_avg_sq.zero_()
-                eng.init_master()
-                self._steps = [0] * len(self._params)
-        for g, sg in zip(self.param_groups, state_dict["param_groups"]):
-            for k, v in sg.items():
-                if k != "params":
-                    g[k] = v
-        if self.scaler is not None and state_dict.get("scaler") is not None:
-            self.scaler.load_state_dict(state_dict["scaler"])
