@@ -41,7 +41,7 @@ def _flock(target: str, exclusive: bool, create: bool = True) -> Iterator[None]:
     except OSError:
         if exclusive:
             raise  # a save must be able to lock what it publishes
-        yield  # a reader on a read-only directory: nothing can publish there either
+        yield  # a reader, and no save has ever locked this path (or it is read-only)
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
@@ -52,8 +52,10 @@ def _flock(target: str, exclusive: bool, create: bool = True) -> Iterator[None]:
 
 @contextmanager
 def reading(path: str) -> Iterator[None]:
-    """Held by a load of ``path`` from its first read to its last."""
-    with _flock(lock_file(path), exclusive=False):
+    """Held by a load of ``path`` from its first read to its last. A load creates no file: a
+    checkpoint that no save of this zerokern ever locked (copied in, read-only) has no lock
+    file, and a save creates it before it stages anything."""
+    with _flock(lock_file(path), exclusive=False, create=False):
         yield
 
 
