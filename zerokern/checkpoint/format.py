@@ -17,7 +17,7 @@ master/exp_avg/exp_avg_sq triple), plus sizes and sha256 of every file.
 
 This module knows nothing of ZeroAdamW: a streaming safetensors writer (no copy of the data),
 header parsing with validation, the piece index ("which byte ranges hold elements [lo, hi) of
-parameter X") and atomic publication of a directory. meta.json checks are in load.py.
+parameter X") and atomic publication of a directory. meta.json checks are in validate.py.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import struct
 import sys
 from collections.abc import Iterator, Sequence
@@ -216,6 +217,25 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``, never through a symbolic link
+    (O_NOFOLLOW): a checkpoint's files are its own, not whatever a link points at."""
+    name = os.path.basename(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            raise CheckpointError(
+                f"{name} is a symbolic link ({path}): the files of a checkpoint must be "
+                f"regular files inside its directory"
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{name} is not a regular file ({path})")
+    return fd
+
+
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and check a safetensors header against the file: every tensor's byte range in
     bounds, contiguous, ending exactly at the end of the file (so truncation is detected)."""
@@ -224,8 +244,8 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{name} is corrupt or truncated ({path}): {why}")
 
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise bad(f"{size} bytes, shorter than a safetensors header")
@@ -239,12 +259,17 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise bad("__metadata__ is not a JSON object")
     out: dict[str, TensorInfo] = {}
     try:
         for key, d in header.items():
             dt = DTYPES[d["dtype"]]
-            shape = tuple(int(s) for s in d["shape"])
-            b, e = (int(x) for x in d["data_offsets"])
+            shape = tuple(d["shape"])
+            b, e = d["data_offsets"]
+            # JSON integers only: int("12") or int(1.5) would accept what no writer produces.
+            if not all(is_count(x) for x in (*shape, b, e)) or b > e:
+                raise bad(f"tensor {key!r}: shape and data_offsets must be integers >= 0")
             if e - b != math.prod(shape) * torch.empty(0, dtype=dt).element_size():
                 raise bad(f"tensor {key!r}: byte range does not match its shape")
             out[key] = TensorInfo(dt, shape, 8 + n + b, 8 + n + e)
@@ -264,13 +289,23 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 
 def sha256_file(path: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         while chunk := f.read(8 << 20):
             h.update(chunk)
     return h.hexdigest()
 
 
 # -- where each parameter's elements are --------------------------------------------------------
+def is_count(v: Any) -> bool:
+    """A JSON integer >= 0: not a float (1.0, 1.5), not a bool (True is an int to Python)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+STATE = ("master", "exp_avg", "exp_avg_sq")  # the tensors behind piece kind "state"
+FROZEN_KINDS = {f"frozen.{dtype_name(dt)}": dt for dt in DTYPES.values()}
+PIECE_ROW = "[param name, param offset, numel, tensor, offset in tensor]"
+
+
 @dataclass(frozen=True)
 class Span:
     param_offset: int
@@ -278,41 +313,76 @@ class Span:
     file: str
     tensor: str  # "state" (master/exp_avg/exp_avg_sq) or "frozen.<dtype>"
     offset: int
+    row: str = ""  # where meta.json has it, "files[i].pieces[j]", for messages
+
+
+def piece_row(row: Any, at: str) -> tuple[str, int, int, str, int]:
+    """One row of a piece table, checked for form: a known tensor kind and integer offsets
+    and sizes >= 0 (a negative or fractional one would read another parameter's values, or
+    fail half-way through copying)."""
+    if not (isinstance(row, list) and len(row) == 5):
+        raise CheckpointError(f"{at} must be a row {PIECE_ROW}, got {row!r:.80}")
+    name, po, n, tensor, off = row
+    if not isinstance(name, str):
+        raise CheckpointError(f"{at}: the param name must be a string, got {name!r:.80}")
+    for what, v in (("param offset", po), ("numel", n), ("offset in tensor", off)):
+        if not is_count(v):
+            raise CheckpointError(f"{at}: the {what} must be an integer >= 0, got {v!r:.80}")
+    if tensor != "state" and tensor not in FROZEN_KINDS:
+        raise CheckpointError(
+            f"{at}: the tensor must be 'state' or 'frozen.<dtype>', got {tensor!r:.80}"
+        )
+    return name, po, n, tensor, off
 
 
 class PieceIndex:
-    """Every saved piece by parameter name, sorted by offset within the parameter."""
+    """Every saved piece by parameter name, sorted by offset within the parameter. Rows are
+    checked for form here; check() checks that they tile the parameters."""
 
-    def __init__(self, meta: dict[str, Any]) -> None:
+    def __init__(self, meta: dict[str, Any], where: str = META) -> None:
+        self.where = where
         self.by_name: dict[str, list[Span]] = {}
-        for f in meta["files"]:
-            for name, po, n, tensor, off in f["pieces"]:
-                self.by_name.setdefault(name, []).append(Span(po, n, f["name"], tensor, off))
+        for i, f in enumerate(meta["files"]):
+            for j, row in enumerate(f["pieces"]):
+                at = f"files[{i}].pieces[{j}]"
+                name, po, n, tensor, off = piece_row(row, f"{where}: {at}")
+                if n:  # an empty parameter's row covers nothing
+                    span = Span(po, n, f["name"], tensor, off, at)
+                    self.by_name.setdefault(name, []).append(span)
         for spans in self.by_name.values():
             spans.sort(key=lambda s: s.param_offset)
         self._starts = {k: [s.param_offset for s in v] for k, v in self.by_name.items()}
 
     def check(self, params: dict[str, dict[str, Any]]) -> None:
-        """Each parameter is covered exactly once, by one kind of tensor."""
-        for name in self.by_name:
+        """Each parameter's elements (numel from its shape) are covered exactly once, by one
+        kind of tensor, and no piece names an unknown parameter or lies outside its own."""
+        w = self.where
+        for name, spans in self.by_name.items():
             if name not in params:
-                raise CheckpointError(f"{META}: pieces of {name!r}, which is not a parameter")
+                raise CheckpointError(
+                    f"{w}: {spans[0].row} holds pieces of {name!r}, which is not a parameter"
+                )
         for name, p in params.items():
             numel, pos = math.prod(p["shape"]), 0
             spans = self.by_name.get(name, [])
             for s in spans:
-                if s.param_offset != pos or s.numel <= 0:
+                if s.param_offset + s.numel > numel:
                     raise CheckpointError(
-                        f"{META}: the pieces of {name!r} leave a gap or overlap "
-                        f"at element {pos} (in {s.file})"
+                        f"{w}: {s.row} holds elements [{s.param_offset}, "
+                        f"{s.param_offset + s.numel}) of {name!r}, which has {numel}"
+                    )
+                if s.param_offset != pos:
+                    raise CheckpointError(
+                        f"{w}: the pieces of {name!r} leave a gap or overlap at element "
+                        f"{pos} ({s.row}, in {s.file})"
                     )
                 pos += s.numel
             if pos != numel:
                 raise CheckpointError(
-                    f"{META}: the pieces of {name!r} cover {pos} of its {numel} elements"
+                    f"{w}: the pieces of {name!r} cover {pos} of its {numel} elements"
                 )
             if len({s.tensor for s in spans}) > 1:
-                raise CheckpointError(f"{META}: {name!r} is stored in more than one tensor kind")
+                raise CheckpointError(f"{w}: {name!r} is stored in more than one tensor kind")
 
     def kind(self, name: str) -> str | None:
         spans = self.by_name.get(name)
@@ -320,7 +390,7 @@ class PieceIndex:
 
     def spans(self, name: str, lo: int, hi: int) -> Iterator[tuple[int, str, str, int, int]]:
         """(offset relative to lo, file, tensor kind, begin, end) for elements [lo, hi)."""
-        spans, starts = self.by_name[name], self._starts[name]
+        spans, starts = self.by_name.get(name, []), self._starts.get(name, [])  # [] if empty
         k = max(bisect.bisect_right(starts, lo) - 1, 0)
         while k < len(spans) and spans[k].param_offset < hi:
             s = spans[k]

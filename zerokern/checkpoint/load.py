@@ -3,9 +3,11 @@ and stage, each rank reading only the byte ranges it needs.
 
 Three phases, each ended by an all_gather of errors so that every rank raises together:
 
-1. open (no writes): find the directory (format.resolve), read meta.json, check that every rank
-   file exists with the recorded size and a header that matches, and (``verify=True``) its
-   sha256; rank r hashes files r, r+N, ... so the checkpoint is read once in all, not N times;
+1. open (no writes): find the directory (resolve), read meta.json and check all of it
+   (validate.check_meta: every key and value, the piece tables, the meta_sha256 digest), check
+   that every rank file is a regular file (no symbolic link) with the recorded size and a
+   header that matches meta.json (validate.check_rank_file), and (``verify=True``) its sha256;
+   rank r hashes files r, r+N, ... so the checkpoint is read once in all, not N times;
 2. match (no writes): the model's parameter and buffer names and shapes against meta.json,
    optimizer parameters against saved optimizer state, param groups against saved groups;
 3. apply: lay out the optimizer (``_ensure_layout``, with the saved gradient order when the
@@ -25,86 +27,95 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .format import (
-    FORMAT,
-    FORMAT_VERSION,
     META,
     CheckpointError,
     PieceIndex,
     chunks,
+    open_regular,
     read_header,
     sha256_file,
     siblings,
 )
 from .locks import reading
 from .save import ModelNames, agree, attempt, model_names, stage3_runtime
+from .validate import check_meta, check_rank_file
 
 
 # -- meta.json and the files it names ----------------------------------------------------------
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object hook: a repeated key would otherwise keep its last value silently."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the key {k!r} appears twice in one object")
+        out[k] = v
+    return out
+
+
 def read_meta(ckpt: str) -> dict[str, Any]:
+    """meta.json parsed (checked by validate.check_meta, not here)."""
     path = os.path.join(ckpt, META)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise CheckpointError(
             f"{ckpt}: {META} is missing: the checkpoint is incomplete (a save did not finish; "
             f"{META} is written last) or this is not a zerokern checkpoint"
         )
     try:
-        with open(path, "rb") as f:
-            meta = json.load(f)
-    except ValueError as exc:
+        with os.fdopen(open_regular(path), "rb") as f:
+            return json.load(f, object_pairs_hook=_no_duplicate_keys)
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError included
         raise CheckpointError(f"{META} is corrupt ({path}): {exc}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a zerokern checkpoint's {META}")
-    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: format version {meta['format_version']} was written by "
-            f"a newer zerokern (this one reads up to {FORMAT_VERSION})"
-        )
-    return meta
 
 
-def check_files(ckpt: str, meta: dict[str, Any], *, checksum: Callable[[int], bool]) -> None:
-    """Every file meta.json names exists with the recorded size and a consistent header, and
-    its sha256 matches for the files ``checksum(index)`` selects."""
+FileId = tuple[int, int]  # (st_dev, st_ino): the file checked is the file read
+
+
+def check_files(
+    ckpt: str, meta: dict[str, Any], *, checksum: Callable[[int], bool]
+) -> dict[str, FileId]:
+    """Every file meta.json (already checked) names is a regular file in ``ckpt`` with the
+    recorded size and a header that matches, and its sha256 matches for the files
+    ``checksum(index)`` selects."""
+    ids: dict[str, FileId] = {}
     for i, f in enumerate(meta["files"]):
         path = os.path.join(ckpt, f["name"])
-        if not os.path.isfile(path):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
             raise CheckpointError(
                 f"{f['name']} is missing from {ckpt} ({META} lists it): the "
                 f"checkpoint is incomplete"
-            )
-        size = os.path.getsize(path)
-        if size != f["bytes"]:
+            ) from None
+        if not stat.S_ISREG(st.st_mode):  # lstat: a symbolic link is not followed
+            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
             raise CheckpointError(
-                f"{f['name']} is truncated or modified ({path}): {size} bytes, "
+                f"{f['name']} is {what} ({path}): the files of a checkpoint must be regular "
+                f"files inside its directory"
+            )
+        if st.st_size != f["bytes"]:
+            raise CheckpointError(
+                f"{f['name']} is truncated or modified ({path}): {st.st_size} bytes, "
                 f"{META} records {f['bytes']}"
             )
-        tensors, _ = read_header(path)
-        need: dict[str, int] = {}
-        for _name, _po, n, tensor, off in f["pieces"]:
-            for t in ("master", "exp_avg", "exp_avg_sq") if tensor == "state" else (tensor,):
-                need[t] = max(need.get(t, 0), off + n)
-        for b in f.get("buffers", []):
-            need["buffer/" + b] = 0
-        for t, n in need.items():
-            if t not in tensors or tensors[t].numel < n:
-                raise CheckpointError(
-                    f"{f['name']} is corrupt ({path}): tensor {t!r} is "
-                    f"missing or shorter than {META} says"
-                )
+        tensors, header_meta = read_header(path)
+        check_rank_file(meta, i, tensors, header_meta, path)
         if checksum(i) and sha256_file(path) != f["sha256"]:
             raise CheckpointError(
                 f"{f['name']} is corrupt ({path}): its sha256 does not match "
                 f"the one recorded in {META}"
             )
+        ids[f["name"]] = (st.st_dev, st.st_ino)
+    return ids
 
 
 def resolve(path: str) -> str:
@@ -115,11 +126,10 @@ def resolve(path: str) -> str:
     found = []
     for d in siblings(path):
         try:
-            meta = read_meta(d)
-            check_files(d, meta, checksum=lambda i: False)
-        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+            meta = _open(d, checksum=lambda i: False).meta
+        except (CheckpointError, OSError):
             continue
-        found.append((int(meta.get("created_ns", 0)), d))
+        found.append((meta["created_ns"], d))
     if not found:
         raise CheckpointError(f"no checkpoint at {path}")
     return max(found)[1]
@@ -131,23 +141,24 @@ class Opened:
     meta: dict[str, Any]
     index: PieceIndex
     buffer_file: dict[str, str]
+    file_ids: dict[str, FileId] = field(default_factory=dict)
+
+
+def _open(d: str, *, checksum: Callable[[int], bool]) -> Opened:
+    meta = read_meta(d)
+    try:
+        index = check_meta(meta, d)
+        ids = check_files(d, meta, checksum=checksum)
+    except (KeyError, TypeError, ValueError) as exc:  # a check missed: still refused up front
+        raise CheckpointError(f"{META} in {d} is malformed ({exc!r})") from None
+    buffer_file = {b: f["name"] for f in meta["files"] for b in f["buffers"]}
+    return Opened(d, meta, index, buffer_file, ids)
 
 
 def open_checkpoint(path: str, *, rank: int = 0, world: int = 1, verify: bool = True) -> Opened:
-    """meta.json plus every check that needs no model; sha256 of files index % world == rank."""
-    d = resolve(path)
-    meta = read_meta(d)
-    try:
-        check_files(d, meta, checksum=lambda i: verify and i % world == rank)
-        index = PieceIndex(meta)
-        index.check(meta["params"])
-        buffer_file = {b: f["name"] for f in meta["files"] for b in f.get("buffers", [])}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"meta.json in {d} is malformed ({exc!r})") from None
-    missing = [b for b in meta["buffers"] if b not in buffer_file]
-    if missing:
-        raise CheckpointError(f"meta.json in {d}: no file holds buffer {missing[0]!r}")
-    return Opened(d, meta, index, buffer_file)
+    """meta.json plus every check that needs no model; sha256 of files index % world == rank.
+    The meta_sha256 digest of meta.json is checked even without ``verify`` (it is cheap)."""
+    return _open(resolve(path), checksum=lambda i: verify and i % world == rank)
 
 
 @dataclass
@@ -204,7 +215,7 @@ def match(ck: Opened, model: torch.nn.Module, opt: Any) -> Match:
         n = names.param.get(id(p))
         if n is None:
             raise ValueError("the optimizer manages a parameter that is not in the model")
-        if ck.index.kind(n) != "state":
+        if not saved[n]["managed"]:  # (an empty parameter has no pieces, hence no kind)
             raise CheckpointError(
                 f"{ck.dir}: {n!r} was not trained when saved (no optimizer "
                 f"state), but this optimizer trains it"
@@ -241,6 +252,10 @@ class _Reader:
         h = self.handles.get(fname)
         if h is None:
             path = os.path.join(self.ck.dir, fname)
+            # safe_open takes a path (and follows links): is it still the file checked?
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) != self.ck.file_ids.get(fname, (st.st_dev, st.st_ino)):
+                raise CheckpointError(f"{fname} was replaced ({path}) while being loaded")
             h = self.handles[fname] = self.stack.enter_context(self.open(path, framework="pt"))
         return h
 
@@ -269,7 +284,7 @@ def apply(ck: Opened, m: Match, model: torch.nn.Module, opt: Any) -> None:
                     rd.read_into(r.values, n, r.start, "values")
                     rd.read_into(r.exp_avg, n, r.start, "exp_avg")
                     rd.read_into(r.exp_avg_sq, n, r.start, "exp_avg_sq")
-                sh.step = int(meta["params"][n]["step"] or 0)
+                sh.step = meta["params"][n]["step"]  # an int >= 0 (check_meta)
             if rt is not None:  # stage 3: frozen parameters are sharded like the rest
                 for p, po, _, view in rt.local_pieces():
                     if id(p) not in m.managed:
