@@ -600,3 +600,11 @@ def test_parameters_without_elements_save_and_load(tmp_path, stage):
     load_checkpoint(tmp_path / "ck", *models[1])
     a, b = (zerokern.full_state_dict(m, rank0_only=False) for m, _ in models)
     assert same(a, b)
+
+
+def test_save_refuses_a_group_key_no_load_would_accept(tmp_path):
+    m = torch.nn.Linear(3, 2)
+    opt = zerokern.ZeroAdamW([{"params": m.parameters(), "name": "decay"}], stage=1)
+    with pytest.raises(CheckpointError, match="param group 0 has the key 'name'.*extra="):
+        zerokern.save_checkpoint(str(tmp_path / "ck"), m, opt)
+    assert os.listdir(tmp_path) in ([], ["ck.lock"])

@@ -49,6 +49,7 @@ from .format import (
     tmp_dir,
 )
 from .locks import OWNER, StagingClaim, abandoned, publishing
+from .validate import HYPER_KEYS
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -101,6 +102,17 @@ def stage3_runtime(model: torch.nn.Module, opt: Any) -> Any:
             "was built on (pass the shard_model'ed model)"
         )
     return rt
+
+
+def _known_group_key(group: int, key: str) -> bool:
+    """Only the param-group keys a load accepts are saved: refuse others now rather than
+    write a checkpoint that can never be loaded."""
+    if key not in HYPER_KEYS:
+        raise ValueError(
+            f"param group {group} has the key {key!r}, which a checkpoint does not hold "
+            f"(known: {', '.join(sorted(HYPER_KEYS))}); keep such values in "
+            "save_checkpoint(..., extra=...)")
+    return True
 
 
 def _jsonable(key: str, v: Any) -> Any:
@@ -178,7 +190,8 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
             raise ValueError(f"param group {g}: parameter {missing[0]} is not in the model")
         groups.append(
             {
-                "hyper": {k: _jsonable(k, v) for k, v in grp.items() if k != "params"},
+                "hyper": {k: _jsonable(k, v) for k, v in grp.items()
+                          if k != "params" and _known_group_key(g, k)},
                 "params": [names.param[id(p)] for p in grp["params"]],
             }
         )
