@@ -20,6 +20,7 @@ import torch
 
 from ..comm import Comm
 from . import interop
+from .interchange import InterchangeMixin
 from .layout import Layout, build_layout, build_stage3_layout
 from .optimizer_state import ShardedStateMixin
 from .param_groups import ParamGroupsMixin
@@ -51,7 +52,7 @@ class _Reduced:
     clip_before: float = 1.0  # clip before the latest clip_grad_norm_ call
 
 
-class ZeroAdamW(ParamGroupsMixin, ShardedStateMixin, torch.optim.Optimizer):
+class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.optim.Optimizer):
     """AdamW with ZeRO partitioning across the ranks of ``process_group``.
 
     stage 0: DDP equivalent (bucketed all-reduce, fused step over everything);

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .interchange import is_torch_format
 from .shards import ParamShard, ShardRange
 
 
@@ -122,9 +123,18 @@ class ShardedStateMixin:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """This rank's own ``state_dict()``, or a full torch.optim.AdamW-format state dict
+        (every rank passes the same one: from full_state_dict, any world size or stage, or a
+        single-process AdamW run; 16-bit parameters then take their fp32 master from the
+        current parameters)."""
+        if is_torch_format(state_dict):
+            self._load_torch_format(state_dict)
+            return
         meta = state_dict.get("zerokern")
         if meta is None:
-            raise ValueError("state_dict: not a ZeroAdamW state dict (no 'zerokern' entry)")
+            raise ValueError("state_dict: neither a ZeroAdamW state dict (no 'zerokern' "
+                             "entry) nor a torch.optim.AdamW one ('state' and "
+                             "'param_groups')")
         st = state_dict["state"]
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError("state_dict: number of param groups differs")
@@ -137,12 +147,15 @@ class ShardedStateMixin:
             i = next(k for k, (a, b) in enumerate(zip(shapes, mine)) if a != b)
             raise ValueError(f"state_dict: parameter {i} has shape {shapes[i]} there and "
                              f"{mine[i]} here: it comes from another model")
-        for k in ("stage", "world_size", "rank"):
-            if meta[k] != self._meta()[k]:
-                raise ValueError(
-                    f"state_dict was saved with {k}={meta[k]}, this optimizer has {k}="
-                    f"{self._meta()[k]}; use zerokern.load_checkpoint to change world size "
-                    "or stage")
+        mine = self._meta()
+        if any(meta[k] != mine[k] for k in ("stage", "world_size", "rank")):
+            raise ValueError(
+                f"state_dict holds only rank {meta['rank']}'s shard of a stage-{meta['stage']} "
+                f"ZeroAdamW over {meta['world_size']} ranks; this optimizer is rank "
+                f"{mine['rank']} of {mine['world_size']} at stage {mine['stage']}. A per-rank "
+                "state dict loads only on the rank (world size and stage) that saved it: save "
+                "opt.state_dict() on every rank, or use opt.full_state_dict() (torch AdamW "
+                "format, loadable anywhere) or zerokern.save_checkpoint")
         if st:
             self._build(list(meta.get("ready_order") or []) or None)
             mine = self._meta()

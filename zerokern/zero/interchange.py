@@ -1,0 +1,145 @@
+"""Optimizer state in torch.optim.AdamW's own format, out and in (as torch's
+``get_optimizer_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))``
+gives it for FSDP): ``{"state": {i: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups":
+[...]}`` with ``i`` numbering the parameters of ``param_groups`` as torch does.
+
+Built one parameter at a time from the sharded state (``shards()``): every rank puts its
+ranges into a zeroed full-size buffer and one all-reduce sums them, so the peak extra memory
+is one parameter's state plus what is returned. A mixin of ZeroAdamW.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .validate import check_hparams
+
+_TORCH_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def _adamw_defaults() -> dict[str, Any]:
+    """The group keys torch's AdamW of this torch version has (amsgrad, foreach, ...), so that
+    AdamW(...).load_state_dict of what we return can step."""
+    probe = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+
+
+def is_torch_format(sd: dict[str, Any]) -> bool:
+    return "zerokern" not in sd and isinstance(sd.get("state"), dict) and \
+        isinstance(sd.get("param_groups"), list)
+
+
+class InterchangeMixin:
+    """Needs the optimizer's _params, _shapes, _index, _steps, comm, stage, param_groups,
+    shards() and edit_shards()."""
+
+    def full_state_dict(self, *, rank0_only: bool = True,
+                        cpu_offload: bool = True) -> dict[str, Any]:
+        """This optimizer's whole state in torch.optim.AdamW's format, on rank 0 (other ranks
+        get ``{}``) or, with ``rank0_only=False``, on every rank; tensors on the CPU with
+        ``cpu_offload``. A collective: call it on every rank. The moments are fp32 whatever
+        the parameters' dtype (what AdamW holds for fp32 parameters; the fp32 master of
+        16-bit parameters is not part of torch's format). For interchange and small models;
+        at scale use save_checkpoint, where each rank writes its own part."""
+        keep = not rank0_only or self.comm.rank == 0
+        torch_index, groups = self._torch_numbering()
+        state: dict[int, dict[str, Any]] = {}
+        with torch.no_grad():
+            for sh in self.shards():
+                if sh.step == 0:
+                    continue  # torch's AdamW has no state for a parameter never stepped
+                full = {}
+                for key in ("exp_avg", "exp_avg_sq"):
+                    buf = torch.zeros(sh.numel, dtype=torch.float32, device=sh.param.device)
+                    for r in sh.ranges:
+                        buf.narrow(0, r.start, r.numel).copy_(getattr(r, key))
+                    if self.stage != 0:  # stage 0: every rank holds all of it already
+                        self.comm.all_reduce(buf, f"{key} of parameter {sh.index}",
+                                             count=False)
+                    full[key] = buf.view(sh.shape)
+                if keep:
+                    entry = {"step": torch.tensor(float(sh.step))}
+                    for key, t in full.items():
+                        entry[key] = t.cpu() if cpu_offload else t
+                    state[torch_index[sh.index]] = entry
+        if not keep:
+            return {}
+        return {"state": state, "param_groups": groups}
+
+    def _torch_numbering(self) -> tuple[dict[int, int], list[dict[str, Any]]]:
+        """Managed index -> torch's index (every parameter of every group, in order), and the
+        groups in torch's format with AdamW's default keys filled in."""
+        defaults = _adamw_defaults()
+        torch_index: dict[int, int] = {}
+        groups = []
+        k = 0
+        for g in self.param_groups:
+            ids = []
+            for p in g["params"]:
+                i = self._index.get(id(p))
+                if i is not None:
+                    torch_index[i] = k
+                ids.append(k)
+                k += 1
+            out = {**defaults, **{key: v for key, v in g.items() if key != "params"}}
+            out["betas"] = tuple(out["betas"])
+            out["params"] = ids
+            groups.append(out)
+        return torch_index, groups
+
+    def _load_torch_format(self, sd: dict[str, Any]) -> None:
+        """Each rank keeps its part of a full torch.optim.AdamW state dict (every rank passes
+        the same dict; from any world size, or a single-process AdamW run). The fp32 master
+        of 16-bit parameters is taken from the current parameters."""
+        torch_index, _ = self._torch_numbering()
+        groups = sd["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer has "
+                             f"{len(self.param_groups)}")
+        for gi, (g, sg) in enumerate(zip(self.param_groups, groups)):
+            if len(sg.get("params", [])) != len(g["params"]):
+                raise ValueError(f"state_dict: param group {gi} has {len(sg['params'])} "
+                                 f"parameters there and {len(g['params'])} here")
+        state = sd["state"]
+        for i, shape in enumerate(self._shapes):
+            st = state.get(torch_index[i], state.get(str(torch_index[i])))
+            if not st:
+                continue
+            missing = [k for k in _TORCH_KEYS if k not in st]
+            if missing:
+                raise ValueError(f"state_dict: parameter {torch_index[i]} has no {missing[0]}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                if tuple(st[key].shape) != tuple(shape):
+                    raise ValueError(
+                        f"state_dict: {key} of parameter {torch_index[i]} has shape "
+                        f"{tuple(st[key].shape)}, the parameter {tuple(shape)}: it comes from "
+                        "another model")
+            step = float(st["step"])
+            if step < 0 or step != int(step):
+                raise ValueError(f"state_dict: step of parameter {torch_index[i]} is {step}")
+        for gi, sg in enumerate(groups):
+            hp = {k: sg.get(k, g[k]) for g in [self.param_groups[gi]]
+                  for k in ("lr", "betas", "eps", "weight_decay")}
+            check_hparams(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"],
+                          f" (state_dict param group {gi})")
+        with torch.no_grad(), self.edit_shards() as shards:
+            # torch's format has no fp32 master: the 16-bit parameters' master is taken from
+            # the current parameters (load the model first), as a fresh optimizer's is.
+            self._engine.init_master()
+            for sh in shards:
+                st = state.get(torch_index[sh.index], state.get(str(torch_index[sh.index])))
+                sh.step = int(float(st["step"])) if st else 0
+                for key in ("exp_avg", "exp_avg_sq"):
+                    flat = st[key].reshape(-1) if st else None
+                    for r in sh.ranges:
+                        dst = getattr(r, key)
+                        if flat is None:
+                            dst.zero_()
+                        else:
+                            dst.copy_(flat[r.start:r.start + r.numel])
+        for g, sg in zip(self.param_groups, groups):
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                if key in sg:
+                    g[key] = tuple(sg[key]) if key == "betas" else sg[key]
