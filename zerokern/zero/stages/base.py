@@ -134,6 +134,20 @@ class Engine(ABC):
             grad_scale=grad_scale, param_lp=lp, backend=self.backend,
         )
 
+    def update_in_place(self, runs: list[Run], groups: list[dict[str, Any]],
+                        grad_scale: float, grads: torch.Tensor, params: torch.Tensor) -> None:
+        """The update when local range [s, e) of ``grads`` and ``params`` (the 16-bit or fp32
+        parameters) is the same range of the state (stage 0: everything; stage 3: the unit
+        slices): fp32 parameters are updated in place, 16-bit ones through the master."""
+        for r in runs:
+            s, n = r.start, r.stop - r.start
+            grad, own = grads.narrow(0, s, n), params.narrow(0, s, n)
+            if self.master is not None:
+                self.fused(groups[r.group], self.master.narrow(0, s, n), grad, s, n, r.step,
+                           grad_scale, own)
+            else:
+                self.fused(groups[r.group], own, grad, s, n, r.step, grad_scale, None)
+
     @abstractmethod
     def end_step(self) -> None:
         """Forget this step's gradients (after step())."""

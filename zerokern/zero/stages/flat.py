@@ -37,8 +37,17 @@ class FlatEngine(Engine):
         self.reducer = GradReducer(layout, params, self, overlap=self.overlap, backend=backend,
                                    max_inflight=self.max_inflight())
 
+    @classmethod
+    def buffer_specs(cls, layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
+        """Stages 0-1: the flat parameters, a full-size flat gradient, the state."""
+        return [BufferSpec("params", layout.flat_numel, dtype),
+                BufferSpec("grads", layout.flat_numel, dtype),
+                *cls.state_specs(layout, dtype)]
+
     def alloc_grads(self) -> None:
-        """The stage's gradient buffers (the flat gradient, or the gradient shard)."""
+        """The stage's gradient buffers: stages 0-1 a persistent full-size flat gradient (its
+        buckets are what autograd accumulates into); stage 2 overrides this."""
+        self.flat_grad = self.alloc("grads", self.layout.flat_numel, self.dtype)
 
     def max_inflight(self) -> int | None:
         return None
@@ -78,7 +87,7 @@ class FlatEngine(Engine):
         self.reducer.sync = value
 
     def zero_grad(self, set_to_none: bool) -> None:
-        keep_views = not set_to_none and getattr(self, "flat_grad", None) is not None
+        keep_views = not set_to_none  # stages 0-1 (stage 2 has its own zero_grad)
         for i, p in enumerate(self.params):
             if keep_views:
                 off = self.layout.param_flat_offset[i]

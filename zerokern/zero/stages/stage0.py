@@ -14,23 +14,13 @@ import torch
 
 from ... import ops
 from ...comm import Handle
-from ..layout import Layout
-from .base import BufferSpec, Run, average_
+from .base import Run, average_
 from .flat import FlatEngine
 
 
 class Stage0(FlatEngine):
     stage = 0
     replicated_grads = True
-
-    @classmethod
-    def buffer_specs(cls, layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
-        return [BufferSpec("params", layout.flat_numel, dtype),
-                BufferSpec("grads", layout.flat_numel, dtype),
-                *cls.state_specs(layout, dtype)]
-
-    def alloc_grads(self) -> None:
-        self.flat_grad = self.alloc("grads", self.layout.flat_numel, self.dtype)
 
     # -- gradients: all-reduce each bucket in place --------------------------------------------
     def start_reduce(self, b: int, src: torch.Tensor, accumulate: bool) -> Handle | None:
@@ -50,15 +40,7 @@ class Stage0(FlatEngine):
     # -- update: everything, on every rank ----------------------------------------------------
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:
-        for r in runs:
-            s, n = r.start, r.stop - r.start
-            grad = self.flat_grad.narrow(0, s, n)
-            own = self.flat_param.narrow(0, s, n)
-            if self.master is not None:
-                self.fused(groups[r.group], self.master.narrow(0, s, n), grad, s, n, r.step,
-                           grad_scale, own)
-            else:
-                self.fused(groups[r.group], own, grad, s, n, r.step, grad_scale, None)
+        self.update_in_place(runs, groups, grad_scale, self.flat_grad, self.flat_param)
 
     # -- sharded state (local == flat) ---------------------------------------------------------
     def values(self, start: int, numel: int) -> torch.Tensor:

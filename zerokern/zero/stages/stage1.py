@@ -16,22 +16,12 @@ import torch
 
 from ... import ops
 from ...comm import Handle
-from ..layout import Layout
-from .base import BufferSpec, Run, average_
+from .base import Run, average_
 from .flat import FlatEngine
 
 
 class Stage1(FlatEngine):
     stage = 1
-
-    @classmethod
-    def buffer_specs(cls, layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
-        return [BufferSpec("params", layout.flat_numel, dtype),
-                BufferSpec("grads", layout.flat_numel, dtype),
-                *cls.state_specs(layout, dtype)]
-
-    def alloc_grads(self) -> None:
-        self.flat_grad = self.alloc("grads", self.layout.flat_numel, self.dtype)
 
     def max_inflight(self) -> int | None:
         # Each in-place exchange of gloo's point-to-point reduce-scatter holds a receive

@@ -62,15 +62,7 @@ class Stage3(Engine):
     # -- update: this rank's slices ------------------------------------------------------------
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:
-        for r in runs:
-            s, n = r.start, r.stop - r.start
-            grad = self.rt.local_grads.narrow(0, s, n)
-            own = self.rt.local_params.narrow(0, s, n)
-            if self.master is not None:
-                self.fused(groups[r.group], self.master.narrow(0, s, n), grad, s, n, r.step,
-                           grad_scale, own)
-            else:
-                self.fused(groups[r.group], own, grad, s, n, r.step, grad_scale, None)
+        self.update_in_place(runs, groups, grad_scale, self.rt.local_grads, self.rt.local_params)
 
     # -- sharded state ----------------------------------------------------------------------
     def values(self, start: int, numel: int) -> torch.Tensor:
