@@ -17,7 +17,7 @@ if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "$TORCH_SPEC"
 fi
 python -m pip install -q "setuptools>=64" wheel "pybind11>=2.10" ninja pytest ruff numpy \
-  safetensors matplotlib
+  safetensors matplotlib transformers accelerate pytorch-lightning
 
 # nvcc is optional: with it the CUDA kernels compile (they cannot run without a GPU).
 # setup.py finds the toolkit behind the nvcc on PATH (CUDA_HOME overrides).
