@@ -115,6 +115,17 @@ def clip_method_case(rank, world, stage):
         assert a.shape == () and math.isclose(a.item(), b.item(), rel_tol=1e-5)
         assert math.isclose(opt.last_grad_norm, b.item(), rel_tol=1e-5)
         _step_both(opt, ropt)
+    # max_norm=inf (the HF Trainer's way to log the norm without clipping): the norm, and
+    # the step is the unclipped one.
+    x, y = batch(7, rank)
+    F.cross_entropy(ours(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    _ref_average(ref, world)
+    a = torch.nn.utils.clip_grad_norm_(ours.parameters(), math.inf)
+    b = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None],
+                                       math.inf)
+    assert math.isclose(a.item(), b.item(), rel_tol=1e-5)
+    _step_both(opt, ropt)
     _same_params(ours, ref, "clip")
     # A subset of the parameters, or a norm other than 2: refused, naming what to call.
     x, y = batch(9, rank)

@@ -293,16 +293,19 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         gradients."""
         if float(norm_type) != 2.0:
             raise ValueError(f"norm_type: ZeroAdamW clips by the 2-norm only, got {norm_type!r}")
+        # max_norm=inf is torch's way to ask for the norm alone (the HF Trainer logs it so).
         if not (isinstance(max_norm, (int, float)) or torch.is_tensor(max_norm)) or \
-                not finite_ge0(max_norm):
-            raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm!r}")
+                not (finite_ge0(max_norm) or float(max_norm) == math.inf):
+            raise ValueError(f"max_norm must be a number >= 0 (inf: no clipping), got "
+                             f"{max_norm!r}")
         red = self._reduce_grads(need_norm=True)
         if error_if_nonfinite and not math.isfinite(red.norm):
             raise RuntimeError(
                 "The total norm of order 2.0 for gradients from `parameters` is non-finite, "
                 "so it cannot be clipped. To disable this error and scale the gradients by "
                 "the non-finite norm anyway, set `error_if_nonfinite=False`")
-        red.clip *= min(1.0, float(max_norm) / (red.norm * red.clip + 1e-6))
+        if float(max_norm) != math.inf:
+            red.clip *= min(1.0, float(max_norm) / (red.norm * red.clip + 1e-6))
         return torch.tensor(red.norm * red.clip_before, device=self.device)
 
     def _reduce_grads(self, need_norm: bool = False) -> _Reduced:
