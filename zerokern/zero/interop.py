@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from typing import Any
 
@@ -72,13 +73,41 @@ _DDP_MESSAGE = (
     "plain model's parameters.")
 
 
+# Trainers that wrap the model in DDP themselves, by the top-level package of the code that
+# called DDP(...), and what to use instead: the first match from the innermost frame wins
+# (Accelerate is called by the HF Trainer, so the Trainer is looked for first).
+_TRAINER_HINTS = (
+    ("transformers", "the HF Trainer wraps the model in DDP: use "
+     "zerokern.integrations.transformers.ZeroTrainer instead of transformers.Trainer"),
+    ("pytorch_lightning", "Lightning's DDP strategy wraps the model: use "
+     "pl.Trainer(strategy=zerokern.integrations.lightning.ZeroStrategy(...))"),
+    ("lightning", "Lightning's DDP strategy wraps the model: use "
+     "pl.Trainer(strategy=zerokern.integrations.lightning.ZeroStrategy(...))"),
+    ("accelerate", "accelerate.Accelerator.prepare wraps the model in DDP: use "
+     "zerokern.integrations.accelerate.ZeroAccelerator instead of Accelerator"),
+)
+
+
+def _trainer_hint() -> str:
+    """What to use instead, when a known trainer is the caller of DDP(...)."""
+    found: set[str] = set()
+    frame = sys._getframe(2)
+    while frame is not None:
+        found.add(str(frame.f_globals.get("__name__", "")).split(".")[0])
+        frame = frame.f_back
+    for package, hint in _TRAINER_HINTS:
+        if package in found:
+            return f" Here {hint}."
+    return ""
+
+
 @functools.wraps(_DDP_INIT)
 def _ddp_init(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
     for p in module.parameters():
         if optimizer_of(p) is not None or runtime_of_param(p) is not None:
             raise RuntimeError("DistributedDataParallel(model): the model's parameters are "
                                "managed by zerokern (ZeroAdamW or shard_model). "
-                               + _DDP_MESSAGE)
+                               + _DDP_MESSAGE + _trainer_hint())
     _DDP_INIT(self, module, *args, **kwargs)
 
 

@@ -57,6 +57,7 @@ def shard_model(
     unit_classes: tuple[type, ...] | list[type] | None = None,
     prefetch: int = 1,
     reshard_after_forward: bool = True,
+    offload_params: bool = False,
 ) -> nn.Module:
     """Partition ``model``'s parameters in place for ZeRO stage 3 and return it.
 
@@ -65,7 +66,14 @@ def shard_model(
     rank stores 1/N of every unit; a unit is all-gathered before its forward and its backward
     and released afterwards; gradients are reduce-scattered as soon as its backward is done.
     Use with ``ZeroAdamW(model.parameters(), stage=3)``.
+
+    ``offload_params=True`` (ZeRO-Infinity's ``offload_param``): each rank's parameter slice
+    lives in host memory (pinned on CUDA) between uses and is copied to the device just
+    before its unit's all-gather (prefetched units with the unit before them). Use with
+    ``ZeroAdamW(..., stage=3, offload="cpu")``.
     """
+    if not isinstance(offload_params, bool):
+        raise TypeError(f"offload_params must be True or False, got {offload_params!r}")
     comm = Comm(process_group)
     # Every rank selects its units, then all compare (or learn of a rank's error) before
     # anything is modified: a check that failed on one rank alone would leave the others
@@ -76,9 +84,10 @@ def shard_model(
     except (ValueError, TypeError, RuntimeError) as exc:
         units, names, params, failure = [], {}, [], exc
     _check_units_same_on_all_ranks(comm, units, names, prefetch, reshard_after_forward,
-                                   failure)
+                                   failure, offload_params)
     rt = Stage3Runtime(
-        model, units, comm, prefetch=prefetch, reshard_after_forward=reshard_after_forward
+        model, units, comm, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+        offload_params=offload_params,
     )
     rt.param_names = {id(p): names[id(p)] for p in params}
     rt.shard_parameters()
@@ -154,6 +163,7 @@ def _select_units(
 def _check_units_same_on_all_ranks(
     comm: Comm, units: list[tuple[str, nn.Module, list[nn.Parameter]]], names: dict[int, str],
     prefetch: int, reshard_after_forward: bool, failure: BaseException | None = None,
+    offload_params: bool = False,
 ) -> None:
     """Raise on every rank, before anything is modified, when a rank's arguments were
     refused (``failure``) or the ranks would partition different models: otherwise the
@@ -161,7 +171,7 @@ def _check_units_same_on_all_ranks(
     (30 minutes by default)."""
     sig = {
         "error": None if failure is None else f"{type(failure).__name__}: {failure}",
-        "options": (prefetch, reshard_after_forward),
+        "options": (prefetch, reshard_after_forward, offload_params),
         "units": [(uname, [(names[id(p)], tuple(p.shape), str(p.dtype)) for p in ps])
                   for uname, _, ps in units],
     }
@@ -177,8 +187,8 @@ def _check_units_same_on_all_ranks(
             continue
         if other["options"] != ref["options"]:
             raise ValueError(
-                f"shard_model arguments differ across ranks: (prefetch, reshard_after_forward) "
-                f"is {ref['options']} on rank 0 but {other['options']} on rank {r}")
+                f"shard_model arguments differ across ranks: (prefetch, reshard_after_forward, "
+                f"offload_params) is {ref['options']} on rank 0 but {other['options']} on rank {r}")
         a, b = ref["units"], other["units"]
         if len(a) != len(b):
             raise ValueError(
@@ -223,9 +233,14 @@ def _load_state_dict_pre_hook(
     its own fp32 master."""
     rt = registry.runtime_of_module(module)
     assert rt is not None  # the hook is registered by shard_model only
-    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     given = {n: state_dict[prefix + n] for n, p in module.named_parameters(remove_duplicate=False)
              if prefix + n in state_dict}
+    # A tied parameter has several names, and a state dict may hold only one of them (HF's
+    # save_pretrained drops the tied lm_head.weight): any name given loads it.
+    value_of: dict[int, torch.Tensor] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if n in given:
+            value_of.setdefault(id(p), given[n])
     if any(tuple(t.shape) != tuple(rt.shape_of(p)) for n, p in
            module.named_parameters(remove_duplicate=False) if (t := given.get(n)) is not None):
         _TAKEN[module] = set()
@@ -234,7 +249,7 @@ def _load_state_dict_pre_hook(
         for u in rt.units:
             for sp in u.plan.rank_pieces(rt.comm.rank):
                 p = u.params[sp.param_index]
-                full = given.get(names[id(p)])
+                full = value_of.get(id(p))
                 if full is None:
                     continue  # load_state_dict reports it as missing
                 rt.local_params.narrow(0, u.shard_start + sp.local_offset, sp.numel).copy_(

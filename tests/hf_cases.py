@@ -1,0 +1,135 @@
+"""Rank-side cases of tests/test_integration_transformers.py (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from integration_common import (
+    ACCUM,
+    MAX_NORM,
+    SAVE_AT,
+    STEPS,
+    TokenData,
+    assert_params_close,
+    tiny_gpt2,
+    torchrun_env,
+)
+
+import zerokern
+
+
+def _args(out: str, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=ACCUM,
+                max_steps=STEPS, learning_rate=3e-3, weight_decay=0.1, adam_beta2=0.95,
+                max_grad_norm=MAX_NORM, warmup_steps=2, logging_steps=1,
+                save_strategy="steps", save_steps=SAVE_AT, report_to=[], use_cpu=True,
+                seed=0, disable_tqdm=True, optim="adamw_torch", dataloader_num_workers=0)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def _logs(trainer) -> tuple[list[float], list[float]]:
+    rows = [r for r in trainer.state.log_history if "loss" in r and "grad_norm" in r]
+    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    full = zerokern.full_state_dict(model, rank0_only=False)
+    return {n: full[n] for n, _ in model.named_parameters()}
+
+
+def _reference(out: str):
+    """The plain Trainer with torch AdamW: Accelerate wraps the model in DDP."""
+    from transformers import Trainer
+
+    model = tiny_gpt2()
+    tr = Trainer(model=model, args=_args(out), train_dataset=TokenData())
+    tr.train()
+    assert isinstance(tr.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+    return _logs(tr), _params(model)
+
+
+def _zero(out: str, stage: int, resume: str | None = None, seed: int = 0):
+    from zerokern.integrations.transformers import ZeroTrainer
+
+    model = tiny_gpt2(seed)
+    tr = ZeroTrainer(model=model, args=_args(out), train_dataset=TokenData(), zero_stage=stage,
+                     bucket_numel=97)
+    tr.train(resume_from_checkpoint=resume)
+    assert tr.model_wrapped is model, "ZeroTrainer must not wrap the model (no DDP)"
+    return tr, _logs(tr), _params(model)
+
+
+def parity_and_resume(rank: int, world: int, stage: int, tmp: str) -> None:
+    torchrun_env(rank, world)
+    (ref_loss, ref_norm), ref_params = _reference(os.path.join(tmp, "ref"))
+    assert len(ref_norm) == STEPS and all(n > MAX_NORM for n in ref_norm), \
+        "clipping must fire on every step for the test to mean anything"
+
+    out = os.path.join(tmp, f"zero{stage}")
+    tr, (loss, norm), params = _zero(out, stage)
+    # The logged loss and grad_norm are the true global ones, step by step.
+    for i, (a, b) in enumerate(zip(norm, ref_norm, strict=True)):
+        assert math.isclose(a, b, rel_tol=1e-5), ("grad_norm", i, a, b)
+    for i, (a, b) in enumerate(zip(loss, ref_loss, strict=True)):
+        assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6), ("loss", i, a, b)
+    assert_params_close(params, ref_params, f"stage {stage} vs DDP + AdamW")
+    assert tr.zero_optimizer.comm_stats() is not None
+
+    # Each rank wrote its part of a zerokern checkpoint; resume in a fresh trainer whose model
+    # starts elsewhere (seed 1) and reach the same step-20 parameters.
+    ckpt = os.path.join(out, f"checkpoint-{SAVE_AT}")
+    assert os.path.isdir(os.path.join(ckpt, "zerokern"))
+    assert not os.path.exists(os.path.join(ckpt, "optimizer.pt"))
+    _, _, resumed = _zero(os.path.join(tmp, f"resumed{stage}"), stage, resume=ckpt, seed=1)
+    assert_params_close(resumed, params, f"stage {stage} resumed from step {SAVE_AT}",
+                        tol=1e-6)
+
+    # save_model: a normal HF checkpoint of the full parameters, at stage 3 too.
+    final = os.path.join(tmp, f"final{stage}")
+    tr.save_model(final)
+    torch.distributed.barrier()
+    if rank == 0:
+        from transformers import GPT2LMHeadModel
+
+        loaded = GPT2LMHeadModel.from_pretrained(final)
+        assert os.path.isfile(os.path.join(final, "model.safetensors"))
+        assert_params_close(dict(loaded.named_parameters()), params, "save_model", tol=0)
+    torch.distributed.barrier()
+
+
+def plain_trainer_is_refused(rank: int, world: int, tmp: str) -> None:
+    """transformers.Trainer(optimizers=(ZeroAdamW, None)) on several ranks: an error that
+    names ZeroTrainer, before any step."""
+    from transformers import Trainer
+
+    torchrun_env(rank, world)
+    model = tiny_gpt2()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=2)
+    tr = Trainer(model=model, args=_args(os.path.join(tmp, "plain")), train_dataset=TokenData(),
+                 optimizers=(opt, None))
+    with pytest.raises(RuntimeError, match="ZeroTrainer"):
+        tr.train()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def resume_from_plain_trainer(rank: int, world: int, stage: int, tmp: str) -> None:
+    """A checkpoint of the plain Trainer (optimizer.pt in torch AdamW's format, rank 0's file)
+    resumes in ZeroTrainer at any stage and reaches the plain Trainer's step-20 parameters."""
+    from transformers import Trainer
+
+    torchrun_env(rank, world)
+    model = tiny_gpt2()
+    ref_out = os.path.join(tmp, "ref")
+    Trainer(model=model, args=_args(ref_out), train_dataset=TokenData()).train()
+    ref = _params(model)
+    _, _, resumed = _zero(os.path.join(tmp, "from_plain"), stage,
+                          resume=os.path.join(ref_out, f"checkpoint-{SAVE_AT}"), seed=1)
+    assert_params_close(resumed, ref, f"stage {stage} resumed from a plain Trainer checkpoint")

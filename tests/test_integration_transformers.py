@@ -1,0 +1,31 @@
+"""ZeroTrainer (zerokern.integrations.transformers) on 2 gloo ranks against the plain HF
+Trainer with torch AdamW and its DDP: the same losses, logged grad norms and parameters at
+stages 0-3 with accumulation and clipping that fires; save at step 10 and resume; save_model
+writes a loadable HF checkpoint; a plain Trainer given a ZeroAdamW is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed")
+pytest.importorskip("accelerate", reason="accelerate is not installed")
+
+import hf_cases  # noqa: E402
+from dist_utils import run_ranks  # noqa: E402
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_trainer_matches_trainer_with_ddp_and_resumes(stage, tmp_path):
+    run_ranks(2, hf_cases.parity_and_resume, stage, str(tmp_path), tmp_path=tmp_path,
+              isolated=True)
+
+
+def test_plain_trainer_with_zero_adamw_is_refused(tmp_path):
+    run_ranks(2, hf_cases.plain_trainer_is_refused, str(tmp_path), tmp_path=tmp_path,
+              isolated=True)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_from_a_plain_trainer_checkpoint(stage, tmp_path):
+    run_ranks(2, hf_cases.resume_from_plain_trainer, stage, str(tmp_path), tmp_path=tmp_path,
+              isolated=True)

@@ -1,0 +1,234 @@
+"""ZeroAdamW inside the Hugging Face Trainer: ``ZeroTrainer``.
+
+``transformers.Trainer`` assumes the optimizer is a torch one and the model is wrapped in DDP:
+it clips with ``clip_grad_norm_``, steps, calls ``model.zero_grad()``, saves ``optimizer.pt``
+from rank 0 and the model with ``save_pretrained`` from rank 0. ``ZeroTrainer`` keeps the
+Trainer's loop and arguments and changes what ZeroAdamW needs:
+
+- the accelerator is a ``ZeroAccelerator`` (no DDP wrap; ``no_sync`` on the accumulation
+  micro-steps is ZeroAdamW's; ``clip_grad_norm_`` is ZeroAdamW's global norm, so the logged
+  ``grad_norm`` is the norm over all ranks);
+- the optimizer is a ZeroAdamW built from the Trainer's own settings (``learning_rate``,
+  ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay`` with the Trainer's decay / no-decay
+  groups), or the ZeroAdamW given through ``optimizers=``;
+- at stage 3 the model is partitioned with ``shard_model`` at construction, with the model's
+  ``_no_split_modules`` as units unless ``unit_classes`` is given;
+- checkpoints: every rank writes its part of a zerokern checkpoint into
+  ``checkpoint-N/zerokern`` (model and optimizer, exact), rank 0 the scheduler, RNG and trainer
+  state as usual; ``resume_from_checkpoint`` reads it back. A checkpoint of a plain Trainer
+  (``optimizer.pt`` in torch AdamW's format) also resumes, at any stage and world size;
+- ``save_model`` writes a normal HF checkpoint (safetensors of the full parameters) at every
+  stage; at stage 3 the units are gathered one at a time (call it on every rank, as the
+  Trainer does).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..zero import ZeroAdamW, shard_model
+from ..zero.registry import runtime_of_module
+from ..zero.shard import full_state_dict
+from ._optional import require
+from .accelerate import ZeroAccelerator, unwrap_optimizer
+
+_tf = require("transformers", "transformers", "transformers")
+_trainer_mod = require("transformers.trainer", "transformers", "transformers")
+
+# The Trainer's own file names (transformers.trainer constants).
+SCHEDULER_NAME = _trainer_mod.SCHEDULER_NAME
+OPTIMIZER_NAME = _trainer_mod.OPTIMIZER_NAME
+# Inside a Trainer checkpoint-N directory: zerokern's sharded checkpoint of model + optimizer.
+ZERO_CHECKPOINT = "zerokern"
+# TrainingArguments.optim values that are torch's AdamW (what ZeroAdamW computes).
+_ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+
+
+def _units_by_name(model: torch.nn.Module, names: Iterable[str]) -> tuple[type, ...]:
+    wanted = set(names)
+    found = {type(m) for m in model.modules() if type(m).__name__ in wanted}
+    missing = wanted - {c.__name__ for c in found}
+    if missing:
+        raise ValueError(f"ZeroTrainer: unit class {sorted(missing)[0]!r} (from unit_classes or "
+                         f"the model's _no_split_modules) is not a module of the model")
+    return tuple(sorted(found, key=lambda c: c.__name__))
+
+
+def resolve_units(model: torch.nn.Module,
+                  unit_classes: Iterable[type | str] | None) -> tuple[type, ...] | None:
+    """The stage-3 unit classes: ``unit_classes`` (classes or class names) if given, else the
+    model's ``_no_split_modules`` (the blocks HF's FSDP auto-wrap policy shards by), else None
+    (shard_model's default)."""
+    if unit_classes is None:
+        names = getattr(model, "_no_split_modules", None)
+        return _units_by_name(model, names) if names else None
+    classes = [c for c in unit_classes if isinstance(c, type)]
+    names = [c for c in unit_classes if isinstance(c, str)]
+    if len(classes) + len(names) != len(list(unit_classes)):
+        raise TypeError("ZeroTrainer: unit_classes must hold module classes or class names")
+    return tuple(classes) + (_units_by_name(model, names) if names else ())
+
+
+class _ZeroGradAfterStep(_tf.TrainerCallback):
+    """The Trainer ends a step with ``model.zero_grad()``, which cannot reach the gradient
+    buffers ZeroAdamW keeps for stages 1-3; ZeroAdamW's own zero_grad runs right after step."""
+
+    def __init__(self, trainer: ZeroTrainer) -> None:
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.zero_optimizer.zero_grad()
+
+
+class ZeroTrainer(_tf.Trainer):
+    """``transformers.Trainer`` training with ZeroAdamW at ``zero_stage`` 0-3.
+
+    Takes the Trainer's arguments and, by keyword: ``zero_stage`` (default 2, or the stage of
+    the ZeroAdamW given in ``optimizers``), ``unit_classes`` (stage 3: module classes or class
+    names; default the model's ``_no_split_modules``), ``prefetch`` and
+    ``reshard_after_forward`` (shard_model's), ``bucket_numel`` and ``overlap_comm``
+    (ZeroAdamW's). ``max_grad_norm`` of TrainingArguments is applied as ZeroAdamW's global norm.
+    """
+
+    def __init__(self, *args: Any, zero_stage: int | None = None,
+                 unit_classes: Iterable[type | str] | None = None, prefetch: int = 1,
+                 reshard_after_forward: bool = True, bucket_numel: int | None = None,
+                 overlap_comm: bool = True, **kwargs: Any) -> None:
+        given = kwargs.get("optimizers", (None, None))
+        given_opt = unwrap_optimizer(given[0]) if given and given[0] is not None else None
+        if given_opt is not None and not isinstance(given_opt, ZeroAdamW):
+            raise TypeError(f"ZeroTrainer(optimizers=...): got a {type(given_opt).__name__}; "
+                            "ZeroTrainer trains with zerokern.ZeroAdamW (or pass none and it "
+                            "builds one from the TrainingArguments)")
+        if given_opt is not None:
+            if zero_stage is not None and zero_stage != given_opt.stage:
+                raise ValueError(f"ZeroTrainer: zero_stage={zero_stage} but the ZeroAdamW "
+                                 f"given in optimizers is stage {given_opt.stage}")
+            zero_stage = given_opt.stage
+        zero_stage = 2 if zero_stage is None else zero_stage
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeroTrainer: zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        if kwargs.get("model_init") is not None:
+            raise ValueError("ZeroTrainer: model_init (hyperparameter search) is not supported; "
+                             "pass the model")
+        targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if targs is not None:
+            self._check_args(targs, given_opt is not None)
+        self.zero_stage = zero_stage
+        self._zero_options = dict(bucket_numel=bucket_numel, overlap_comm=overlap_comm)
+        self._unit_classes = unit_classes
+        self._shard_options = dict(prefetch=prefetch,
+                                   reshard_after_forward=reshard_after_forward)
+        super().__init__(*args, **kwargs)
+        self._check_args(self.args, given_opt is not None)
+        if zero_stage == 3 and runtime_of_module(self.model) is None:
+            if given_opt is not None:
+                raise ValueError("ZeroTrainer: the ZeroAdamW given is stage 3 but the model was "
+                                 "not partitioned by zerokern.shard_model")
+            shard_model(self.model, unit_classes=resolve_units(self.model, unit_classes),
+                        **self._shard_options)
+        self.add_callback(_ZeroGradAfterStep(self))
+
+    @staticmethod
+    def _check_args(targs: Any, have_optimizer: bool) -> None:
+        if getattr(targs, "fp16", False):
+            raise ValueError("ZeroTrainer: TrainingArguments(fp16=True) uses Accelerate's "
+                             "GradScaler, which reads p.grad (ZeroAdamW keeps flat shards); "
+                             "use bf16=True")
+        if not have_optimizer and getattr(targs, "optim", "adamw_torch") not in _ADAMW_OPTIMS:
+            raise ValueError(f"ZeroTrainer: TrainingArguments(optim={targs.optim!r}); "
+                             "ZeroTrainer's optimizer is ZeroAdamW (AdamW): use optim="
+                             "'adamw_torch'")
+        if getattr(targs, "optim_args", None):
+            raise ValueError("ZeroTrainer: TrainingArguments(optim_args=...) is not used by "
+                             "ZeroAdamW; pass a ZeroAdamW through optimizers= instead")
+
+    # -- construction -----------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        # The Trainer builds `Accelerator(**args)` from the name in its module; ZeroAccelerator
+        # takes the same arguments.
+        plain = _trainer_mod.Accelerator
+        _trainer_mod.Accelerator = ZeroAccelerator
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            _trainer_mod.Accelerator = plain
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        trainable = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in trainable if n in decay],
+             "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0},
+        ]
+        self.optimizer = ZeroAdamW(
+            [g for g in groups if g["params"]], lr=self.args.learning_rate,
+            betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
+            weight_decay=self.args.weight_decay, stage=self.zero_stage, **self._zero_options)
+        return self.optimizer
+
+    @property
+    def zero_optimizer(self) -> ZeroAdamW:
+        """The ZeroAdamW inside the Trainer's (Accelerate-wrapped) optimizer."""
+        opt = unwrap_optimizer(self.optimizer)
+        if not isinstance(opt, ZeroAdamW):
+            raise RuntimeError("ZeroTrainer: the optimizer is not built yet (train() builds it)")
+        return opt
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # Every rank writes its own shards (a collective); rank 0 the scheduler, as the Trainer.
+        save_checkpoint(os.path.join(output_dir, ZERO_CHECKPOINT), self.model,
+                        self.zero_optimizer)
+        if self.args.should_save and self.lr_scheduler is not None:
+            with warnings.catch_warnings(record=True):
+                torch.save(self.lr_scheduler.state_dict(),
+                           os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str,
+                              model: torch.nn.Module | None = None) -> None:
+        # A zerokern checkpoint restores the model exactly (fp32 masters included) together
+        # with the optimizer, in _load_optimizer_and_scheduler; anything else is the Trainer's.
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, ZERO_CHECKPOINT)):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        zero_dir = os.path.join(checkpoint, ZERO_CHECKPOINT)
+        torch_opt = os.path.join(checkpoint, OPTIMIZER_NAME)
+        sched = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isdir(zero_dir):
+            load_checkpoint(zero_dir, self.model, self.zero_optimizer)
+        elif os.path.isfile(torch_opt):
+            # A plain Trainer's optimizer.pt: torch AdamW's format, which ZeroAdamW loads at
+            # any stage and world size (every rank reads the file).
+            self.zero_optimizer.load_state_dict(
+                torch.load(torch_opt, map_location="cpu", weights_only=True))
+        else:
+            return
+        if os.path.isfile(sched) and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if runtime_of_module(self.model) is None:
+            super().save_model(output_dir, _internal_call)
+            return
+        # Stage 3: gather the full parameters unit by unit on every rank (rank 0 keeps them),
+        # then the Trainer writes them as usual (safetensors, config) from rank 0.
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        state_dict = full_state_dict(self.model, rank0_only=True)
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
