@@ -14,18 +14,15 @@ import hf_cases  # noqa: E402
 from dist_utils import run_ranks  # noqa: E402
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_trainer_matches_trainer_with_ddp_and_resumes(stage, tmp_path):
-    run_ranks(2, hf_cases.parity_and_resume, stage, str(tmp_path), tmp_path=tmp_path,
-              isolated=True)
+    run_ranks(2, hf_cases.parity_and_resume, stage, str(tmp_path), tmp_path=tmp_path)
 
 
 def test_plain_trainer_with_zero_adamw_is_refused(tmp_path):
-    run_ranks(2, hf_cases.plain_trainer_is_refused, str(tmp_path), tmp_path=tmp_path,
-              isolated=True)
+    run_ranks(2, hf_cases.plain_trainer_is_refused, str(tmp_path), tmp_path=tmp_path)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_resume_from_a_plain_trainer_checkpoint(stage, tmp_path):
-    run_ranks(2, hf_cases.resume_from_plain_trainer, stage, str(tmp_path), tmp_path=tmp_path,
-              isolated=True)
+    run_ranks(2, hf_cases.resume_from_plain_trainer, stage, str(tmp_path), tmp_path=tmp_path)
