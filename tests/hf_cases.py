@@ -74,6 +74,11 @@ def parity_and_resume(rank: int, world: int, stage: int, tmp: str) -> None:
 
     out = os.path.join(tmp, f"zero{stage}")
     tr, (loss, norm), params = _zero(out, stage)
+    if stage == 3:  # units from the model's _no_split_modules: one per GPT2Block, and the root
+        from zerokern.zero.registry import runtime_of_module
+
+        units = runtime_of_module(tr.model).units
+        assert [type(u.module).__name__ for u in units if not u.is_root] == ["GPT2Block"] * 2
     # The logged loss and grad_norm are the true global ones, step by step.
     for i, (a, b) in enumerate(zip(norm, ref_norm, strict=True)):
         assert math.isclose(a, b, rel_tol=1e-5), ("grad_norm", i, a, b)
@@ -134,3 +139,37 @@ def resume_from_plain_trainer(rank: int, world: int, stage: int, tmp: str) -> No
     _, _, resumed = _zero(os.path.join(tmp, "from_plain"), stage,
                           resume=os.path.join(ref_out, f"checkpoint-{SAVE_AT}"), seed=1)
     assert_params_close(resumed, ref, f"stage {stage} resumed from a plain Trainer checkpoint")
+
+
+@as_launched
+def options_and_refusals(rank: int, world: int, tmp: str) -> None:
+    """A ZeroAdamW given through optimizers= trains as the one ZeroTrainer builds; what
+    ZeroTrainer cannot honour is refused when it is constructed."""
+    from transformers import Trainer
+
+    from zerokern.integrations.transformers import ZeroTrainer
+
+    kw = dict(max_steps=4, weight_decay=0.0, save_strategy="no")
+    built = tiny_gpt2()
+    ZeroTrainer(model=built, args=_args(os.path.join(tmp, "built"), **kw),
+                train_dataset=TokenData(), zero_stage=2).train()
+    given = tiny_gpt2()
+    opt = zerokern.ZeroAdamW(given.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
+                             weight_decay=0.0, stage=2)
+    ZeroTrainer(model=given, args=_args(os.path.join(tmp, "given"), **kw),
+                train_dataset=TokenData(), optimizers=(opt, None)).train()
+    assert_params_close(_params(given), _params(built), "optimizers=(ZeroAdamW, None)")
+
+    model = tiny_gpt2()
+    a = _args(os.path.join(tmp, "x"), **kw)
+    with pytest.raises(TypeError, match="ZeroTrainer trains with zerokern.ZeroAdamW"):
+        ZeroTrainer(model=model, args=a, optimizers=(torch.optim.AdamW(model.parameters()),
+                                                     None))
+    with pytest.raises(ValueError, match="zero_stage=3 but the ZeroAdamW"):
+        ZeroTrainer(model=model, args=a, zero_stage=3,
+                    optimizers=(zerokern.ZeroAdamW(model.parameters(), stage=1), None))
+    with pytest.raises(ValueError, match="optim='adafactor'"):
+        ZeroTrainer(model=model, args=_args(os.path.join(tmp, "x"), optim="adafactor", **kw))
+    with pytest.raises(ValueError, match="not a module of the model"):
+        ZeroTrainer(model=tiny_gpt2(), args=a, zero_stage=3, unit_classes=["NoSuchBlock"])
+    assert Trainer is not ZeroTrainer

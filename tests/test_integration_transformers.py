@@ -26,3 +26,7 @@ def test_plain_trainer_with_zero_adamw_is_refused(tmp_path):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_resume_from_a_plain_trainer_checkpoint(stage, tmp_path):
     run_ranks(2, hf_cases.resume_from_plain_trainer, stage, str(tmp_path), tmp_path=tmp_path)
+
+
+def test_options_and_refusals(tmp_path):
+    run_ranks(2, hf_cases.options_and_refusals, str(tmp_path), tmp_path=tmp_path)

@@ -141,8 +141,9 @@ class ZeroTrainer(_tf.Trainer):
             raise ValueError("ZeroTrainer: TrainingArguments(fp16=True) uses Accelerate's "
                              "GradScaler, which reads p.grad (ZeroAdamW keeps flat shards); "
                              "use bf16=True")
-        if not have_optimizer and getattr(targs, "optim", "adamw_torch") not in _ADAMW_OPTIMS:
-            raise ValueError(f"ZeroTrainer: TrainingArguments(optim={targs.optim!r}); "
+        optim = getattr(getattr(targs, "optim", "adamw_torch"), "value", None) or targs.optim
+        if not have_optimizer and optim not in _ADAMW_OPTIMS:
+            raise ValueError(f"ZeroTrainer: TrainingArguments(optim={optim!r}); "
                              "ZeroTrainer's optimizer is ZeroAdamW (AdamW): use optim="
                              "'adamw_torch'")
         if getattr(targs, "optim_args", None):
