@@ -221,6 +221,7 @@ class Arena:
         *,
         alignment: int = 256,
         core_cls: Callable[[int, int], Any] | None = None,
+        pin_memory: bool = False,
     ) -> None:
         cls = core_cls if core_cls is not None else _default_core_cls()
         # The core validates capacity and alignment before the buffer is allocated.
@@ -228,7 +229,10 @@ class Arena:
         self._oom_error: type[BaseException] = cls.OOMError
         self._capacity = int(capacity_bytes)
         self._alignment = int(alignment)
-        self._buffer = _aligned_buffer(self._capacity, self._alignment, device)
+        # pin_memory: page-locked host memory (needs CUDA), so copies between it and a GPU
+        # are DMA transfers that run asynchronously on a stream (ZeRO-Offload's host arena).
+        self._pinned = bool(pin_memory)
+        self._buffer = _aligned_buffer(self._capacity, self._alignment, device, self._pinned)
         self._live: dict[int, Block] = {}  # offset -> Block, mirrors the core's live blocks
         # Re-entrant so Block.bind can take it whether or not the caller already holds it.
         self._lock = threading.RLock()
@@ -238,6 +242,11 @@ class Arena:
     @property
     def capacity(self) -> int:
         return self._capacity
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the buffer is page-locked host memory."""
+        return self._pinned
 
     @property
     def alignment(self) -> int:
@@ -392,16 +401,18 @@ class Arena:
         )
 
 
-def _aligned_buffer(capacity: int, alignment: int, device: str | torch.device) -> torch.Tensor:
+def _aligned_buffer(capacity: int, alignment: int, device: str | torch.device,
+                    pin_memory: bool = False) -> torch.Tensor:
     """``capacity`` bytes whose first byte's address is a multiple of ``alignment``, so every
     block offset (a multiple of ``alignment``) is aligned in absolute terms too. The CPU
     allocator only guarantees 64 bytes (CUDA's caching allocator 512): allocate
     ``alignment - 1`` spare bytes when the base is not already aligned and narrow."""
-    raw = torch.empty(capacity, dtype=torch.uint8, device=device)
+    pin = {"pin_memory": True} if pin_memory else {}
+    raw = torch.empty(capacity, dtype=torch.uint8, device=device, **pin)
     if raw.data_ptr() % alignment == 0:
         return raw
     del raw
-    raw = torch.empty(capacity + alignment - 1, dtype=torch.uint8, device=device)
+    raw = torch.empty(capacity + alignment - 1, dtype=torch.uint8, device=device, **pin)
     skip = -raw.data_ptr() % alignment
     return raw.narrow(0, skip, capacity)
 

@@ -27,11 +27,13 @@ from .param_groups import ParamGroupsMixin
 from .registry import runtime_of_param
 from .scaler import LossScaler
 from .shards import ShardedStateView
-from .stages import ENGINES, Engine, Run
+from .stages import ENGINES, OFFLOAD_ENGINES, Engine, Run
 from .stages.flat import planned_flat_memory
 from .validate import (
     check_hparams,
     check_no_duplicates,
+    check_offload,
+    check_offload_params,
     check_same_on_all_ranks,
     common_dtype_device,
     finite_ge0,
@@ -61,6 +63,12 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
     Stage 3 is ``shard_model`` + ``stage=3``. Without an initialised process group it runs
     as world size 1. Gradients are averaged over the group by the optimizer itself: do not
     wrap the model in DDP.
+
+    ``offload="cpu"`` (stages 1-3, ZeRO-Offload): this rank's fp32 master, moments and
+    gradient shard live in host memory (pinned on CUDA) and the fused step runs on the CPU;
+    gradients are copied to the host bucket by bucket during backward and the new
+    parameters copied back bucket by bucket during the step. Results are bitwise those of
+    the same run without offload on CPU devices.
     """
 
     def __init__(
@@ -78,10 +86,12 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         loss_scale: float | str | None = None,
         overlap_comm: bool = True,
         backend: str | None = None,
+        offload: str | None = None,
     ) -> None:
         check_hparams(lr, betas, eps, weight_decay)
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+        check_offload(offload, stage)
         if bucket_numel is not None and (isinstance(bucket_numel, bool)
                                          or not isinstance(bucket_numel, int)
                                          or bucket_numel < 1):
@@ -94,6 +104,7 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
             check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"],
                            f" (param group {gi})")
         self.stage = stage
+        self.offload = offload
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.scaler = LossScaler.from_arg(loss_scale)
         self.backend = backend
@@ -114,13 +125,14 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         self._frozen = [p for g in self.param_groups for p in g["params"]
                         if not p.requires_grad]
         self._rt = self._stage3_runtime(stage)
+        check_offload_params(self._rt, offload)
         self.comm = self._rt.comm if self._rt is not None else Comm(process_group)
         self._shapes = [self._rt.shape_of(p) if self._rt else p.shape for p in self._params]
         self.dtype, self.device = common_dtype_device(self._params)
         self._bucket_numel = bucket_numel
         self._overlap = overlap_comm
         check_same_on_all_ranks(self.comm, stage, bucket_numel, [len(ps) for ps in managed],
-                                self._shapes, self._params)
+                                self._shapes, self._params, offload)
         if self._rt is None:
             self._broadcast_params()  # stage 3: shard_model did it
         self._group_sizes = [[self._shapes[self._index[id(p)]].numel() for p in ps]
@@ -203,12 +215,15 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
                 rank=self.comm.rank, bucket_numel=self._bucket_numel, ready_order=ready_order,
             )
         extra = {"runtime": self._rt} if self._rt is not None else {}
-        self._engine = ENGINES[self.stage](
+        self._engine = self._engine_cls()(
             layout, self._params, self.comm, dtype=self.dtype, device=self.device,
             overlap=self._overlap, backend=self.backend, **extra)
         self._engine.set_sync(self._sync)
         self.layout = layout
         return layout
+
+    def _engine_cls(self) -> type[Engine]:
+        return (OFFLOAD_ENGINES if self.offload else ENGINES)[self.stage]
 
     def _first_step_layout(self) -> None:
         """Agree on rank 0's observed order, lay everything out, then push the gradients the
@@ -452,9 +467,18 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         Padding (bucket/shard rounding, and in stage 3 the optimizer slots of frozen
         parameters) is reported on its own. Before the first step() of stages 0-2 nothing
         is allocated yet: the numbers are those of the buffers the first step will allocate
-        (laid out in reverse registration order), and nothing is fixed by asking."""
+        (laid out in reverse registration order), and nothing is fixed by asking.
+
+        ``total`` (= ``device_total``) is what the device holds; ``host_total`` what host
+        memory holds (0 without offload). With ``offload="cpu"`` the device kinds are the
+        16-bit parameters and the gradient buffers (``master``, ``exp_avg``, ``exp_avg_sq``
+        are 0), and the ``host_*`` keys give the host side: master and moments (12Ψ/N), the
+        gradient shard, the two staging slots, padding."""
         if self._engine is not None:
             return self._engine.memory_stats()
         L = build_layout(self._group_sizes, stage=self.stage, world_size=self.comm.world_size,
                          rank=self.comm.rank, bucket_numel=self._bucket_numel)
-        return planned_flat_memory(L, self.dtype, ENGINES[self.stage].buffer_specs(L, self.dtype))
+        cls = self._engine_cls()
+        if self.offload:
+            return cls.planned_memory(L, self.dtype)  # type: ignore[attr-defined]
+        return planned_flat_memory(L, self.dtype, cls.buffer_specs(L, self.dtype))

@@ -170,8 +170,12 @@ class ShardedStateMixin:
             if st:
                 eng.exp_avg.copy_(st["exp_avg"])
                 eng.exp_avg_sq.copy_(st["exp_avg_sq"])
-                if eng.master is not None:
+                if eng.master is not None and st.get("master") is not None:
                     eng.master.copy_(st["master"])
+                elif eng.master is not None:
+                    # Saved without offload from fp32 parameters (their own master): an
+                    # offloading optimizer's host copy is the parameters themselves.
+                    eng.init_master()
                 self._steps = [int(x) for x in st["steps"].tolist()]
             elif eng is not None:  # a state saved before any step: a fresh state
                 eng.exp_avg.zero_()

@@ -7,6 +7,12 @@ into a buffer from the gather arena and the parameters become views of it; after
 are released (the buffer returns to the arena). When the unit's backward has produced all its
 gradients they are flattened, reduce-scattered into ``local_grads`` and freed.
 
+ZeRO-Offload: with ``offload_params`` the parameter slice lives in host memory and is copied
+into this rank's slice of the gather buffer just before the unit's (in-place) all-gather;
+once an offloading optimizer attached its pipeline (``offload_grads``), ``local_grads`` lives
+in host memory and each unit's gradients are reduce-scattered in place into the gather buffer
+and landed on the host through the pipeline's staging slots (zero/offload.py).
+
 Tensors autograd saves from a gathered buffer are packed as references while the root's
 forward runs (stage3_saved.py). The optimizer side of stage 3 is stages/stage3.py.
 """
@@ -26,6 +32,7 @@ from ..comm import Comm
 from ..memory import Arena, ArenaOutOfMemory, Block
 from .interop import active_ddp_module
 from .layout import ALIGN_ELEMS
+from .offload import HOST, Copier, OffloadPipeline, Ticket, pin_host_memory
 from .plan import UnitPlan, plan_units
 from .stage3_saved import SavedTensorHooks
 from .stages.base import average_
@@ -58,6 +65,7 @@ class Unit:
     buf: torch.Tensor | None = None  # gathered full flat buffer
     block: Block | None = None
     work: Any = None  # in-flight async all-gather
+    h2d: Ticket | None = None  # offload_params: the host -> device copy of its slice
     phase: GradPhase = GradPhase.IDLE
     waiting: set[int] = field(default_factory=set)  # params whose grads are still due
 
@@ -93,9 +101,11 @@ class Stage3Runtime:
         *,
         prefetch: int,
         reshard_after_forward: bool,
+        offload_params: bool = False,
     ) -> None:
         self.root, self.comm = root, comm
         self.prefetch, self.reshard = prefetch, reshard_after_forward
+        self.offload_params = offload_params
         p0 = next(p for _, _, ps in units for p in ps)
         self.dtype, self.device = p0.dtype, p0.device
         plans = plan_units([[p.numel() for p in ps] for _, _, ps in units], comm.world_size,
@@ -108,11 +118,14 @@ class Stage3Runtime:
             start += plan.shard_numel
         self.local_numel = start
         esz = torch.empty(0, dtype=self.dtype).element_size()
-        # Persistent model state of this rank: its slice of every unit (params and grads).
-        self.state_arena = Arena(max(2 * start * esz + 1024, 1024), self.device)
-        self.local_params = self.state_arena.alloc(start, self.dtype).tensor
-        self.local_grads = self.state_arena.alloc(start, self.dtype).tensor
+        # Persistent model state of this rank: its slice of every unit (params and grads),
+        # each in its own arena on the device, or in host memory when offloaded.
+        self.param_arena, self.local_params = self._alloc_local(offload_params)
+        self.grad_arena, self.local_grads = self._alloc_local(False)
         self.local_grads.zero_()
+        self.grads_on_host = False
+        self.grad_sink: OffloadPipeline | None = None  # the offloading optimizer's pipeline
+        self.copier = Copier(self.device) if offload_params else None
         # Gather arena: the root (held through the whole forward) + prefetch+1 other units,
         # plus one gradient buffer for the unit being reduced.
         sizes = sorted((u.plan.padded_numel for u in self.units if not u.is_root), reverse=True)
@@ -146,6 +159,22 @@ class Stage3Runtime:
         for u in self.units:
             for j, p in enumerate(u.params):
                 self._param_unit[id(p)] = (u, j)
+
+    def _alloc_local(self, on_host: bool) -> tuple[Arena, torch.Tensor]:
+        esz = torch.empty(0, dtype=self.dtype).element_size()
+        arena = Arena(max(self.local_numel * esz + 512, 512), HOST if on_host else self.device,
+                      pin_memory=on_host and pin_host_memory(self.device))
+        return arena, arena.alloc(self.local_numel, self.dtype).tensor
+
+    def offload_grads(self, sink: OffloadPipeline) -> None:
+        """ZeRO-Offload: the gradient slices move to host memory (a fresh, zeroed buffer: no
+        step is in progress when an optimizer is built) and every unit's reduced gradients
+        are landed there through ``sink``."""
+        if not self.grads_on_host:
+            self.grad_arena, self.local_grads = self._alloc_local(True)
+            self.local_grads.zero_()
+            self.grads_on_host = True
+        self.grad_sink = sink
 
     # -- setup -------------------------------------------------------------------------------
     def shard_parameters(self) -> None:
@@ -199,7 +228,16 @@ class Stage3Runtime:
         if not u.gathered:
             buf, blk = self._alloc(u.plan.padded_numel)
             u.buf, u.block = buf, blk
-            u.work = self.comm.all_gather(buf, self.local_shard(u, self.local_params),
+            src = self.local_shard(u, self.local_params)
+            if self.copier is not None:
+                # Offloaded slice: to the device, into this rank's part of the gather buffer,
+                # then gathered in place (the gather is ordered after the copy on the device).
+                s = u.plan.shard_numel
+                own = buf.narrow(0, self.comm.rank * s, s)
+                u.h2d = self.copier.to_device(own, src)
+                u.h2d.fence()
+                src = own
+            u.work = self.comm.all_gather(buf, src,
                                           f"parameters of unit {u.name}{_COLLECTIVE_HINT}",
                                           async_op=self.overlap)
             for p, shape, off, n in zip(u.params, u.shapes, u.plan.param_offsets, u.plan.numels):
@@ -214,6 +252,9 @@ class Stage3Runtime:
         if u.work is not None:
             u.work.wait()
             u.work = None
+        if u.h2d is not None:  # the host slice may be written (by the step) from now on
+            u.h2d.wait()
+            u.h2d = None
         for p, shape in zip(u.params, u.shapes):
             # Use zerokern.full_state_dict(model) (or run the model) to see the values.
             p.data = self._nan.expand(shape)
@@ -342,10 +383,14 @@ class Stage3Runtime:
                               [off for _, off in grads])
         shard = self.local_shard(u, self.local_grads)
         accumulate = u.phase is GradPhase.BACKWARD_AGAIN
-        out = torch.empty_like(shard) if accumulate else shard
+        if self.grad_sink is not None:  # in place: the host shard is filled by the sink
+            s = u.plan.shard_numel
+            out = buf.narrow(0, self.comm.rank * s, s)
+        else:
+            out = torch.empty_like(shard) if accumulate else shard
         work = self.comm.reduce_scatter(out, buf, f"gradients of unit {u.name}",
                                         async_op=self.overlap)
-        self._inflight_rs = (work, shard, out, accumulate, blk)
+        self._inflight_rs = (u.index, work, shard, out, accumulate, blk)
         for p, _ in grads:
             p.grad = None
         u.end_backward(reduced=True)
@@ -356,12 +401,15 @@ class Stage3Runtime:
         shard and give its buffer back."""
         if self._inflight_rs is None:
             return
-        work, shard, out, accumulate, blk = self._inflight_rs
+        ui, work, shard, out, accumulate, blk = self._inflight_rs
         self._inflight_rs = None
         if work is not None:
             work.wait()
         average_(out, self.comm)
-        if accumulate:
+        if self.grad_sink is not None:
+            # The gather buffer is reused once the copy out of it is done (device order).
+            self.grad_sink.land(ui, out, shard, accumulate).fence()
+        elif accumulate:
             shard.add_(out)
         if blk is not None:
             self.gather_arena.free(blk)
@@ -406,6 +454,8 @@ class Stage3Runtime:
         """Before the optimizer step: gradients left by no_sync backwards are reduced now,
         and slices of units that received nothing this step are zeroed (stale otherwise)."""
         self.flush_no_sync()
+        if self.grad_sink is not None:
+            self.grad_sink.drain()  # every landed gradient is in local_grads
         for u in self.units:
             if u.phase is not GradPhase.REDUCED:
                 self.local_shard(u, self.local_grads).zero_()
@@ -436,6 +486,8 @@ class Stage3Runtime:
         return {
             "local_params": self.local_numel * esz,
             "local_grads": self.local_numel * esz,
+            "local_params_on_host": int(self.offload_params),
+            "local_grads_on_host": int(self.grads_on_host),
             "gather_capacity": int(a["capacity"]),
             "gather_in_use": int(a["in_use"]),
             "gather_peak": int(a["peak_in_use"]),

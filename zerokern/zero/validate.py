@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
+from .offload import OFFLOAD_CHOICES
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -37,6 +38,29 @@ def finite_ge0(x: Any) -> bool:
         return False
     return math.isfinite(v) and v >= 0
 
+
+
+def check_offload(offload: Any, stage: int) -> None:
+    """ZeroAdamW(offload=...): None, or "cpu" at stages 1-3 (the host holds this rank's
+    shard of the optimizer state; stage 0 has no shard, every rank holds everything)."""
+    if offload is None:
+        return
+    if not isinstance(offload, str) or offload not in OFFLOAD_CHOICES:
+        raise ValueError(f"offload must be None or 'cpu' (optimizer state and step in host "
+                         f"memory), got {offload!r}")
+    if stage == 0:
+        raise ValueError("offload='cpu' needs stage 1, 2 or 3: stage 0 does not partition "
+                         "the optimizer state, so there is no shard to offload (got stage=0)")
+
+
+def check_offload_params(rt: Any, offload: str | None) -> None:
+    """A model sharded with offload_params keeps its parameter slices in host memory: the
+    optimizer must run its step there as well."""
+    if rt is not None and rt.offload_params and offload is None:
+        raise ValueError(
+            "offload: the model was sharded with shard_model(..., offload_params=True), so its "
+            "parameter shards live in host memory; build ZeroAdamW(..., stage=3, "
+            "offload='cpu') so that the step runs there too")
 
 
 def check_no_duplicates(params: list[torch.nn.Parameter], group: int) -> None:
@@ -69,9 +93,11 @@ def common_dtype_device(params: list[torch.nn.Parameter]) -> tuple[torch.dtype, 
 
 def check_same_on_all_ranks(comm: Comm, stage: int, bucket_numel: int | None,
                             group_counts: list[int], shapes: list[torch.Size],
-                            params: list[torch.nn.Parameter]) -> None:
+                            params: list[torch.nn.Parameter],
+                            offload: str | None = None) -> None:
     sig = {
         "stage": stage, "bucket_numel": bucket_numel, "groups": group_counts,
+        "offload": offload,
         "params": [(tuple(sh), str(p.dtype)) for sh, p in zip(shapes, params)],
     }
     sigs = comm.all_gather_object(sig, "parameter signatures")
@@ -79,7 +105,7 @@ def check_same_on_all_ranks(comm: Comm, stage: int, bucket_numel: int | None,
     for r, s in enumerate(sigs):
         if s == ref:
             continue
-        for key in ("stage", "bucket_numel", "groups"):
+        for key in ("stage", "bucket_numel", "offload", "groups"):
             if s[key] != ref[key]:
                 raise ValueError(f"ZeroAdamW arguments differ across ranks: {key} is "
                                  f"{ref[key]} on rank 0 but {s[key]} on rank {r}")

@@ -194,6 +194,8 @@ def flat_memory(layout: Layout, dtype: torch.dtype, specs: list[BufferSpec], *, 
     out["arena_in_use"] = in_use
     out["arena_capacity"] = capacity
     out["total"] = in_use + overflow + scratch
+    out["device_total"] = out["total"]
+    out["host_total"] = 0  # nothing offloaded
     return out
 
 

@@ -102,4 +102,6 @@ class Stage3(Engine):
         out.update({f"gather_{k}" if not k.startswith("gather") else k: v
                     for k, v in g.items() if not k.startswith("local")})
         out["total"] = 2 * rt.local_numel * esz + int(self.arena.stats()["in_use"])
+        out["device_total"] = out["total"]
+        out["host_total"] = 0  # nothing offloaded
         return out
