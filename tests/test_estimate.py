@@ -416,3 +416,69 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
     assert captured.out == ""  # nothing half-done: no table printed
     assert "pip install matplotlib" in captured.err
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# ZeRO-Offload rows (device and host bytes per rank)
+# --------------------------------------------------------------------------------------------
+
+
+def test_offload_bytes_split_the_paper_formulas_between_device_and_host():
+    psi, n = 7.5e9, 64
+    for stage, variant in ((1, "stage1_offload"), (2, "stage2_offload"), (3, "stage3_offload")):
+        dev, host = formulas.offload_bytes(variant, psi, n)
+        # Device + host is the stage's model-state total; stage 1 keeps its full-size
+        # gradient on the device and the host holds a copy of the shard's part of it.
+        extra = 2 * psi / n if stage == 1 else 0
+        assert dev + host == pytest.approx(formulas.model_state_bytes(stage, psi, n) + extra)
+        assert host == pytest.approx(14 * psi / n)  # 12 (master, m, v) + 2 (gradient shard)
+    assert formulas.offload_bytes("stage2_offload", psi, n)[0] == 2 * psi
+    assert formulas.offload_bytes("stage3_offload_params", psi, n) == (0, 16 * psi / n)
+    assert formulas.offload_bytes("stage2_offload", 8, 4) == (16.0, 28.0)
+    with pytest.raises(ValueError, match="offload variant"):
+        formulas.offload_bytes("stage0_offload", psi, n)
+
+
+def test_offload_fewest_gpus_against_brute_force():
+    psi = 7.5e9
+    for variant in formulas.OFFLOAD_VARIANTS:
+        for dev_gb, host_gb in ((32, 64), (16, 8), (8, None), (1, 256), (40, 1)):
+            cap, hcap = dev_gb * GB, None if host_gb is None else host_gb * GB
+            got = formulas.offload_min_gpus_to_fit(variant, psi, cap, hcap)
+            brute = next((n for n in range(1, 5000)
+                          if formulas.fits(formulas.offload_bytes(variant, psi, n)[0], cap)
+                          and (hcap is None
+                               or formulas.fits(formulas.offload_bytes(variant, psi, n)[1],
+                                                hcap))), None)
+            assert got == brute, (variant, dev_gb, host_gb, got, brute)
+
+
+def test_offload_rows_in_report_json_and_text(capsys):
+    r = estimate(7.5e9, gpus=[4, 64], gpu_mem_gb=32, host_mem_gb=64)
+    off = r["offload"]
+    assert off["host_mem_gb"] == 64
+    row = off["rows"][1]
+    assert row["device_bytes"]["stage2_offload"] == 15e9
+    assert row["host_bytes"]["stage2_offload"] == pytest.approx(14 * 7.5e9 / 64)
+    assert row["fits"]["stage2_offload"] is True
+    assert off["min_gpus_to_fit"]["stage2_offload"] == 2  # host: 105/N <= 64 from N = 2
+    text = report.format_report(r)
+    assert "ZeRO-Offload: device GB / host GB per GPU" in text
+    assert "15.0 / 1.64 *" in text and "--host-mem 64 GB" in text
+    section = text.split("ZeRO-Offload:")[1].split("Communication")[0]
+    assert max(len(line) for line in section.splitlines()) <= 100
+    assert _main(["estimate", "--params", "7.5e9", "--gpus", "64", "--host-mem", "8",
+                  "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["offload"]["host_mem_gb"] == 8
+    assert got["offload"]["rows"][0]["fits"]["stage3_offload_params"] is True  # 1.88 <= 8
+    assert _main(["estimate", "--params", "7.5e9", "--gpus", "1", "--host-mem", "8",
+                  "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["offload"]["rows"][0]["fits"]["stage2_offload"] is False  # 105 GB > 8
+    assert got["min_gpus_to_fit"] is None  # no --gpu-mem: the device rows are unchanged
+
+
+def test_host_mem_must_be_positive():
+    proc = _run_cli("estimate", "--params", "1e9", "--host-mem", "0")
+    assert proc.returncode == 2 and "--host-mem" in proc.stderr

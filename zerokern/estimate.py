@@ -7,6 +7,7 @@ Bytes are exact; every ``*_gb`` value is bytes / 1e9, the paper's GB.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,6 +18,9 @@ from .formulas import (
     DEFAULT_K,
     GB,
     GRAD_BYTES,
+    OFFLOAD_FORMULAS,
+    OFFLOAD_NAMES,
+    OFFLOAD_VARIANTS,
     PARAM_BYTES,
     STAGE_FORMULAS,
     STAGE_NAMES,
@@ -31,6 +35,8 @@ from .formulas import (
     gpt_params,
     min_gpus_to_fit,
     model_state_bytes,
+    offload_bytes,
+    offload_min_gpus_to_fit,
 )
 
 DEFAULT_GPUS = (1, 4, 16, 64, 256, 1024)  # the N_d rows of the paper's Table 1
@@ -80,6 +86,42 @@ def _memory_row(psi: float, n: int, k: float, capacity: float | None) -> dict[st
     return row
 
 
+OFFLOAD_NOTE = (
+    "ZeRO-Offload (offload='cpu'): the rank's fp32 master, moments and gradient shard in host "
+    "memory, the step on the CPU; '+off params' also keeps stage 3's parameter shard there "
+    "(shard_model(offload_params=True)). Model states only: the constant device buffers "
+    "(gradient buckets, gathered units) and the two host staging slots come on top."
+)
+
+
+def _offload(psi: float, gpus: list[int], k: float, capacity: float | None,
+             host_capacity: float | None) -> dict[str, Any]:
+    """Device and host bytes per rank of every offload variant, and what fits."""
+    rows = []
+    for n in gpus:
+        row: dict[str, Any] = {"gpus": n, "device_bytes": {}, "host_bytes": {}, "fits": {}}
+        for v in OFFLOAD_VARIANTS:
+            dev, host = offload_bytes(v, psi, n, k)
+            row["device_bytes"][v], row["host_bytes"][v] = dev, host
+            ok_dev = None if capacity is None else fits(dev, capacity)
+            ok_host = None if host_capacity is None else fits(host, host_capacity)
+            row["fits"][v] = (None if ok_dev is None and ok_host is None
+                              else (ok_dev is not False) and (ok_host is not False))
+        rows.append(row)
+    return {
+        "variants": {v: {"name": OFFLOAD_NAMES[v], "device_formula": OFFLOAD_FORMULAS[v][0],
+                         "host_formula": OFFLOAD_FORMULAS[v][1]} for v in OFFLOAD_VARIANTS},
+        "rows": rows,
+        "host_mem_gb": None if host_capacity is None else host_capacity / GB,
+        "min_gpus_to_fit": (
+            None if capacity is None and host_capacity is None else {
+                v: offload_min_gpus_to_fit(v, psi, math.inf if capacity is None else capacity,
+                                           host_capacity, k)
+                for v in OFFLOAD_VARIANTS}),
+        "note": OFFLOAD_NOTE,
+    }
+
+
 def _communication(psi: float, bandwidth_gb_s: float | None) -> dict[str, Any]:
     """Per-step volume of every stage (paper §7), and its time when a bandwidth is given."""
     stages = {
@@ -112,12 +154,14 @@ def estimate(
     seq: int | None = None,
     checkpointing: bool = False,
     param_source: str = "params",
+    host_mem_gb: float | None = None,
 ) -> dict[str, Any]:
     """Compute everything the command reports. Bytes are exact; ``*_gb`` are bytes / 1e9.
 
     Activations are computed only when ``layers``, ``hidden``, ``batch`` and ``seq`` are all
     given; then the chosen variant (``checkpointing``) is subtracted from ``gpu_mem_gb`` before
     deciding what fits. ``param_source`` only labels where ``psi`` came from.
+    ``host_mem_gb``: host memory per rank for the offload rows (None: not limited).
     """
     gpus = [int(n) for n in gpus]
     for n in gpus:
@@ -153,6 +197,8 @@ def estimate(
             else {f"stage{s}": min_gpus_to_fit(s, psi, capacity, k) for s in STAGES}
         ),
         "communication": _communication(psi, bandwidth_gb_s),
+        "offload": _offload(psi, gpus, k, capacity,
+                            None if host_mem_gb is None else host_mem_gb * GB),
         "activations": activations,
     }
     if layers is not None and hidden is not None:

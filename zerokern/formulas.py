@@ -19,6 +19,16 @@ activations (§3.2, §6.1, §10.1): 12 L H^2 parameters of a GPT-like model, 12 
 activation values without checkpointing, h b s L with one checkpoint per layer.
 
 GB means 1e9 bytes, as in the paper (7.5B parameters on 64 GPUs: 120, 31.4, 16.6, 1.88 GB).
+
+ZeRO-Offload (Ren et al. 2021; ``ZeroAdamW(..., offload="cpu")``) moves a rank's optimizer
+state (K Psi / N) and its gradient shard (p Psi / N) to host memory; ZeRO-Infinity's parameter
+offload (``shard_model(..., offload_params=True)``) moves stage 3's parameter shard there too.
+Device and host bytes per rank, model states only (constant buffers aside: buckets, staging):
+
+    stage 1 + offload           device 2p Psi        host (p + K) Psi / N
+    stage 2 + offload           device p Psi         host (p + K) Psi / N
+    stage 3 + offload           device p Psi / N     host (p + K) Psi / N
+    stage 3 + offload + params  device 0             host (2p + K) Psi / N
 """
 
 from __future__ import annotations
@@ -277,3 +287,73 @@ def expected_comm_elements(stage: int, psi: int, world: int) -> int:
     if world == 1:
         return 0
     return (3 if stage == 3 else 2) * psi
+
+
+# ------------------------------------------------------------------------------------------
+# ZeRO-Offload: device and host bytes per rank
+# ------------------------------------------------------------------------------------------
+
+OFFLOAD_VARIANTS = ("stage1_offload", "stage2_offload", "stage3_offload", "stage3_offload_params")
+OFFLOAD_NAMES = {"stage1_offload": "P_os +off", "stage2_offload": "P_os+g +off",
+                 "stage3_offload": "P_os+g+p +off", "stage3_offload_params": "+off params"}
+OFFLOAD_FORMULAS = {
+    "stage1_offload": ("4*Psi", "(2+K)*Psi/N"),
+    "stage2_offload": ("2*Psi", "(2+K)*Psi/N"),
+    "stage3_offload": ("2*Psi/N", "(2+K)*Psi/N"),
+    "stage3_offload_params": ("0", "(2+2+K)*Psi/N"),
+}
+
+
+def offload_coefficients(variant: str, param_bytes: int = PARAM_BYTES,
+                         k: float | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((device bytes per parameter replicated, divided over N), (host: the same)) of an
+    offload variant (``OFFLOAD_VARIANTS``)."""
+    p = param_bytes
+    k = optimizer_bytes_per_param(p) if k is None else k
+    table = {
+        "stage1_offload": ((2 * p, 0), (0, p + k)),
+        "stage2_offload": ((p, 0), (0, p + k)),
+        "stage3_offload": ((0, p), (0, p + k)),
+        "stage3_offload_params": ((0, 0), (0, 2 * p + k)),
+    }
+    if variant not in table:
+        raise ValueError(f"offload variant must be one of {OFFLOAD_VARIANTS}, got {variant!r}")
+    return table[variant]
+
+
+def offload_bytes(variant: str, psi: float, n: int, k: float = DEFAULT_K,
+                  param_bytes: int = PARAM_BYTES) -> tuple[float, float]:
+    """(device, host) model-state bytes per rank with offload (constant buffers aside).
+
+    >>> offload_bytes("stage2_offload", 8, 4)  # 2*8 on the device, 14*8/4 on the host
+    (16.0, 28.0)
+    """
+    check_psi_n(psi, n)
+    (dr, ds), (hr, hs) = offload_coefficients(variant, param_bytes, k)
+    return dr * psi + ds * psi / n, hr * psi + hs * psi / n
+
+
+def offload_min_gpus_to_fit(variant: str, psi: float, device_bytes: float,
+                            host_bytes: float | None, k: float = DEFAULT_K) -> int | None:
+    """Smallest N whose per-rank device bytes fit ``device_bytes`` and host bytes fit
+    ``host_bytes`` (None: the host is not limited); None if no N does."""
+    if device_bytes < 0:
+        return None
+    (dr, ds), (hr, hs) = offload_coefficients(variant, PARAM_BYTES, k)
+
+    def need(rep: float, shard: float, cap: float) -> int | None:
+        if shard == 0:  # nothing divided over N: fits on one rank or never
+            return 1 if fits(rep * psi, cap) else None
+        room = cap - rep * psi
+        if room <= 0:
+            return None
+        n = max(1, math.ceil(shard * psi / room))
+        while n > 1 and fits(rep * psi + shard * psi / (n - 1), cap):
+            n -= 1
+        while not fits(rep * psi + shard * psi / n, cap):
+            n += 1
+        return n
+
+    nd = need(dr, ds, device_bytes)
+    nh = 1 if host_bytes is None else need(hr, hs, host_bytes)
+    return None if nd is None or nh is None else max(nd, nh)

@@ -136,6 +136,12 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="memory per GPU in GB (1e9 bytes); marks what fits and the fewest GPUs that fit",
     )
     p.add_argument(
+        "--host-mem",
+        type=_positive_float,
+        metavar="GB",
+        help="host memory per rank in GB (1e9 bytes) for the ZeRO-Offload rows (offload='cpu')",
+    )
+    p.add_argument(
         "--bandwidth",
         type=_positive_float,
         metavar="GB/s",
@@ -211,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         seq=args.seq,
         checkpointing=args.checkpointing,
         param_source=source,
+        host_mem_gb=args.host_mem,
     )
 
     # Do the plot (the only step that can fail) before printing anything.

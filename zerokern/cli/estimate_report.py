@@ -120,6 +120,8 @@ def format_report(r: dict[str, Any]) -> str:
             line += " (the activations alone exceed --gpu-mem)"
         lines.append(line)
 
+    lines.extend(_offload_lines(r))
+
     act = r["activations"]
     if act:
         lines.append("")
@@ -166,6 +168,46 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append("  " + "   ".join(x.ljust(w) for x, w in zip(cells, widths, strict=True)))
     lines.extend(_wrap("  " + c["counting"], 96, "  "))
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _offload_lines(r: dict[str, Any]) -> list[str]:
+    """The ZeRO-Offload table: device / host GB per rank of each variant."""
+    off = r.get("offload")
+    if not off:
+        return []
+    variants = list(off["variants"])
+    marks = r["gpu_mem_gb"] is not None or off["host_mem_gb"] is not None
+    head = ["GPUs"] + [off["variants"][v]["name"] for v in variants]
+    table = []
+    for row in off["rows"]:
+        cells = [str(row["gpus"])]
+        for v in variants:
+            cell = f"{fmt_gb(row['device_bytes'][v])} / {fmt_gb(row['host_bytes'][v])}"
+            if marks:
+                cell += " *" if row["fits"][v] else "  "
+            cells.append(cell)
+        table.append(cells)
+    widths = [max(max(len(x) for x in col), 6) for col in zip(head, *table, strict=True)]
+    lines = ["", "  ZeRO-Offload: device GB / host GB per GPU (offload='cpu')"]
+    lines.append("  " + "   ".join(c.rjust(w) for c, w in zip(head, widths, strict=True)))
+    lines.append("  " + "   ".join("-" * w for w in widths))
+    for cells in table:
+        lines.append("  " + "   ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+    lines.extend(_wrap("  formulas (device / host): " + "; ".join(
+        f"{d['name']} {d['device_formula']} / {d['host_formula']}"
+        for d in off["variants"].values()), 96, "    "))
+    if marks:
+        budget = []
+        if r["gpu_mem_gb"] is not None:
+            budget.append(f"--gpu-mem {r['gpu_mem_gb']:g} GB")
+        if off["host_mem_gb"] is not None:
+            budget.append(f"--host-mem {off['host_mem_gb']:g} GB")
+        lines.append(f"  * = fits in {' and '.join(budget)}")
+        lines.append("  fewest GPUs that fit: " + ", ".join(
+            f"{off['variants'][v]['name']} {'never' if m is None else m}"
+            for v, m in off["min_gpus_to_fit"].items()))
+    lines.extend(_wrap("  " + off["note"], 96, "  "))
+    return lines
 
 
 def _wrap(text: str, width: int, indent: str) -> list[str]:
