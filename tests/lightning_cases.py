@@ -349,6 +349,14 @@ def habits(rank: int, world: int, *, tmp: str) -> None:
     _raises(lambda: _trainer(rank, world, ZeroStrategy(stage=2), None,
                              gradient_clip_algorithm="value").fit(Net(2), _loader(world)),
             ValueError, "gradient_clip_algorithm='value' is not supported")
+    # Lightning's own DDPStrategy with a ZeroAdamW: DDP wraps the model before
+    # configure_optimizers builds ZeroAdamW, so the first forward refuses it and names
+    # ZeroStrategy; no step has run.
+    plain = Net(2)
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    _raises(lambda: _trainer(rank, world, _ddp(), None).fit(plain, _loader(world)),
+            RuntimeError, "ZeroStrategy")
+    assert all(torch.equal(v, before[k]) for k, v in plain.state_dict().items())
 
 
 class _ValNet(Net):

@@ -73,11 +73,12 @@ _DDP_MESSAGE = (
     "plain model's parameters.")
 
 
-# Trainers that wrap the model in DDP themselves, by the top-level package of the code that
-# called DDP(...), and what to use instead: the first match from the innermost frame wins
-# (Accelerate is called by the HF Trainer, so the Trainer is looked for first).
+# Trainers that wrap the model in DDP themselves, by the module of the code that called
+# DDP(...) (or ran the forward), and what to use instead. The first match in this order wins:
+# the HF Trainer calls Accelerate, and an HF model's own code (transformers.models) may run
+# under Lightning, so the trainer modules themselves are what is looked for.
 _TRAINER_HINTS = (
-    ("transformers", "the HF Trainer wraps the model in DDP: use "
+    ("transformers.trainer", "the HF Trainer wraps the model in DDP: use "
      "zerokern.integrations.transformers.ZeroTrainer instead of transformers.Trainer"),
     ("pytorch_lightning", "Lightning's DDP strategy wraps the model: use "
      "pl.Trainer(strategy=zerokern.integrations.lightning.ZeroStrategy(...))"),
@@ -89,14 +90,14 @@ _TRAINER_HINTS = (
 
 
 def _trainer_hint() -> str:
-    """What to use instead, when a known trainer is the caller of DDP(...)."""
+    """What to use instead, when a known trainer is among the callers."""
     found: set[str] = set()
     frame = sys._getframe(2)
     while frame is not None:
-        found.add(str(frame.f_globals.get("__name__", "")).split(".")[0])
+        found.add(str(frame.f_globals.get("__name__", "")))
         frame = frame.f_back
-    for package, hint in _TRAINER_HINTS:
-        if package in found:
+    for module, hint in _TRAINER_HINTS:
+        if any(m == module or m.startswith(module + ".") for m in found):
             return f" Here {hint}."
     return ""
 
@@ -153,5 +154,5 @@ def check_not_in_ddp(opt: Any, checked: set[int]) -> None:
         return
     if any(optimizer_of(p) is opt for p in ddp.module.parameters()):
         raise RuntimeError("ZeroAdamW: the model is wrapped in torch DistributedDataParallel. "
-                           + _DDP_MESSAGE)
+                           + _DDP_MESSAGE + _trainer_hint())
     checked.add(id(ddp))
