@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 from gpt import GPTConfig  # noqa: E402
-from zero_policies import POLICIES, Job, unavailable  # noqa: E402
+from zero_policies import OFFLOAD_POLICIES, POLICIES, Job, unavailable  # noqa: E402
 from zero_ranks import run_policy  # noqa: E402
 
 from zerokern.comm.rendezvous import file_init_method  # noqa: E402
@@ -88,12 +88,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, help="per rank (default 4; --quick: 2)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
-    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=POLICIES)
+    ap.add_argument("--policies", nargs="+", choices=POLICIES + OFFLOAD_POLICIES,
+                    default=POLICIES)
+    ap.add_argument("--offload", action="store_true",
+                    help="add the ZeRO-Offload rows (zerokern and DeepSpeed offload, stages 2-3; "
+                    "model-state columns are device bytes; bench_offload.py adds host bytes)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per policy")
     ap.add_argument("--out", help="folder for the CSV (default bench/results)")
     ap.add_argument("--bucket-numel", type=int,
                     help="zerokern stages 0-2: bucket_numel (default: ZeroAdamW's own)")
     args = ap.parse_args(argv)
+    if args.offload:
+        args.policies = list(args.policies) + [p for p in OFFLOAD_POLICIES
+                                               if p not in args.policies]
     if torch.device(args.device).type == "cuda" and torch.cuda.device_count() < args.world_size:
         ap.error(
             f"--world-size {args.world_size} needs as many GPUs ({torch.cuda.device_count()} here)"

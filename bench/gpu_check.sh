@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU (see the device tool's README): build the extension, run the
 # gpu-marked tests and the benchmarks, write logs and CSVs into the folder given (default
-# $OUT). Budget: under 8 minutes on an H200. At most 8 files come back, so the logs are
+# $OUT). Budget: about 12 minutes on an H200 (the offload steps up to 10: run them alone
+# with a filter when device time is short). At most 8 files come back, so the logs are
 # concatenated into gpu_check.log and only the CSVs sit beside it.
 #   bash bench/gpu_check.sh "$OUT"
 set -uo pipefail
@@ -40,6 +41,12 @@ step triton_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton
 step bench_adam 150 python3 bench/bench_adam.py --device cuda --out "$TMP"
 step bench_memory 60 python3 bench/bench_memory.py --device cuda --quick --out "$TMP"
 step bench_zero 120 python3 bench/bench_zero.py --world-size 1 --steps 20 --out "$TMP"
+# ZeRO-Offload: the gpu-marked offload tests (pinned host arena, side-stream copies, events),
+# then step time and device/host memory with and without offload (DeepSpeed's offload rows
+# when it is installed), then the largest model fitting a 2 GB device budget.
+step offload_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_offload.py
+step bench_offload 180 python3 bench/bench_offload.py --device cuda --world-size 1 --steps 15 --repeats 1 --out "$TMP"
+step bench_offload_fit 300 python3 bench/bench_offload.py --device cuda --world-size 1 --steps 3 --repeats 1 --policies zk_stage2 zk_stage2_offload --fit-budget-gb 2 --fit-embd 1024 --fit-max-layers 64 --out "$TMP"
 # Keep at most 6 CSVs (8 files come back in all, with the log and the summary).
 ls -1 "$TMP"/*.csv 2>/dev/null | head -6 | while read -r f; do cp "$f" "$DEST/"; done
 cat "$DEST/summary.txt"

@@ -29,6 +29,16 @@ POLICIES = [
     "ds_stage1",
     "ds_stage2",
 ]
+# ZeRO-Offload rows (bench_zero.py --offload, bench_offload.py): optimizer state and step on
+# the CPU; "_params": stage 3's parameter shard in host memory too.
+OFFLOAD_POLICIES = [
+    "zk_stage2_offload",
+    "zk_stage3_offload",
+    "zk_stage3_offload_params",
+    "ds_stage2_offload",
+    "ds_stage3_offload",
+    "ds_stage3_offload_params",
+]
 
 
 class Skip(Exception):
@@ -61,7 +71,7 @@ class Setup:
 
 def unavailable(policy: str) -> str | None:
     """Why the policy cannot run here, found without spawning its ranks (None: it can)."""
-    if policy == "zk_stage3":
+    if policy.startswith("zk_stage3"):
         import zerokern
 
         if not hasattr(zerokern, "shard_model"):
@@ -186,33 +196,44 @@ def setup_fsdp2(job: Job, model: nn.Module, device: torch.device) -> Setup:
     return Setup(_plain_step(model, opt), generic_state(model, opt), name)
 
 
-def setup_zerokern(job: Job, model: nn.Module, stage: int) -> Setup:
+def setup_zerokern(job: Job, model: nn.Module, stage: int, offload: bool = False,
+                   offload_params: bool = False) -> Setup:
     import zerokern
 
     if stage == 3:
         if not hasattr(zerokern, "shard_model"):
             raise Skip("zerokern.shard_model not available (stage 3 not implemented)")
-        model = zerokern.shard_model(model)
+        model = zerokern.shard_model(model, offload_params=offload_params)
     kw = {"bucket_numel": job.bucket_numel} if job.bucket_numel else {}
+    if offload:
+        kw["offload"] = "cpu"
     opt = zerokern.ZeroAdamW(model.parameters(), **HP, stage=stage, **kw)
 
     def state() -> dict[str, int]:
+        # Device bytes by kind (with offload the optimizer state is on the host: host_total).
         s = opt.memory_stats()
         grads = s["grads"] + s["buckets"] + s.get("comm_scratch", 0)
         return {
             "params": s["params"],
             "grads": grads,
             "optim": s["total"] - s["params"] - grads,
+            "host": s.get("host_total", 0),
             "zk_comm": opt.comm_stats()["bytes"],
         }
 
-    return Setup(_plain_step(model, opt), state, f"ZeroAdamW(stage={stage})")
+    name = f"ZeroAdamW(stage={stage}{', offload=cpu' if offload else ''})"
+    if offload_params:
+        name += " + shard_model(offload_params=True)"
+    return Setup(_plain_step(model, opt), state, name)
 
 
-def setup_deepspeed(job: Job, model: nn.Module, device: torch.device, stage: int) -> Setup:
+def setup_deepspeed(job: Job, model: nn.Module, device: torch.device, stage: int,
+                    offload: bool = False, offload_params: bool = False) -> Setup:
     import deepspeed  # the rank imported it before forming its group (zero_ranks.run_rank)
 
     kw = adamw_impl(device)
+    if offload:
+        return _setup_deepspeed_offload(job, model, stage, offload_params)
     opt = torch.optim.AdamW(model.parameters(), **HP, **kw)
     config = {
         "train_micro_batch_size_per_gpu": job.micro_batch,
@@ -238,6 +259,42 @@ def setup_deepspeed(job: Job, model: nn.Module, device: torch.device, stage: int
     )
 
 
+def _setup_deepspeed_offload(job: Job, model: nn.Module, stage: int,
+                             offload_params: bool) -> Setup:
+    """DeepSpeed ZeRO-Offload: its own DeepSpeedCPUAdam (AdamW mode) on the host, state in
+    pinned memory, as its docs configure it; never a dependency (skipped when missing)."""
+    import deepspeed
+
+    zero: dict[str, Any] = {"stage": stage,
+                            "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": job.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": HP["lr"], "betas": list(HP["betas"]),
+                                                  "eps": HP["eps"],
+                                                  "weight_decay": HP["weight_decay"]}},
+        "zero_optimization": zero,
+        "bf16": {"enabled": job.precision == "bf16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    engine, ds_opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                config=config)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return Setup(step, generic_state(engine.module, ds_opt),
+                 f"deepspeed {deepspeed.__version__} ZeRO-{stage} offload_optimizer=cpu"
+                 + (" + offload_param=cpu" if offload_params else "") + ", DeepSpeedCPUAdam")
+
+
 def build(job: Job, device: torch.device) -> Setup:
     """The seeded model of job.cfg on `device`, set up for job.policy."""
     torch.manual_seed(0)
@@ -252,8 +309,10 @@ def build(job: Job, device: torch.device) -> Setup:
         return setup_ddp(job, model, device, zero1=pol == "zero_redundancy")
     if pol == "fsdp2":
         return setup_fsdp2(job, model, device)
+    stage = int(pol.split("_")[1][-1]) if "_stage" in pol else -1
+    offload, offload_params = "_offload" in pol, pol.endswith("_offload_params")
     if pol.startswith("zk_stage"):
-        return setup_zerokern(job, model, int(pol[-1]))
+        return setup_zerokern(job, model, stage, offload, offload_params)
     if pol.startswith("ds_stage"):
-        return setup_deepspeed(job, model, device, int(pol[-1]))
+        return setup_deepspeed(job, model, device, stage, offload, offload_params)
     raise ValueError(f"unknown policy {pol!r}")

@@ -1,0 +1,248 @@
+"""ZeRO-Offload: step time and device/host memory of zerokern stages 2 and 3 with and without
+``offload="cpu"`` (stage 3 also with ``shard_model(offload_params=True)``), side by side with
+DeepSpeed's ZeRO-Offload when it is installed (optional provider: skipped otherwise), on the
+same GPT, data, batch, precision and device as bench_zero.py.
+
+    python bench/bench_offload.py                    # reference GPT, 2 CPU ranks, bf16, 2 repeats
+    python bench/bench_offload.py --quick            # tiny model: a smoke test
+    python bench/bench_offload.py --device cuda --world-size 1 --fit-budget-gb 8
+
+Repeats are interleaved (every policy once, then every policy again) so that a drift of the
+machine hits all policies alike; each row is one policy in one repeat, and the summary takes
+the median over repeats. On CPU ranks the "device" is the host as well: what is measured is
+the cost of the offload path itself (the same kernel, plus the copies through the staging
+slots) against no offload. On a GPU, ``--fit-budget-gb`` also searches the largest model (in
+layers) whose training step fits that much device memory, with and without offload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H  # noqa: E402
+from gpt import GPTConfig  # noqa: E402
+from zero_policies import Job, unavailable  # noqa: E402
+from zero_ranks import run_policy, worker  # noqa: E402
+
+from zerokern.comm.rendezvous import file_init_method  # noqa: E402
+
+MB = 1 << 20
+POLICIES = [
+    "zk_stage2",
+    "zk_stage2_offload",
+    "zk_stage3",
+    "zk_stage3_offload",
+    "zk_stage3_offload_params",
+    "ds_stage2",
+    "ds_stage2_offload",
+    "ds_stage3_offload",
+]
+# What each offload row is compared with: the same stage without offload.
+BASELINE = {"zk_stage2_offload": "zk_stage2", "zk_stage3_offload": "zk_stage3",
+            "zk_stage3_offload_params": "zk_stage3", "ds_stage2_offload": "ds_stage2",
+            "ds_stage3_offload": "ds_stage3"}
+REFERENCE = dict(cfg=GPTConfig(n_layer=6, n_embd=384, n_head=6, vocab=4096, seq=128),
+                 micro_batch=4, steps=30)
+QUICK = dict(cfg=GPTConfig(n_layer=2, n_embd=64, n_head=2, vocab=256, seq=32), micro_batch=2,
+             steps=5)
+
+
+def run_one(job_args: dict[str, Any], pol: str, prec: str, timeout: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"policy": pol, "precision": prec}
+    why = unavailable(pol)
+    if why:
+        row["status"] = f"skipped: {why}"
+        return row
+    with tempfile.TemporaryDirectory(prefix="bench_offload_") as tmp:
+        job = Job(pol, prec, **job_args, init_method=file_init_method(tmp), outdir=tmp)
+        row.update(run_policy(job, timeout))
+        # Host bytes (offload's host arena) are in the ranks' results, not in combine()'s row.
+        ranks = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("rank*.json"))]
+    if row["status"] == "ok":
+        row["device_mb"] = row["state_mb"]
+        row["host_mb"] = max((r.get("host_bytes", 0) for r in ranks), default=0) / MB
+    return row
+
+
+def fits_in_budget(job_args: dict[str, Any], pol: str, prec: str, budget_gb: float,
+                   timeout: float) -> bool:
+    """One short run with the device capped at ``budget_gb`` (CUDA, world size 1): does the
+    whole training step fit?"""
+    import torch.multiprocessing as mp
+
+    frac = budget_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory
+    with tempfile.TemporaryDirectory(prefix="bench_offload_fit_") as tmp:
+        job = Job(pol, prec, **job_args, init_method=file_init_method(tmp), outdir=tmp)
+        ctx = mp.start_processes(_capped_worker, args=(job, frac), nprocs=job.world,
+                                 join=False, start_method="spawn")
+        try:
+            ctx.join(timeout=timeout)
+        except Exception:  # noqa: BLE001 - an out-of-memory rank raises here
+            pass
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+            p.join(5)
+        return all((Path(tmp) / f"rank{r}.json").exists() for r in range(job.world))
+
+
+def _capped_worker(rank: int, job: Job, frac: float) -> None:
+    torch.cuda.set_per_process_memory_fraction(min(frac, 1.0), rank)
+    worker(rank, job)
+
+
+def largest_fitting(job_args: dict[str, Any], pol: str, prec: str, budget_gb: float,
+                    timeout: float, max_layers: int = 256) -> int:
+    """The most layers (of the reference width) whose step fits ``budget_gb``: doubling, then
+    bisection. 0: not even one layer fits."""
+    base = GPTConfig(**job_args["cfg"])
+
+    def ok(layers: int) -> bool:
+        args = {**job_args, "cfg": asdict(replace(base, n_layer=layers)), "steps": 3,
+                "prof_steps": 0}
+        return fits_in_budget(args, pol, prec, budget_gb, timeout)
+
+    lo, hi = 0, 1
+    while hi <= max_layers and ok(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, max_layers + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median over repeats per policy, and the ratio to the same stage without offload."""
+    out = []
+    for pol in dict.fromkeys(r["policy"] for r in rows):
+        ok = [r for r in rows if r["policy"] == pol and r.get("status") == "ok"]
+        if not ok:
+            out.append({"policy": pol, "status": next(r["status"] for r in rows
+                                                      if r["policy"] == pol)})
+            continue
+        out.append({"policy": pol, "status": "ok", "repeats": len(ok),
+                    "step_ms": statistics.median(r["step_ms"] for r in ok),
+                    "step_ms_runs": " / ".join(f"{r['step_ms']:.0f}" for r in ok),
+                    "device_mb": ok[0]["device_mb"], "host_mb": ok[0]["host_mb"],
+                    "rss_mb": max(r.get("rss_mb", 0) for r in ok), "loss": ok[-1]["loss"],
+                    "optim": ok[0]["optim"]})
+    by = {r["policy"]: r for r in out}
+    for r in out:
+        base = by.get(BASELINE.get(r["policy"], ""))
+        if r["status"] == "ok" and base and base["status"] == "ok":
+            r["x_time_vs_no_offload"] = r["step_ms"] / base["step_ms"]
+            r["x_device_mem_vs_no_offload"] = r["device_mb"] / base["device_mb"]
+    return out
+
+
+def markdown(summary: list[dict[str, Any]], header: str) -> str:
+    cols = [("policy", "policy"), ("step_ms", "step ms (median)"),
+            ("step_ms_runs", "runs"), ("x_time_vs_no_offload", "time / no offload"),
+            ("device_mb", "device MB/rank"), ("host_mb", "host MB/rank"),
+            ("x_device_mem_vs_no_offload", "device mem / no offload"), ("loss", "final loss")]
+    lines = [header, "", "| " + " | ".join(c[1] for c in cols) + " |",
+             "|---|" + "---:|" * (len(cols) - 1)]
+    for r in summary:
+        if r["status"] != "ok":
+            lines.append(f"| {r['policy']} | {r['status']} |" + " |" * (len(cols) - 2))
+            continue
+        cells = []
+        for k, _ in cols:
+            v = r.get(k, "")
+            if isinstance(v, float):
+                v = f"{v:.3f}" if k.startswith("x_") or k == "loss" else f"{v:.1f}"
+            cells.append(str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--steps", type=int, help="timed steps (default 30; --quick: 5)")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved runs of every policy")
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=POLICIES)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds per run")
+    ap.add_argument("--fit-budget-gb", type=float,
+                    help="CUDA: also find the largest model (layers) fitting this device budget")
+    ap.add_argument("--fit-embd", type=int, default=1024,
+                    help="width of the models --fit-budget-gb tries (heads: width / 64)")
+    ap.add_argument("--fit-max-layers", type=int, default=64)
+    ap.add_argument("--out", help="folder for the CSVs (default bench/results)")
+    ap.add_argument("--tag", default="", help="appended to the CSV names (e.g. run1)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    ref = QUICK if args.quick else REFERENCE
+    cfg: GPTConfig = ref["cfg"]
+    steps = args.steps or ref["steps"]
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the ranks' setting, so machine() reports it
+    meta = H.machine(device)
+    meta.update(world_size=args.world_size, backend="nccl" if device.type == "cuda" else "gloo",
+                model=f"GPT {cfg.n_layer}x{cfg.n_embd}, {cfg.n_head} heads, vocab {cfg.vocab}, "
+                f"seq {cfg.seq}, {cfg.num_params() / 1e6:.2f}M params",
+                micro_batch=ref["micro_batch"], steps=steps)
+    job_args = dict(device=device.type, cfg=asdict(cfg), micro_batch=ref["micro_batch"],
+                    steps=steps, prof_steps=0, world=args.world_size)
+    command = "python bench/bench_offload.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    print(f"# {meta['device']} | torch {meta['torch']} | {meta['date']} | {meta['model']} | "
+          f"{args.world_size} ranks ({meta['backend']}), {args.precision}, {steps} steps, "
+          f"{args.repeats} interleaved repeats")
+    rows = []
+    for rep in range(args.repeats):
+        for pol in args.policies:
+            row = run_one(job_args, pol, args.precision, args.timeout)
+            row["repeat"] = rep + 1
+            print(f"#   repeat {rep + 1} {pol}: {row['status']}"
+                  + (f", {row['step_ms']:.1f} ms, device {row['device_mb']:.1f} MB, host "
+                     f"{row['host_mb']:.1f} MB" if row["status"] == "ok" else ""))
+            rows.append({**row, **meta})
+    summary = summarize(rows)
+    tag = f"_{args.tag}" if args.tag else ""
+    name = f"bench_offload_{device.type}_{args.precision}_{meta['date']}{tag}"
+    if args.quick:
+        name += "_quick"
+    print(f"# wrote {H.write_csv(rows, name + '.csv', args.out)}")
+    header = (f"**{args.precision}**, {meta['device']}, torch {meta['torch']}, {meta['date']}: "
+              f"{meta['model']}, {args.world_size} ranks over {meta['backend']}, micro-batch "
+              f"{ref['micro_batch']}/rank, median of steps 3..{steps}, median of "
+              f"{args.repeats} interleaved runs.  \n`{command}`")
+    print("\n" + markdown(summary, header))
+    if args.fit_budget_gb is not None:
+        if device.type != "cuda":
+            print("# --fit-budget-gb needs --device cuda: skipped")
+            return 0
+        fit = []
+        for pol in args.policies:
+            if unavailable(pol):
+                continue
+            wide = replace(cfg, n_embd=args.fit_embd, n_head=max(1, args.fit_embd // 64))
+            fit_args = {**job_args, "cfg": asdict(wide)}
+            layers = largest_fitting(fit_args, pol, args.precision, args.fit_budget_gb,
+                                     args.timeout, args.fit_max_layers)
+            params = replace(wide, n_layer=layers).num_params() if layers else 0
+            fit.append({"policy": pol, "budget_gb": args.fit_budget_gb, "layers": layers,
+                        "params_m": params / 1e6, **meta})
+            print(f"# fits {args.fit_budget_gb:g} GB: {pol} up to {layers} layers "
+                  f"({params / 1e6:.1f}M params)")
+        print(f"# wrote {H.write_csv(fit, name + '_fit.csv', args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
