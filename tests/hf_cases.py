@@ -159,6 +159,14 @@ def options_and_refusals(rank: int, world: int, tmp: str) -> None:
     ZeroTrainer(model=given, args=_args(os.path.join(tmp, "given"), **kw),
                 train_dataset=TokenData(), optimizers=(opt, None)).train()
     assert_params_close(_params(given), _params(built), "optimizers=(ZeroAdamW, None)")
+    # ZeRO-Offload through the Trainer: the same parameters (the same kernel on the host).
+    off = tiny_gpt2()
+    tr = ZeroTrainer(model=off, args=_args(os.path.join(tmp, "offload"), **kw),
+                     train_dataset=TokenData(), zero_stage=3, offload="cpu",
+                     offload_params=True)
+    tr.train()
+    assert tr.zero_optimizer.memory_stats()["host_total"] > 0
+    assert_params_close(_params(off), _params(built), "offload='cpu', offload_params")
 
     model = tiny_gpt2()
     a = _args(os.path.join(tmp, "x"), **kw)

@@ -91,15 +91,17 @@ class ZeroTrainer(_tf.Trainer):
 
     Takes the Trainer's arguments and, by keyword: ``zero_stage`` (default 2, or the stage of
     the ZeroAdamW given in ``optimizers``), ``unit_classes`` (stage 3: module classes or class
-    names; default the model's ``_no_split_modules``), ``prefetch`` and
-    ``reshard_after_forward`` (shard_model's), ``bucket_numel`` and ``overlap_comm``
-    (ZeroAdamW's). ``max_grad_norm`` of TrainingArguments is applied as ZeroAdamW's global norm.
+    names; default the model's ``_no_split_modules``), ``prefetch``,
+    ``reshard_after_forward`` and ``offload_params`` (shard_model's), ``bucket_numel``,
+    ``overlap_comm`` and ``offload`` (ZeroAdamW's; ``offload="cpu"``: ZeRO-Offload).
+    ``max_grad_norm`` of TrainingArguments is applied as ZeroAdamW's global norm.
     """
 
     def __init__(self, *args: Any, zero_stage: int | None = None,
                  unit_classes: Iterable[type | str] | None = None, prefetch: int = 1,
-                 reshard_after_forward: bool = True, bucket_numel: int | None = None,
-                 overlap_comm: bool = True, **kwargs: Any) -> None:
+                 reshard_after_forward: bool = True, offload_params: bool = False,
+                 bucket_numel: int | None = None, overlap_comm: bool = True,
+                 offload: str | None = None, **kwargs: Any) -> None:
         given = kwargs.get("optimizers", (None, None))
         given_opt = unwrap_optimizer(given[0]) if given and given[0] is not None else None
         if given_opt is not None and not isinstance(given_opt, ZeroAdamW):
@@ -121,10 +123,12 @@ class ZeroTrainer(_tf.Trainer):
         if targs is not None:
             self._check_args(targs, given_opt is not None)
         self.zero_stage = zero_stage
-        self._zero_options = dict(bucket_numel=bucket_numel, overlap_comm=overlap_comm)
+        self._zero_options = dict(bucket_numel=bucket_numel, overlap_comm=overlap_comm,
+                                  offload=offload)
         self._unit_classes = unit_classes
         self._shard_options = dict(prefetch=prefetch,
-                                   reshard_after_forward=reshard_after_forward)
+                                   reshard_after_forward=reshard_after_forward,
+                                   offload_params=offload_params)
         super().__init__(*args, **kwargs)
         self._check_args(self.args, given_opt is not None)
         if zero_stage == 3 and runtime_of_module(self.model) is None:
