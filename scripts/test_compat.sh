@@ -52,6 +52,8 @@ python -m pytest -q -p no:cacheprovider \
   "tests/test_zero_parity.py::test_fp32_matches_adamw[1-2]" \
   "tests/test_zero_parity.py::test_fp32_matches_adamw[2-2]" \
   "tests/test_stage3.py::test_gpt_fp32_matches_adamw[2]" \
+  "tests/test_offload.py::test_offload_bitwise_equal_to_no_offload[2-2]" \
+  "tests/test_offload.py::test_offload_params_bitwise_equal_to_no_offload[2]" \
   "tests/test_exit.py::test_exit_clean[2-destroy-0]" \
   "tests/test_exit.py::test_exit_clean[3-nodestroy-0]" \
   "$@"

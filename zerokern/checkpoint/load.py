@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from ..comm import Comm
+from ..zero.registry import runtime_of_module
 from .format import (
     META,
     CheckpointError,
@@ -176,7 +178,7 @@ def _names_list(names: list[str]) -> str:
 
 
 def match(ck: Opened, model: torch.nn.Module, opt: Any) -> Match:
-    meta, rt = ck.meta, stage3_runtime(model, opt)
+    meta, rt = ck.meta, _runtime(model, opt)
     names = model_names(model)
     saved = meta["params"]
     missing = [n for n in names.params if n not in saved]
@@ -210,6 +212,8 @@ def match(ck: Opened, model: torch.nn.Module, opt: Any) -> Match:
                 f"{meta['buffers'][n]['shape']} in the checkpoint, "
                 f"{list(b.shape)} in the model"
             )
+    if opt is None:  # weights only: no optimizer state to place
+        return Match(names, {}, [], None)
     managed = {id(p): i for i, p in enumerate(opt.managed_params)}
     for p in opt.managed_params:
         n = names.param.get(id(p))
@@ -270,7 +274,31 @@ class _Reader:
                 dst.narrow(0, rel + ca - a, cb - ca).copy_(sl[ca:cb])
 
 
+def _runtime(model: torch.nn.Module, opt: Any) -> Any:
+    # Without an optimizer the model's own stage-3 runtime, if shard_model partitioned it.
+    return runtime_of_module(model) if opt is None else stage3_runtime(model, opt)
+
+
+def _apply_weights(ck: Opened, m: Match, model: torch.nn.Module) -> None:
+    """The parameters (trained ones from their fp32 master, rounded to the parameter's dtype)
+    and buffers, with no optimizer: what evaluation from a checkpoint needs."""
+    rt = runtime_of_module(model)
+    with ExitStack() as stack, torch.no_grad():
+        rd = _Reader(ck, stack)
+        if rt is not None:  # each rank reads the slices it holds
+            for p, po, _, view in rt.local_pieces():
+                rd.read_into(view, m.names.param[id(p)], po, "values")
+        else:
+            for n, p in m.names.params.items():
+                _read_param(rd, n, p)
+        for n, b in m.names.buffers.items():
+            b.copy_(rd.handle(ck.buffer_file[n]).get_tensor(f"buffer/{n}"))
+
+
 def apply(ck: Opened, m: Match, model: torch.nn.Module, opt: Any) -> None:
+    if opt is None:
+        _apply_weights(ck, m, model)
+        return
     meta = ck.meta
     rt = stage3_runtime(model, opt)
     with ExitStack() as stack, torch.no_grad():
@@ -328,12 +356,17 @@ def load_checkpoint(
     """Restore ``model`` and its ``ZeroAdamW`` from ``path`` (call on every rank) and return
     the ``extra`` given to save_checkpoint. The world size, the stage and the parameter dtype
     may differ from the run that saved it; parameter names and shapes must match.
+    ``optimizer=None`` loads the weights and buffers only (evaluation): trained parameters
+    take their fp32 master, rounded to the parameter's dtype; a shard_model'ed model reads
+    the slices each rank holds.
 
     Raises CheckpointError, naming the file, for a missing, incomplete, truncated or corrupt
     checkpoint (sha256 checks unless ``verify=False``; sizes and headers are always checked),
     before anything is modified. For stages 0-2, call it before the first step() or after
     (the layout is fixed here, in the saved gradient order, if it is not yet)."""
-    opt, comm = optimizer, optimizer.comm
+    opt = optimizer
+    rt = runtime_of_module(model) if opt is None else None
+    comm = opt.comm if opt is not None else rt.comm if rt is not None else Comm(None)
     path = os.path.normpath(os.fspath(path))
     what = f"load_checkpoint({path})"
     # Shared with other loads, exclusive of a save publishing at this path: the files read

@@ -51,9 +51,8 @@ from pytorch_lightning.strategies.strategy import _ForwardRedirection  # noqa: E
 from pytorch_lightning.trainer.states import TrainerFn  # noqa: E402
 from torch import nn  # noqa: E402
 
-from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
+from ..checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from ..checkpoint.format import remove_checkpoint_dir  # noqa: E402
-from ..checkpoint.load import read_meta, resolve  # noqa: E402
 from ..checkpoint.locks import publishing  # noqa: E402
 from ..zero import ZeroAdamW, full_state_dict, shard_model  # noqa: E402
 from ..zero.registry import runtime_of_param  # noqa: E402
@@ -458,8 +457,8 @@ class ZeroStrategy(DDPStrategy):
         if os.path.isfile(path):
             return self._load_file(path, weights_only, fitting)
         model = self._checkpoint_model()
-        opt = self._optimizer("load") if fitting else _evaluation_optimizer(path, model,
-                                                                              self._stage)
+        # Outside a fit (validate/test/predict) there is no optimizer: the weights only.
+        opt = self._optimizer("load") if fitting else None
         extra = load_checkpoint(path, model, opt)
         entry = extra.get(EXTRA_KEY) if isinstance(extra, Mapping) else None
         if not isinstance(entry, Mapping) or "state" not in entry:
@@ -536,28 +535,6 @@ class ZeroStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         # Not registered by name: DDPStrategy's names ("ddp", ...) must stay DDPStrategy's.
         pass
-
-
-def _evaluation_optimizer(path: str, model: nn.Module, stage: int) -> ZeroAdamW:
-    """A ZeroAdamW with the checkpoint's param groups, for loading a checkpoint outside a fit
-    (validate/test/predict have no optimizer): load_checkpoint restores the weights through
-    an optimizer, which is dropped afterwards. The groups are read from meta.json, since the
-    load requires them as they were saved; a checkpoint that cannot be read gets one group,
-    and load_checkpoint then says what is wrong with it."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    try:
-        saved = read_meta(resolve(path))["params"]
-        by_group: dict[int, list[nn.Parameter]] = {}
-        for name, p in params.items():
-            entry = saved.get(name)
-            if isinstance(entry, Mapping) and entry.get("managed"):
-                by_group.setdefault(int(entry["group"]), []).append(p)
-        groups: list[Any] = [{"params": ps} for _, ps in sorted(by_group.items())]
-    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
-        groups = []
-    if not groups:
-        groups = [{"params": list(params.values())}]
-    return ZeroAdamW(groups, stage=stage)
 
 
 def _existing_root(lm: pl.LightningModule) -> _Stage3Root | None:
