@@ -36,15 +36,16 @@ python3 -c "import zerokern as z; print('native', z.has_native(), 'cuda kernels'
 # call reports these even if a later step fails or its time runs out.
 step quick_ops 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_ops_adamw.py tests/test_ops_sq_norm.py tests/test_ops_flatten.py
 step quick_nccl 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_zero.py -k bfloat16
+# The offload paths (pinned host arena, side-stream copies, events) have never run on a GPU:
+# their gpu-marked tests come right after the quick subset.
+step offload_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_offload.py
 step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_kernels.py tests/test_gpu_zero.py
 step triton_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
 step bench_adam 150 python3 bench/bench_adam.py --device cuda --out "$TMP"
 step bench_memory 60 python3 bench/bench_memory.py --device cuda --quick --out "$TMP"
 step bench_zero 120 python3 bench/bench_zero.py --world-size 1 --steps 20 --out "$TMP"
-# ZeRO-Offload: the gpu-marked offload tests (pinned host arena, side-stream copies, events),
-# then step time and device/host memory with and without offload (DeepSpeed's offload rows
+# ZeRO-Offload: step time and device/host memory with and without offload (DeepSpeed's offload rows
 # when it is installed), then the largest model fitting a 2 GB device budget.
-step offload_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_offload.py
 step bench_offload 180 python3 bench/bench_offload.py --device cuda --world-size 1 --steps 15 --repeats 1 --out "$TMP"
 step bench_offload_fit 300 python3 bench/bench_offload.py --device cuda --world-size 1 --steps 3 --repeats 1 --policies zk_stage2 zk_stage2_offload --fit-budget-gb 2 --fit-embd 1024 --fit-max-layers 64 --out "$TMP"
 # Keep at most 6 CSVs (8 files come back in all, with the log and the summary).

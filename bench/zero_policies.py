@@ -17,6 +17,8 @@ from _harness import generic_state
 from gpt import GPT, GPTConfig
 from torch import nn
 
+from zerokern.zero.layout import DEFAULT_BUCKET_NUMEL
+
 HP = dict(lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 POLICIES = [
     "ddp",
@@ -265,8 +267,15 @@ def _setup_deepspeed_offload(job: Job, model: nn.Module, stage: int,
     pinned memory, as its docs configure it; never a dependency (skipped when missing)."""
     import deepspeed
 
+    # Buckets of zerokern's default size: DeepSpeed's defaults (5e8 elements) would allocate
+    # about 1 GB of bucket per rank and make the memory columns compare bucket settings.
     zero: dict[str, Any] = {"stage": stage,
-                            "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+                            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                            "reduce_bucket_size": DEFAULT_BUCKET_NUMEL}
+    if stage == 2:
+        zero["allgather_bucket_size"] = DEFAULT_BUCKET_NUMEL
+    else:
+        zero["stage3_prefetch_bucket_size"] = DEFAULT_BUCKET_NUMEL
     if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     config = {
