@@ -159,3 +159,23 @@ def plain_accelerator_is_refused(rank: int, world: int) -> None:
     opt = zerokern.ZeroAdamW(model.parameters(), stage=2)
     with pytest.raises(RuntimeError, match="ZeroAccelerator"):
         Accelerator(cpu=True).prepare(model, opt)
+
+
+@as_launched
+def skipped_step_is_reported(rank: int, world: int) -> None:
+    """ZeroAdamW's loss scaler skips an overflowing step on every rank; Accelerate's
+    optimizer_step_was_skipped says so (the HF Trainer then leaves its LR scheduler alone),
+    and nothing changes."""
+    from zerokern.integrations.accelerate import ZeroAccelerator
+
+    acc = ZeroAccelerator(cpu=True)
+    model = tiny_gpt2()
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=2, loss_scale=1e38, **HP)
+    pmodel, popt = acc.prepare(model, opt)
+    before = _params(model)
+    acc.backward(pmodel(**next(iter(_loader()))).loss)  # scaled by 1e38: inf gradients
+    popt.step()
+    assert acc.optimizer_step_was_skipped
+    after = _params(model)
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k

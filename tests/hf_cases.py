@@ -178,6 +178,9 @@ def options_and_refusals(rank: int, world: int, tmp: str) -> None:
                     optimizers=(zerokern.ZeroAdamW(model.parameters(), stage=1), None))
     with pytest.raises(ValueError, match="optim='adafactor'"):
         ZeroTrainer(model=model, args=_args(os.path.join(tmp, "x"), optim="adafactor", **kw))
+    with pytest.raises(ValueError, match="optimizer_cls_and_kwargs is not used"):
+        ZeroTrainer(model=model, args=a,
+                    optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))
     with pytest.raises(ValueError, match="not a module of the model"):
         ZeroTrainer(model=tiny_gpt2(), args=a, zero_stage=3, unit_classes=["NoSuchBlock"])
     assert Trainer is not ZeroTrainer

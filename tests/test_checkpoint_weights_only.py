@@ -33,6 +33,14 @@ def weights_only_case(rank, world, save_stage, load_stage, dtype, tmp):
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+    # A plain model on one rank alone (evaluation under `if rank == 0`): no collective.
+    if rank == 0:
+        alone = TinyGPT().to(dtype)
+        alone.register_buffer("seen", torch.zeros(2, dtype=torch.int64))
+        load_checkpoint(tmp, alone, None)
+        for k, v in alone.state_dict().items():
+            assert torch.equal(v, want[k]), k
+    torch.distributed.barrier()
 
 
 @pytest.mark.parametrize("save_stage,load_stage,dtype", [
@@ -52,3 +60,16 @@ def test_weights_only_load_refuses_another_model(tmp_path):
     with pytest.raises(CheckpointError, match="does not fit the model"):
         load_checkpoint(tmp_path / "ck", other, None)
     assert torch.equal(other.weight, before)
+
+
+def test_weights_only_load_refuses_a_model_a_zero_adamw_trains(tmp_path):
+    """Its fp32 master would overwrite the loaded weights at the next step: refused, the
+    model untouched."""
+    model, opt = build(2, dtype=torch.bfloat16)
+    train(model, opt, 0, 1)
+    save_checkpoint(tmp_path / "ck", model, opt)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="trained by a ZeroAdamW; pass it as the optimizer"):
+        load_checkpoint(tmp_path / "ck", model, None)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k

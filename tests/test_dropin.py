@@ -355,3 +355,26 @@ CASES = {
 @pytest.mark.parametrize("case,stage", [(c, s) for c, (_, st) in CASES.items() for s in st])
 def test_on_two_ranks(case, stage, tmp_path):
     run_ranks(2, CASES[case][0], stage, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_model_moved_after_construction_trains_where_it_is(stage):
+    """Accelerate's prepare (and the HF Trainer with optimizers=) move the model after the
+    optimizer was built: ZeroAdamW lays out where the parameters are at the first step, as
+    torch's AdamW follows them. Here the move is a cast (the only move a CPU has): the
+    parameters stay bfloat16 and train as with a ZeroAdamW built after the cast."""
+    torch.manual_seed(0)
+    base = OddNet()
+    moved, direct = copy.deepcopy(base), copy.deepcopy(base).to(torch.bfloat16)
+    opt_m = zerokern.ZeroAdamW(moved.parameters(), stage=stage, **HP)
+    moved.to(torch.bfloat16)
+    opt_d = zerokern.ZeroAdamW(direct.parameters(), stage=stage, **HP)
+    for step in range(3):
+        for model, opt in ((moved, opt_m), (direct, opt_d)):
+            x, y = batch(step, 0)
+            F.cross_entropy(model(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for (n, a), b in zip(moved.named_parameters(), direct.parameters(), strict=True):
+        assert a.dtype == torch.bfloat16, n
+        assert torch.equal(a, b), n

@@ -20,7 +20,8 @@ def test_zero_accelerator_matches_accelerator_with_ddp_and_resumes(stage, tmp_pa
 
 
 @pytest.mark.parametrize("case", [cases.torch_optimizer_is_refused, cases.fp16_is_refused,
-                                  cases.plain_accelerator_is_refused],
+                                  cases.plain_accelerator_is_refused,
+                                  cases.skipped_step_is_reported],
                          ids=lambda f: f.__name__)
 def test_refusals(case, tmp_path):
     run_ranks(2, case, tmp_path=tmp_path)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..comm import Comm
+from ..zero.interop import optimizer_of
 from ..zero.registry import runtime_of_module
 from .format import (
     META,
@@ -274,6 +274,19 @@ class _Reader:
                 dst.narrow(0, rel + ca - a, cb - ca).copy_(sl[ca:cb])
 
 
+class _OneRank:
+    """The comm of a load that involves this process only."""
+
+    rank, world_size = 0, 1
+
+    @staticmethod
+    def all_gather_object(obj: Any, what: str) -> list[Any]:
+        return [obj]
+
+
+_ONE_RANK = _OneRank()
+
+
 def _runtime(model: torch.nn.Module, opt: Any) -> Any:
     # Without an optimizer the model's own stage-3 runtime, if shard_model partitioned it.
     return runtime_of_module(model) if opt is None else stage3_runtime(model, opt)
@@ -358,7 +371,8 @@ def load_checkpoint(
     may differ from the run that saved it; parameter names and shapes must match.
     ``optimizer=None`` loads the weights and buffers only (evaluation): trained parameters
     take their fp32 master, rounded to the parameter's dtype; a shard_model'ed model reads
-    the slices each rank holds.
+    the slices each rank holds (a collective), a plain model is read by this process alone.
+    Refused for a model a ZeroAdamW trains (its master would undo the load).
 
     Raises CheckpointError, naming the file, for a missing, incomplete, truncated or corrupt
     checkpoint (sha256 checks unless ``verify=False``; sizes and headers are always checked),
@@ -366,7 +380,17 @@ def load_checkpoint(
     (the layout is fixed here, in the saved gradient order, if it is not yet)."""
     opt = optimizer
     rt = runtime_of_module(model) if opt is None else None
-    comm = opt.comm if opt is not None else rt.comm if rt is not None else Comm(None)
+    if opt is None:
+        trained = [n for n, p in model.named_parameters() if optimizer_of(p) is not None]
+        if trained:
+            # Its fp32 master (and, offloaded, its host copy) would overwrite the loaded
+            # weights at the next step(): load through the optimizer instead.
+            raise ValueError(
+                f"load_checkpoint(optimizer=None): the model's parameters (e.g. "
+                f"{trained[0]!r}) are trained by a ZeroAdamW; pass it as the optimizer")
+    # A plain model needs no other rank (each reads the full parameters): this also works on
+    # one rank alone (evaluation under `if rank == 0`). A sharded one reads its slices.
+    comm = opt.comm if opt is not None else rt.comm if rt is not None else _ONE_RANK
     path = os.path.normpath(os.fspath(path))
     what = f"load_checkpoint({path})"
     # Shared with other loads, exclusive of a save publishing at this path: the files read

@@ -70,6 +70,16 @@ def zero_managed(model: torch.nn.Module) -> bool:
         for p in model.parameters())
 
 
+class _ZeroAcceleratedOptimizer(_acc.optimizer.AcceleratedOptimizer):
+    """Accelerate's wrapper, reporting ZeroAdamW's own skipped steps (its loss scaler's
+    overflow), so that the Trainer and ``accelerator.optimizer_step_was_skipped`` leave the
+    LR scheduler alone on them, as with torch's GradScaler."""
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return bool(getattr(unwrap_optimizer(self), "last_step_skipped", False))
+
+
 class ZeroAccelerator(_acc.Accelerator):
     """``accelerate.Accelerator`` for models trained by ZeroAdamW: takes the same arguments and
     is used the same way (``prepare``, ``backward``, ``accumulate``, ``clip_grad_norm_``,
@@ -92,6 +102,13 @@ class ZeroAccelerator(_acc.Accelerator):
     # -- prepare ----------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
+        rt = runtime_of_module(self.unwrap_model(model, keep_torch_compile=False))
+        if rt is not None and rt.device.type != self.device.type:
+            # Moving a partitioned model would move only its placeholders.
+            raise ValueError(
+                f"ZeroAccelerator.prepare: the model was partitioned by shard_model on "
+                f"{rt.device}, but this accelerator trains on {self.device}; move the model "
+                f"to the device first, then call shard_model")
         # evaluation_mode is Accelerate's own "everything but the distributed wrapper": device
         # placement, autocast and torch.compile are applied as for any model.
         return super().prepare_model(model, device_placement=device_placement,
@@ -106,7 +123,14 @@ class ZeroAccelerator(_acc.Accelerator):
                 "ZeroAccelerator leaves gradient averaging to ZeroAdamW (no DDP wrap), so other "
                 "optimizers would step on unaveraged gradients. Use zerokern.ZeroAdamW, or a "
                 "plain accelerate.Accelerator for this optimizer")
-        return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if not isinstance(inner, ZeroAdamW):
+            return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        # No device placement: Accelerate would round-trip the optimizer's whole state
+        # through state_dict() onto the device (with offload="cpu": the state kept off it).
+        # ZeroAdamW keeps its state where its parameters are (or on the host, offloaded).
+        prepared = super().prepare_optimizer(optimizer, device_placement=False)
+        prepared.__class__ = _ZeroAcceleratedOptimizer
+        return prepared
 
     def zero_optimizers(self) -> list[ZeroAdamW]:
         """The ZeroAdamW optimizers given to prepare, unwrapped."""

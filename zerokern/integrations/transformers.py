@@ -116,6 +116,10 @@ class ZeroTrainer(_tf.Trainer):
         zero_stage = 2 if zero_stage is None else zero_stage
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroTrainer: zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        if kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise ValueError("ZeroTrainer: optimizer_cls_and_kwargs is not used by ZeroTrainer "
+                             "(its optimizer is ZeroAdamW, built from the TrainingArguments); "
+                             "pass optimizers=(zerokern.ZeroAdamW(...), None) instead")
         if kwargs.get("model_init") is not None:
             raise ValueError("ZeroTrainer: model_init (hyperparameter search) is not supported; "
                              "pass the model")
@@ -135,12 +139,19 @@ class ZeroTrainer(_tf.Trainer):
             if given_opt is not None:
                 raise ValueError("ZeroTrainer: the ZeroAdamW given is stage 3 but the model was "
                                  "not partitioned by zerokern.shard_model")
+            # The Trainer may have left the model on the CPU (full-eval dtypes, no device
+            # placement); a partitioned model's shards stay where they are made.
+            self.model.to(self.args.device)
             shard_model(self.model, unit_classes=resolve_units(self.model, unit_classes),
                         **self._shard_options)
         self.add_callback(_ZeroGradAfterStep(self))
 
     @staticmethod
     def _check_args(targs: Any, have_optimizer: bool) -> None:
+        if getattr(targs, "n_gpu", 1) > 1:
+            raise ValueError("ZeroTrainer: this process sees several GPUs, so the Trainer would "
+                             "use torch.nn.DataParallel; launch one process per GPU with "
+                             "torchrun (or set CUDA_VISIBLE_DEVICES)")
         if getattr(targs, "fp16", False):
             raise ValueError("ZeroTrainer: TrainingArguments(fp16=True) uses Accelerate's "
                              "GradScaler, which reads p.grad (ZeroAdamW keeps flat shards); "
@@ -176,8 +187,10 @@ class ZeroTrainer(_tf.Trainer):
              "weight_decay": self.args.weight_decay},
             {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0},
         ]
+        # Both groups, even an empty one, as the Trainer builds them: a plain Trainer's
+        # optimizer.pt and the schedulers' per-group lists then line up.
         self.optimizer = ZeroAdamW(
-            [g for g in groups if g["params"]], lr=self.args.learning_rate,
+            groups, lr=self.args.learning_rate,
             betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
             weight_decay=self.args.weight_decay, stage=self.zero_stage, **self._zero_options)
         return self.optimizer

@@ -61,10 +61,11 @@ class Ticket:
     """A copy issued by ``Copier``: ``wait()`` blocks the host until it is done; ``fence()``
     orders work issued on the device's current stream afterwards after it (no host wait)."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_event", "_device")
 
-    def __init__(self, event: Any = None) -> None:
+    def __init__(self, event: Any = None, device: torch.device | None = None) -> None:
         self._event = event
+        self._device = device  # the device whose current stream fence() orders
 
     def wait(self) -> None:
         if self._event is not None:
@@ -73,7 +74,7 @@ class Ticket:
 
     def fence(self) -> None:
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            torch.cuda.current_stream(self._device).wait_event(self._event)
 
     @property
     def done(self) -> bool:
@@ -85,6 +86,9 @@ class Copier:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        # The parameters' device, not the current one: a process may drive cuda:1 without
+        # torch.cuda.set_device, and the ordering must be with that device's stream.
+        self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.d2h = self.h2d = 0  # copies issued, by direction (bytes)
 
@@ -105,7 +109,7 @@ class Copier:
         stream = self.stream
         # The source was written by work on the current stream (a collective waited on, the
         # CPU kernel before that): the side stream starts after it.
-        stream.wait_stream(torch.cuda.current_stream())
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         for t in (dst, src):
@@ -113,7 +117,7 @@ class Copier:
                 t.record_stream(stream)  # memory from torch's allocator is not reused early
         ev = torch.cuda.Event()
         ev.record(stream)
-        return Ticket(ev)
+        return Ticket(ev, self.device)
 
 
 class HostArena:

@@ -109,6 +109,7 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         self.scaler = LossScaler.from_arg(loss_scale)
         self.backend = backend
         self.last_grad_norm: float | None = None
+        self.last_step_skipped = False  # the last step() skipped (loss-scaler overflow)
 
         for gi, g in enumerate(self.param_groups):
             check_no_duplicates(g["params"], gi)
@@ -210,6 +211,10 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         if self._rt is not None:
             layout = build_stage3_layout(self._rt, self._params, self.param_groups)
         else:
+            # Where the parameters are now: a model moved after ZeroAdamW was built (as
+            # Accelerate's prepare does, and the HF Trainer with optimizers=) trains there,
+            # as torch's AdamW would; nothing was allocated for the old place.
+            self.dtype, self.device = common_dtype_device(self._params)
             layout = build_layout(
                 self._group_sizes, stage=self.stage, world_size=self.comm.world_size,
                 rank=self.comm.rank, bucket_numel=self._bucket_numel, ready_order=ready_order,
@@ -279,8 +284,10 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
             with torch.enable_grad():
                 loss = closure()
         red = self._reduce_grads()
+        self.last_step_skipped = False
         if self.scaler is not None and not math.isfinite(red.sq_norm):
             self.scaler.update(True)  # every rank saw the same sum: all skip together
+            self.last_step_skipped = True  # trainers skip their LR scheduler step on it
             self._end_step()
             return loss
         clip = red.clip
