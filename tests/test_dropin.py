@@ -378,3 +378,40 @@ def test_model_moved_after_construction_trains_where_it_is(stage):
     for (n, a), b in zip(moved.named_parameters(), direct.parameters(), strict=True):
         assert a.dtype == torch.bfloat16, n
         assert torch.equal(a, b), n
+
+
+def weights_written_case(rank, world, stage, dtype, offload):
+    """model.load_state_dict(W) after ZeroAdamW was built (and has stepped): as with torch's
+    AdamW, training goes on from W. ZeroAdamW's fp32 master (16-bit parameters; with offload,
+    every parameter) takes W at the next step. A step at lr 0 must leave exactly W."""
+    torch.manual_seed(0)
+    model = OddNet().to(dtype)
+    if stage == 3:
+        model = zerokern.shard_model(model)
+    kw = dict(offload="cpu") if offload else {}
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=stage, weight_decay=0.0, **HP, **kw)
+    for step in range(2):
+        x, y = batch(step, rank)
+        F.cross_entropy(model(x).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.manual_seed(1)
+    w = {k: v.to(dtype) for k, v in OddNet().state_dict().items()}
+    model.load_state_dict(w)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    x, y = batch(5, rank)
+    F.cross_entropy(model(x).float(), y).backward()
+    opt.step()
+    opt.zero_grad()
+    got = zerokern.full_state_dict(model, rank0_only=False)
+    for k, v in w.items():
+        assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("stage,dtype,offload", [
+    (0, torch.bfloat16, False), (1, torch.bfloat16, False), (2, torch.bfloat16, False),
+    (3, torch.bfloat16, False), (2, torch.float32, True), (3, torch.float32, True),
+])
+def test_weights_loaded_after_construction_are_trained_from(stage, dtype, offload, tmp_path):
+    run_ranks(2, weights_written_case, stage, dtype, offload, tmp_path=tmp_path)

@@ -225,7 +225,35 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
             overlap=self._overlap, backend=self.backend, **extra)
         self._engine.set_sync(self._sync)
         self.layout = layout
+        self._mark_params()
         return layout
+
+    # -- parameters written from outside ----------------------------------------------------
+    def _param_versions(self) -> tuple[int, ...]:
+        # Stage 3: the shard store itself (model.load_state_dict's hook writes into it);
+        # stages 0-2: each parameter (its in-place writes, e.g. load_state_dict's copy_, bump
+        # its own counter; ZeroAdamW writes the flat buffer underneath, which does not).
+        if self._rt is not None:
+            return (self._rt.local_params._version,)
+        return tuple(p._version for p in self._params)
+
+    def _mark_params(self) -> None:
+        """Remember the parameters' versions: ZeroAdamW has just written them (or its master
+        agrees with them)."""
+        self._versions = self._param_versions() if self._engine is not None else None
+
+    def _adopt_param_writes(self) -> None:
+        """torch's AdamW reads its parameters at every step, so weights written into the
+        model after construction (model.load_state_dict, p.copy_) are what it trains from.
+        ZeroAdamW's fp32 master (16-bit parameters; with offload, every parameter) would
+        overwrite them at the next step: when the parameters changed since ZeroAdamW last
+        wrote them, the master takes them."""
+        if self._engine is None or getattr(self, "_versions", None) is None:
+            return
+        if self._param_versions() != self._versions:
+            with torch.no_grad():
+                self._engine.init_master()
+            self._mark_params()
 
     def _engine_cls(self) -> type[Engine]:
         return (OFFLOAD_ENGINES if self.offload else ENGINES)[self.stage]
@@ -283,6 +311,7 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._adopt_param_writes()
         red = self._reduce_grads()
         self.last_step_skipped = False
         if self.scaler is not None and not math.isfinite(red.sq_norm):
@@ -433,6 +462,7 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
 
     def _end_step(self) -> None:
         self._engine.end_step()
+        self._mark_params()
         self._reduced = None
         self._stepped_events = self._grad_events()
         self._last_comm = self.comm.reset_stats()

@@ -44,6 +44,7 @@ class ShardedStateMixin:
         ``ready_order``, indices of managed_params, default reverse registration order),
         as loading a state does."""
         L = self._build(ready_order)
+        self._adopt_param_writes()  # weights written into the model since: they are the values
         names = self._names(model)
         group_of = {id(p): g for g, grp in enumerate(self.param_groups) for p in grp["params"]}
         ranges: list[list[ShardRange]] = [[] for _ in self._params]
@@ -76,6 +77,7 @@ class ShardedStateMixin:
                                  f">= 0, got {sh.step!r}")
         with torch.no_grad():
             self._engine.sync_params(gather)
+        self._mark_params()
         for sh in shards:
             self._steps[sh.index] = sh.step
 
@@ -110,6 +112,7 @@ class ShardedStateMixin:
             groups.append({**{k: v for k, v in g.items() if k != "params"},
                            "params": list(range(idx, idx + n))})
             idx += n
+        self._adopt_param_writes()
         eng = self._engine
         state: dict[str, Any] = {} if eng is None else {
             "exp_avg": eng.exp_avg.clone(), "exp_avg_sq": eng.exp_avg_sq.clone(),
@@ -188,3 +191,4 @@ class ShardedStateMixin:
                     g[k] = v
         if self.scaler is not None and state_dict.get("scaler") is not None:
             self.scaler.load_state_dict(state_dict["scaler"])
+        self._mark_params()  # the loaded master is the one to train from
