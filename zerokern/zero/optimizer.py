@@ -152,6 +152,7 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         self._reduced: _Reduced | None = None  # this step's reduction, once done
         self._zero_kept = False  # zero_grad(set_to_none=False): every .grad is a zero tensor
         self._warned_carry = False
+        self._versions: tuple[int, ...] | None = None  # parameters as ZeroAdamW last left them
         interop.register_params(self._params, self)
         self._ddp_guard: interop.DDPGuard | None = interop.DDPGuard(self)
         self.state = ShardedStateView(self)  # type: ignore[assignment]
@@ -248,7 +249,7 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         ZeroAdamW's fp32 master (16-bit parameters; with offload, every parameter) would
         overwrite them at the next step: when the parameters changed since ZeroAdamW last
         wrote them, the master takes them."""
-        if self._engine is None or getattr(self, "_versions", None) is None:
+        if self._engine is None or self._versions is None:
             return
         if self._param_versions() != self._versions:
             with torch.no_grad():
