@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from zerokern.memory._arena_py import _PyArenaCore
+from zerokern.memory.alias import own_storage
 
 # Overlapping moves (a block sliding down by less than its own size) are copied through a
 # temporary; copying in pieces of at most this many bytes keeps the temporary small even for
@@ -170,7 +171,9 @@ class Block:
             view = self._tensor.view(tensor.shape)
             if copy:
                 view.copy_(tensor.detach())
-            tensor.data = view
+            # Its own storage object over the block's bytes: torch.save of the tensor writes
+            # its bytes, not the arena's (see alias.py).
+            tensor.data = own_storage(view)
             # One owner per tensor, or a later defragment would re-point it to a stale block.
             for other in self._arena._live.values():
                 other._bound = [r for r in other._bound if r() is not tensor]
@@ -189,7 +192,7 @@ class Block:
         for ref in self._bound:
             t = ref()
             if t is not None:
-                t.data = self._tensor.view(t.shape)
+                t.data = own_storage(self._tensor.view(t.shape))
                 alive.append(ref)
         self._bound = alive
 
@@ -408,13 +411,24 @@ def _aligned_buffer(capacity: int, alignment: int, device: str | torch.device,
     allocator only guarantees 64 bytes (CUDA's caching allocator 512): allocate
     ``alignment - 1`` spare bytes when the base is not already aligned and narrow."""
     pin = {"pin_memory": True} if pin_memory else {}
-    raw = torch.empty(capacity, dtype=torch.uint8, device=device, **pin)
+    # The storage's size is a whole number of the widest element (16 bytes: complex128), so a
+    # view of any dtype into it can be saved and loaded (torch.load checks that a storage
+    # record holds whole elements).
+    raw = torch.empty(_round_up(capacity, _WIDEST), dtype=torch.uint8, device=device, **pin)
     if raw.data_ptr() % alignment == 0:
-        return raw
+        return raw.narrow(0, 0, capacity)
     del raw
-    raw = torch.empty(capacity + alignment - 1, dtype=torch.uint8, device=device, **pin)
+    raw = torch.empty(_round_up(capacity + alignment - 1, _WIDEST), dtype=torch.uint8,
+                      device=device, **pin)
     skip = -raw.data_ptr() % alignment
     return raw.narrow(0, skip, capacity)
+
+
+_WIDEST = 16  # bytes of the widest element type (complex128)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
 
 
 def _move(buf: torch.Tensor, src: int, dst: int, nbytes: int, tmp: torch.Tensor | None) -> None:

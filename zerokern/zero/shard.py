@@ -92,6 +92,7 @@ def shard_model(
     rt.param_names = {id(p): names[id(p)] for p in params}
     rt.shard_parameters()
     rt.install_hooks()
+    _refuse_pickling(model, params)
     # Lets ZeroAdamW(stage=3) find the runtime from model.parameters(), and checkpoints and
     # full_state_dict from the model.
     registry.register(model, params, rt)
@@ -99,6 +100,31 @@ def shard_model(
     model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     model.register_load_state_dict_post_hook(_load_state_dict_post_hook)
     return model
+
+
+class _RefusePickle:
+    """Stands in for ``__reduce_ex__`` on a stage-3 model and its parameters (an instance
+    attribute, which pickle and copy look up before the class's method). Outside a forward a
+    parameter holds no values on this rank (its slice lives in the unit's shard), so pickling
+    it would store placeholders and a pickled model would carry the runtime: refused, with
+    what to save instead."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __call__(self, protocol: int) -> Any:
+        raise RuntimeError(
+            f"torch.save / pickle / copy of {self.what} sharded by zerokern.shard_model "
+            "(ZeRO stage 3): outside a forward each rank holds only its slice, so the saved "
+            "object would hold no values. Save model.state_dict() instead (the full "
+            "parameters; a collective: call it on every rank, torch.save on rank 0), or "
+            "zerokern.full_state_dict(model), or a zerokern checkpoint (save_checkpoint)")
+
+
+def _refuse_pickling(model: nn.Module, params: list[nn.Parameter]) -> None:
+    object.__setattr__(model, "__reduce_ex__", _RefusePickle(f"the model ({type(model).__name__})"))
+    for p in params:
+        p.__reduce_ex__ = _RefusePickle("a parameter")  # type: ignore[method-assign]
 
 
 def _select_units(

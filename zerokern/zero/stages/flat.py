@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ...comm import Comm, Handle
+from ...memory.alias import own_storage
 from ..grads import GradReducer
 from ..layout import Layout
 from .base import BufferSpec, Engine, Run, reserved_bytes
@@ -28,7 +29,10 @@ class FlatEngine(Engine):
             for i, p in enumerate(params):
                 view = self.flat_param.narrow(0, layout.param_flat_offset[i], p.numel())
                 view.copy_(p.detach().reshape(-1))
-                p.data = view.view_as(p)
+                # A storage of the parameter's own bytes over the flat buffer: torch.save of
+                # the model, its state_dict() or a parameter writes each tensor's bytes, not
+                # the arena (memory/alias.py).
+                p.data = own_storage(view).view_as(p)
             self.alloc_grads()
             self.alloc_state()
             self.init_master()
