@@ -11,6 +11,9 @@ MODE:
   exception  module level; a step raises, the script catches it and exits without destroy
   nostep     module level; the last backward is never followed by a step (its gradient
              collectives' handles are alive, completed, never waited on), then destroy
+  evalrank0  (stage 3; ends in an error on purpose) nanoGPT's evaluation under
+             `if rank == 0` after a step, with a 2 s gather timeout: rank 0 is told in a
+             gather the other rank never starts, both exit with status 1 (not a hang)
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def build() -> tuple[nn.Module, zerokern.ZeroAdamW]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 48), Block(48), Block(48), nn.Linear(48, 5))
     if stage == 3:
-        model = zerokern.shard_model(model, unit_classes=(Block,))
+        model = zerokern.shard_model(model, unit_classes=(Block,),
+                                     gather_timeout=2.0 if mode == "evalrank0" else None)
     opt = zerokern.ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, bucket_numel=1024,
                              max_grad_norm=1.0)
     return model, opt
@@ -84,5 +88,14 @@ elif mode == "nostep":
     train(MODEL, OPT, steps=2)
     MODEL(torch.randn(8, 24)).square().mean().backward()
     dist.destroy_process_group()
+elif mode == "evalrank0":
+    MODEL, OPT = build()
+    train(MODEL, OPT, steps=1)
+    if rank == 0:
+        MODEL.eval()
+        with torch.no_grad():
+            MODEL(torch.randn(8, 24))
+        MODEL.train()
+    train(MODEL, OPT, steps=2)
 else:
     raise SystemExit(f"unknown mode {mode!r}")

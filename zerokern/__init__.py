@@ -3,7 +3,7 @@
 from . import ops
 from ._native import has_cuda_kernels, has_native
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .comm import CollectiveError
+from .comm import CollectiveError, CollectiveTimeout
 from .memory import Arena, ArenaOutOfMemory, Block
 from .zero import ZeroAdamW, full_state_dict, shard_model
 
@@ -15,6 +15,7 @@ __all__ = [
     "Block",
     "CheckpointError",
     "CollectiveError",
+    "CollectiveTimeout",
     "ZeroAdamW",
     "full_state_dict",
     "shard_model",

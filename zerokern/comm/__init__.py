@@ -1,3 +1,12 @@
-from .collectives import CollectiveError, Comm, CommStats, Handle, inflight_count, wait_released
+from .collectives import (
+    CollectiveError,
+    CollectiveTimeout,
+    Comm,
+    CommStats,
+    Handle,
+    inflight_count,
+    wait_released,
+)
 
-__all__ = ["Comm", "CollectiveError", "CommStats", "Handle", "inflight_count", "wait_released"]
+__all__ = ["Comm", "CollectiveError", "CollectiveTimeout", "CommStats", "Handle",
+           "inflight_count", "wait_released"]

@@ -32,6 +32,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -123,23 +124,40 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names it and what it was moving."""
 
 
+class CollectiveTimeout(CollectiveError):
+    """``Handle.wait(timeout=...)`` ran out: this rank waited that long for the other ranks to
+    join the collective. The collective is still pending in the backend, so its group cannot
+    be used again (the process should end)."""
+
+    def __init__(self, message: str, waited: float) -> None:
+        super().__init__(message)
+        self.waited = waited
+
+
 class Handle:
     """What an asynchronous collective returns: ``wait()`` waits for the backend's work(s),
     re-raises a backend error as CollectiveError naming the collective, and then runs
     ``finish`` (the point-to-point reduce-scatter sums what it received) once."""
 
     def __init__(self, works: list[Any], guard: Any, finish: Any = None,
-                 tensors: tuple[torch.Tensor, ...] = ()) -> None:
+                 tensors: tuple[torch.Tensor, ...] = (), describe: str = "collective") -> None:
         self._works, self._guard, self._finish = works, guard, finish
         self._tensors = tensors  # what was handed to the backend (for the exit hook)
+        self._describe = describe  # "<collective> on rank r/n (backend) while moving <label>"
         self._done = False
         _HANDLES.add(self)
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the collective; with ``timeout`` (seconds) raise CollectiveTimeout once
+        this call has waited that long. The limit is on this rank's wait for the others, not
+        on the collective's age: a prefetched collective started long ago is not penalised."""
         if not self._done:
             with self._guard():
-                for w in self._works:
-                    w.wait()
+                if timeout is None:
+                    for w in self._works:
+                        w.wait()
+                else:
+                    self._wait_for(timeout)
             if self._finish is not None:
                 self._finish()
             self._done = True
@@ -149,6 +167,25 @@ class Handle:
 
     def is_completed(self) -> bool:
         return self._done or all(w.is_completed() for w in self._works)
+
+    def _wait_for(self, timeout: float) -> None:
+        start = time.monotonic()
+        deadline = start + timeout
+        for w in self._works:
+            left = deadline - time.monotonic()
+            try:
+                # A backend's wait(timeout) raises when the time is up (gloo: "Operation timed
+                # out!"); the collective itself stays queued on the backend's thread.
+                w.wait(timedelta(seconds=max(left, 0.001)))
+            except (RuntimeError, dist.DistError) as exc:
+                waited = time.monotonic() - start
+                # Raised before the time was up: the collective failed (a peer died). Not
+                # is_completed(): gloo's send/recv works report completed after a timeout.
+                if time.monotonic() < deadline - 0.05:
+                    raise
+                raise CollectiveTimeout(
+                    f"{self._describe}: waited {waited:.1f} s for the other ranks to join "
+                    f"and they did not", waited) from exc
 
 
 class Comm:
@@ -189,6 +226,8 @@ class Comm:
     def _guard(self, what: str, label: str) -> Iterator[None]:
         try:
             yield
+        except CollectiveError:
+            raise  # already says where (CollectiveTimeout)
         except (RuntimeError, dist.DistError) as exc:  # DistBackendError/timeouts included
             raise CollectiveError(
                 f"{what} failed on rank {self.rank}/{self.world_size} ({self.backend}) "
@@ -202,7 +241,9 @@ class Comm:
 
     def _async(self, what: str, label: str, works: list[Any], tensors: tuple[torch.Tensor, ...],
                async_op: bool, finish: Any = None) -> Handle | None:
-        h = Handle(works, lambda: self._guard(what, label), finish, tensors)
+        h = Handle(works, lambda: self._guard(what, label), finish, tensors,
+                   f"{what} on rank {self.rank}/{self.world_size} ({self.backend}) while "
+                   f"moving {label}")
         if async_op:
             return h
         h.wait()

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import Comm
+from . import gather_timeout as told
 from . import registry
 from .stage3_runtime import Stage3Runtime
 
@@ -58,6 +59,7 @@ def shard_model(
     prefetch: int = 1,
     reshard_after_forward: bool = True,
     offload_params: bool = False,
+    gather_timeout: float | None = None,
 ) -> nn.Module:
     """Partition ``model``'s parameters in place for ZeRO stage 3 and return it.
 
@@ -71,6 +73,13 @@ def shard_model(
     lives in host memory (pinned on CUDA) between uses and is copied to the device just
     before its unit's all-gather (prefetched units with the unit before them). Use with
     ``ZeroAdamW(..., stage=3, offload="cpu")``.
+
+    ``gather_timeout`` (seconds; default ``$ZEROKERN_GATHER_TIMEOUT``, else 300): the longest
+    a rank waits in one unit's gather or gradient reduce-scatter for the other ranks before it
+    raises CollectiveTimeout naming the unit and the likely cause (a forward or state_dict
+    run on some ranks only, e.g. evaluation under ``if rank == 0``). It bounds each wait, not
+    the step. ``math.inf``: no bound of zerokern's own. On NCCL it applies only when given
+    (here or in the environment): a bounded wait blocks the host until the gather is done.
     """
     if not isinstance(offload_params, bool):
         raise TypeError(f"offload_params must be True or False, got {offload_params!r}")
@@ -78,7 +87,9 @@ def shard_model(
     # Every rank selects its units, then all compare (or learn of a rank's error) before
     # anything is modified: a check that failed on one rank alone would leave the others
     # waiting in the first per-unit broadcast until the process-group timeout.
+    timeout = (told.DEFAULT_S, False)
     try:
+        timeout = told.resolve(gather_timeout)
         units, names, params = _select_units(model, unit_classes, prefetch)
         failure: BaseException | None = None
     except (ValueError, TypeError, RuntimeError) as exc:
@@ -87,7 +98,7 @@ def shard_model(
                                    failure, offload_params)
     rt = Stage3Runtime(
         model, units, comm, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-        offload_params=offload_params,
+        offload_params=offload_params, gather_timeout=timeout,
     )
     rt.param_names = {id(p): names[id(p)] for p in params}
     rt.shard_parameters()

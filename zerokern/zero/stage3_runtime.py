@@ -28,8 +28,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .. import ops
-from ..comm import Comm
+from ..comm import CollectiveTimeout, Comm
 from ..memory import Arena, ArenaOutOfMemory, Block
+from . import gather_timeout as told
 from .interop import active_ddp_module
 from .layout import ALIGN_ELEMS
 from .offload import HOST, Copier, OffloadPipeline, Ticket, pin_host_memory
@@ -102,10 +103,17 @@ class Stage3Runtime:
         prefetch: int,
         reshard_after_forward: bool,
         offload_params: bool = False,
+        gather_timeout: tuple[float, bool] = (told.DEFAULT_S, False),
     ) -> None:
         self.root, self.comm = root, comm
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         self.offload_params = offload_params
+        # Bound on one wait in a unit's collective (gather_timeout.py); after a timeout the
+        # runtime refuses to go on (``broken``): the timed-out collective is still pending.
+        self.timeout_s = gather_timeout[0]
+        self.wait_timeout = told.wait_limit(*gather_timeout, comm.backend)
+        self.broken: str | None = None
+        self._abandoned: list[torch.Tensor] = []  # buffers a pending collective may still write
         p0 = next(p for _, _, ps in units for p in ps)
         self.dtype, self.device = p0.dtype, p0.device
         plans = plan_units([[p.numel() for p in ps] for _, _, ps in units], comm.world_size,
@@ -225,6 +233,8 @@ class Stage3Runtime:
             return torch.empty(numel, dtype=self.dtype, device=self.device), None
 
     def gather(self, u: Unit, *, wait: bool = True) -> None:
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
         if not u.gathered:
             buf, blk = self._alloc(u.plan.padded_numel)
             u.buf, u.block = buf, blk
@@ -245,12 +255,30 @@ class Stage3Runtime:
             self.peak_units = max(self.peak_units,
                                   sum(x.gathered for x in self.units if not x.is_root))
         if wait and u.work is not None:
-            u.work.wait()
+            self._wait(u.work, u, "all-gather of the parameters")
             u.work = None
 
+    def _wait(self, work: Any, u: Unit, what: str) -> None:
+        """Wait for a unit's collective, at most ``wait_timeout`` seconds (gather_timeout.py)."""
+        try:
+            work.wait(timeout=self.wait_timeout)
+        except CollectiveTimeout as exc:
+            self.broken = told.message(self.comm.rank, self.comm.world_size, what, u.name,
+                                       exc.waited, self.timeout_s)
+            raise CollectiveTimeout(self.broken, exc.waited) from exc
+
+    def _abandon(self, u: Unit) -> None:
+        """After a timeout: a pending gather may still write ``u``'s buffer, so it never goes
+        back to the arena, and nothing waits on it again."""
+        if u.buf is not None:
+            self._abandoned.append(u.buf)
+        u.block, u.work = None, None
+
     def _release(self, u: Unit) -> None:
+        if self.broken is not None and u.work is not None:
+            self._abandon(u)
         if u.work is not None:
-            u.work.wait()
+            self._wait(u.work, u, "all-gather of the parameters")
             u.work = None
         if u.h2d is not None:  # the host slice may be written (by the step) from now on
             u.h2d.wait()
@@ -404,7 +432,9 @@ class Stage3Runtime:
         ui, work, shard, out, accumulate, blk = self._inflight_rs
         self._inflight_rs = None
         if work is not None:
-            work.wait()
+            if self.broken is not None:
+                return  # its buffer stays out of the arena: the collective is pending
+            self._wait(work, self.units[ui], "reduce-scatter of the gradients")
         average_(out, self.comm)
         if self.grad_sink is not None:
             # The gather buffer is reused once the copy out of it is done (device order).

@@ -1,0 +1,162 @@
+"""Told, not hung (issue 24, part 4): habits of DDP + AdamW scripts that used to hang or break
+far from their cause either work as with DDP + torch AdamW or raise an error that names what
+happened and what to do.
+
+1. Stage 3, evaluation on rank 0 only: the rank that waits in a gather the others never start
+   raises CollectiveTimeout within ``gather_timeout`` (not the process group's 30 minutes);
+   a rank that is merely slow does not trip it; the processes exit.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _tol import TRAIN_FP32
+from dist_utils import run_ranks
+from exit_launch import Zygote
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zerokern
+from zerokern.comm import CollectiveTimeout
+from zerokern.zero import gather_timeout as told
+
+HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) + x
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), Block(16), Block(16), nn.Linear(16, 3))
+
+
+def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(a, b, rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1],
+                               msg=lambda m: f"{what}: {m}")
+
+
+# -- 1. stage 3: a gather the other ranks never start ----------------------------------------
+
+def rank0_eval_case(rank: int, world: int, timeout: float) -> None:
+    torch.manual_seed(0)
+    model = zerokern.shard_model(_net(), unit_classes=(Block,), gather_timeout=timeout)
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=3, **HP)
+    x, y = _data(0, rank)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    if rank != 0:
+        return  # nanoGPT: only the master process evaluates
+    model.eval()
+    start = time.monotonic()
+    with torch.no_grad(), pytest.raises(CollectiveTimeout) as info:
+        model(x)
+    waited = time.monotonic() - start
+    # Told after the limit, not after the process group's 30 minutes.
+    assert timeout * 0.95 <= waited < timeout + 30, waited
+    msg = str(info.value)
+    for part in (f"rank 0 of {world} waited", "all-gather of the parameters of unit '<root>'",
+                 "`if rank == 0:`", "zerokern.load_checkpoint(path, plain_model, None)",
+                 "gather_timeout=SECONDS", "ZEROKERN_GATHER_TIMEOUT", "end the process"):
+        assert part in msg, (part, msg)
+    # The runtime does not go on (the gather is still pending): at once, the same message.
+    start = time.monotonic()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="waited .* in the all-gather"):
+        model(x)
+    assert time.monotonic() - start < 1.0
+
+
+def test_stage3_rank0_only_evaluation_is_told(tmp_path):
+    run_ranks(2, rank0_eval_case, 2.0, tmp_path=tmp_path, isolated=True, timeout=120)
+
+
+def slow_rank_case(rank: int, world: int, timeout: float, delay: float, steps: int) -> None:
+    torch.manual_seed(0)
+    base = _net()
+    ours = zerokern.shard_model(copy.deepcopy(base), unit_classes=(Block,),
+                                gather_timeout=timeout)
+    opt = zerokern.ZeroAdamW(ours.parameters(), stage=3, **HP)
+    ref = copy.deepcopy(base)
+    ddp = DDP(ref)
+    ropt = torch.optim.AdamW(ref.parameters(), foreach=False, **HP)
+    for step in range(steps):
+        if rank == 1:
+            # A slow data load (or a first step that compiles) on one rank: rank 0 waits for
+            # it in the first gather every step, longer than the limit over the whole run.
+            time.sleep(delay)
+        x, y = _data(step, rank)
+        F.cross_entropy(ours(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        ropt.step()
+        ropt.zero_grad()
+    full = zerokern.full_state_dict(ours, rank0_only=False)
+    for n, p in ref.named_parameters():
+        _close(full[n], p.detach(), f"{n} after {steps} steps with a slow rank")
+
+
+def test_stage3_slow_rank_is_not_a_timeout(tmp_path):
+    # Each wait (about 1.5 s) is well under the limit (4 s); together they exceed it.
+    run_ranks(2, slow_rank_case, 4.0, 1.5, 4, tmp_path=tmp_path)
+
+
+def test_stage3_rank0_only_evaluation_exits():
+    """A nanoGPT-style script (evaluation under `if rank == 0` after a step) on real processes:
+    both ranks end with an error (exit status 1, no hang, no abort) within the limit, rank 0
+    with the message; tests/exit_case.py mode evalrank0."""
+    z = Zygote()
+    try:
+        start = time.monotonic()
+        res = z.run_case(3, "evalrank0")
+        elapsed = time.monotonic() - start
+    finally:
+        z.close()
+    assert [rc for rc, _ in res] == [1, 1], res
+    for _, err in res:  # each rank is told why (rank 1 in a gradient reduce-scatter)
+        assert "`if rank == 0:`" in err, err
+    assert elapsed < 90, elapsed
+
+
+def test_gather_timeout_setting(monkeypatch):
+    monkeypatch.delenv(told.ENV, raising=False)
+    assert told.resolve(None) == (told.DEFAULT_S, False)
+    assert 60 <= told.DEFAULT_S <= 600  # a few minutes, never torch's 30
+    assert told.resolve(7) == (7.0, True)
+    monkeypatch.setenv(told.ENV, "12.5")
+    assert told.resolve(None) == (12.5, True)
+    assert told.resolve(3) == (3.0, True)  # the keyword wins
+    monkeypatch.setenv(told.ENV, "soon")
+    with pytest.raises(ValueError, match="ZEROKERN_GATHER_TIMEOUT must be a number"):
+        told.resolve(None)
+    for bad in (0, -1, float("nan"), True, "5"):
+        with pytest.raises(ValueError, match="gather_timeout must be a number"):
+            told.resolve(bad)
+    # gloo: bounded by default; NCCL: only when asked for (a bounded wait blocks the host)
+    assert told.wait_limit(300.0, False, "gloo") == 300.0
+    assert told.wait_limit(300.0, False, "nccl") is None
+    assert told.wait_limit(5.0, True, "nccl") == 5.0
+    assert told.wait_limit(math.inf, True, "gloo") is None
+    # refused before anything is modified
+    model = _net()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="gather_timeout"):
+        zerokern.shard_model(model, gather_timeout=0)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
