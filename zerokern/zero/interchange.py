@@ -26,6 +26,44 @@ def _adamw_defaults() -> dict[str, Any]:
     return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
 
 
+# torch.optim.AdamW's param-group flags that change the update, at the values that give
+# AdamW's update (ZeroAdamW's only one): any other value is refused by name, never dropped.
+_MATH_FLAGS = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": True}
+# Flags that choose how torch computes the same update (for-each or fused kernels, step
+# counts on the device for CUDA graphs): nothing ZeroAdamW computes depends on them.
+_IMPL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+_HPARAMS = ("lr", "betas", "eps", "weight_decay")
+
+
+def check_adamw_flags(flags: dict[str, Any], where: str) -> None:
+    """Refuse, by name, a torch.optim.AdamW flag whose value would change the update."""
+    if flags.get("amsgrad", False):
+        raise ValueError(f"amsgrad=True{where}: ZeroAdamW implements AdamW without AMSGrad "
+                         "(it keeps no running maximum of exp_avg_sq); use amsgrad=False, or "
+                         "torch.optim.AdamW for AMSGrad")
+    if flags.get("maximize", False):
+        raise ValueError(f"maximize=True{where}: ZeroAdamW minimizes; minimize the negated "
+                         "objective instead (loss = -objective) with maximize=False")
+    if not flags.get("decoupled_weight_decay", True) and flags.get("weight_decay", 0.0):
+        raise ValueError(f"decoupled_weight_decay=False{where} (torch.optim.Adam's L2 penalty "
+                         "added to the gradient): ZeroAdamW applies AdamW's decoupled weight "
+                         "decay; use weight_decay=0 or decoupled_weight_decay=True")
+    if flags.get("differentiable", False):
+        raise ValueError(f"differentiable=True{where}: ZeroAdamW's step is not recorded by "
+                         "autograd; use differentiable=False")
+
+
+def strip_adamw_flags(group: dict[str, Any], where: str) -> dict[str, Any]:
+    """``group`` without torch.optim.AdamW's flags, once checked: ZeroAdamW's param groups
+    hold what it uses (and any other key, e.g. a scheduler's initial_lr), and
+    full_state_dict() puts torch's defaults back."""
+    flags = [k for k in (*_MATH_FLAGS, *_IMPL_FLAGS) if k in group]
+    if not flags:
+        return group
+    check_adamw_flags(group, where)
+    return {k: v for k, v in group.items() if k not in flags}
+
+
 def is_torch_format(sd: dict[str, Any]) -> bool:
     return "zerokern" not in sd and isinstance(sd.get("state"), dict) and \
         isinstance(sd.get("param_groups"), list)
@@ -120,10 +158,10 @@ class InterchangeMixin:
             if step < 0 or step != int(step):
                 raise ValueError(f"state_dict: step of parameter {torch_index[i]} is {step}")
         for gi, sg in enumerate(groups):
-            hp = {k: sg.get(k, g[k]) for g in [self.param_groups[gi]]
-                  for k in ("lr", "betas", "eps", "weight_decay")}
+            hp = {k: sg.get(k, g[k]) for g in [self.param_groups[gi]] for k in _HPARAMS}
             check_hparams(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"],
                           f" (state_dict param group {gi})")
+            check_adamw_flags({**sg, **hp}, f" (state_dict param group {gi})")
         with torch.no_grad(), self.edit_shards() as shards:
             # torch's format has no fp32 master: the 16-bit parameters' master is taken from
             # the current parameters (load the model first), as a fresh optimizer's is.
@@ -139,7 +177,14 @@ class InterchangeMixin:
                             dst.zero_()
                         else:
                             dst.copy_(flat[r.start:r.start + r.numel])
-        for g, sg in zip(self.param_groups, groups):
-            for key in ("lr", "betas", "eps", "weight_decay"):
-                if key in sg:
-                    g[key] = tuple(sg[key]) if key == "betas" else sg[key]
+        for gi, (g, sg) in enumerate(zip(self.param_groups, groups)):
+            # As torch's load_state_dict: the saved group replaces this one, params aside (and
+            # param_names, and ZeroAdamW's hyperparameters, when it lacks them); so initial_lr
+            # and the other schedulers' keys come along and StepLR(..., last_epoch=k) resumes.
+            new = strip_adamw_flags({k: v for k, v in sg.items() if k != "params"},
+                                    f" (state_dict param group {gi})")
+            for key in list(g):
+                if key not in new and key not in ("params", "param_names", *_HPARAMS):
+                    del g[key]
+            g.update(new)
+            g["betas"] = tuple(g["betas"])

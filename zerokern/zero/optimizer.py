@@ -20,7 +20,7 @@ import torch
 
 from ..comm import Comm
 from . import interop
-from .interchange import InterchangeMixin
+from .interchange import InterchangeMixin, check_adamw_flags
 from .layout import Layout, build_layout, build_stage3_layout
 from .optimizer_state import ShardedStateMixin
 from .param_groups import ParamGroupsMixin
@@ -78,7 +78,13 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         stage: int = 2,
         process_group: Any = None,
         bucket_numel: int | None = None,
@@ -89,6 +95,12 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         offload: str | None = None,
     ) -> None:
         check_hparams(lr, betas, eps, weight_decay)
+        # torch.optim.AdamW's signature, so that a script's AdamW(...) call works unchanged:
+        # the flags that change the update are refused unless at AdamW's values; foreach,
+        # fused and capturable choose torch's kernels, and ZeroAdamW has its own.
+        del foreach, fused, capturable
+        check_adamw_flags(dict(amsgrad=amsgrad, maximize=maximize,
+                               differentiable=differentiable), "")
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
         check_offload(offload, stage)
@@ -249,6 +261,7 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         ZeroAdamW's fp32 master (16-bit parameters; with offload, every parameter) would
         overwrite them at the next step: when the parameters changed since ZeroAdamW last
         wrote them, the master takes them."""
+        self.state.adopt_step_writes()  # opt.state[p]["step"] written in place: the same
         if self._engine is None or self._versions is None:
             return
         if self._param_versions() != self._versions:
@@ -464,6 +477,7 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
     def _end_step(self) -> None:
         self._engine.end_step()
         self._mark_params()
+        self.state.refresh_steps()  # opt.state[p]["step"] counts, as torch's does
         self._reduced = None
         self._stepped_events = self._grad_events()
         self._last_comm = self.comm.reset_stats()

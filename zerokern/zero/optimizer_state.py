@@ -11,12 +11,30 @@ from typing import Any
 import torch
 
 from .interchange import is_torch_format
-from .shards import ParamShard, ShardRange
+from .shards import ParamShard, ShardedStateView, ShardRange
 
 
 class ShardedStateMixin:
     """Needs the optimizer's _params, _shapes, _steps, _index, _engine, _rt, layout, comm,
     stage, scaler, param_groups and _build()."""
+
+    # -- opt.state --------------------------------------------------------------------------
+    @property
+    def state(self) -> Any:
+        """This rank's part of each parameter's state, in torch's keys (ShardedStateView)."""
+        # getattr, not __dict__: Lightning's wrapper forwards the attribute to the optimizer.
+        view = getattr(self, "_state_view", None)
+        return {} if view is None else view
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if isinstance(value, ShardedStateView):
+            self.__dict__["_state_view"] = value
+            return
+        view = getattr(self, "_state_view", None)
+        if view is None:  # torch.optim.Optimizer.__init__'s empty dict: no state exists yet
+            return
+        view.replace(value)  # opt.state = defaultdict(dict): a reset, as in torch
 
     # -- sharded state ----------------------------------------------------------------------
     @property
@@ -80,6 +98,7 @@ class ShardedStateMixin:
         self._mark_params()
         for sh in shards:
             self._steps[sh.index] = sh.step
+        self.state.refresh_steps()
 
     def _names(self, model: torch.nn.Module | None) -> dict[int, str]:
         if model is not None:
@@ -192,3 +211,4 @@ class ShardedStateMixin:
         if self.scaler is not None and state_dict.get("scaler") is not None:
             self.scaler.load_state_dict(state_dict["scaler"])
         self._mark_params()  # the loaded master is the one to train from
+        self.state.refresh_steps()

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from . import interop
+from .interchange import strip_adamw_flags
 from .registry import runtime_of_param
 from .validate import (
     check_hparams,
@@ -30,6 +31,11 @@ class ParamGroupsMixin:
         existing groups keep their place, so their state is copied over unchanged) and is a
         collective: call it on every rank with the same group. Not between a backward and its
         step() (the pending gradients would be lost): that is refused."""
+        # torch.optim.AdamW's own flags (a group written for it, e.g. {"fused": True}):
+        # checked, and not kept, before anything changes.
+        if isinstance(param_group, dict):
+            param_group = strip_adamw_flags(
+                param_group, f" (param group {len(self.param_groups)})")
         if not getattr(self, "_constructed", False):
             super().add_param_group(param_group)  # the constructor's groups
             return

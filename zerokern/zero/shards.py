@@ -4,6 +4,7 @@ offload are written against this, never against the engine's buffers)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,13 +56,27 @@ class ShardedStateView(Mapping):
     ``{"step": tensor(float), "exp_avg": 1-D, "exp_avg_sq": 1-D, "ranges": [(start, numel)]}``
 
     The 1-D tensors hold the elements of the flattened parameter listed in ``ranges``, in
-    that order (stage 0: all of them; stages 1-3: this rank's). With one range they are views
-    of the optimizer's buffers, with several a copy; ``opt.shards()`` gives views always.
-    Read-only: write through ``opt.edit_shards()``."""
+    that order (stage 0: all of them; stages 1-3: this rank's). What torch users write into
+    ``opt.state`` takes effect, as with torch's AdamW:
+
+    - the moments are views of the optimizer's buffers (this rank's ranges of a parameter
+      are always one run of its local space), so ``exp_avg.zero_()``, ``mul_``, ``copy_``
+      change the state; assigning ``st["exp_avg"] = t`` copies ``t`` (the full parameter's
+      shape, or this rank's 1-D part) into it;
+    - ``step`` is one tensor per parameter, kept up to date by step(); writing it in place,
+      or assigning ``st["step"] = n``, sets the parameter's step count;
+    - ``del opt.state[p]``, ``opt.state[p] = {}``, ``opt.state.clear()`` and
+      ``opt.state = defaultdict(dict)`` reset the state (moments zero, step 0): the next
+      step starts it afresh, as torch's AdamW does.
+
+    Anything else (other keys, a state of another shape) is refused with an error."""
 
     def __init__(self, opt: Any) -> None:
         self._opt = opt
         self._cache: tuple[Any, dict[int, ParamShard]] | None = None
+        # Managed index -> the step tensor handed out, and its _version when it last held
+        # the step count: a newer version means it was written in place.
+        self._step_t: dict[int, tuple[torch.Tensor, int]] = {}
 
     def _shards(self) -> dict[int, ParamShard]:
         opt = self._opt
@@ -72,17 +87,55 @@ class ShardedStateView(Mapping):
             self._cache = (eng, {id(sh.param): sh for sh in opt.shards()})
         return self._cache[1]
 
-    def _entry(self, sh: ParamShard) -> dict[str, Any]:
-        step = self._opt.shards_step(sh.index)
-        if step == 0:
-            return {}
-        out: dict[str, Any] = {"step": torch.tensor(float(step)),
-                               "ranges": [(r.start, r.numel) for r in sh.ranges]}
-        for key in ("exp_avg", "exp_avg_sq"):
-            parts = [getattr(r, key) for r in sh.ranges]
-            out[key] = (parts[0] if len(parts) == 1 else torch.cat(parts) if parts
-                        else torch.empty(0))
-        return out
+    # -- step counts handed out as tensors -------------------------------------------------
+    def adopt_step_writes(self) -> None:
+        """Step tensors written in place since step() last set them: their values become the
+        parameters' step counts (before anything of a step is done with the old ones)."""
+        steps = self._opt._steps  # noqa: SLF001
+        for i, (t, version) in list(self._step_t.items()):
+            if t._version != version:
+                steps[i] = _step_count(t, i)
+                self._step_t[i] = (t, t._version)
+
+    def refresh_steps(self) -> None:
+        """The handed-out step tensors take the step counts (after a step, a load, a reset),
+        as torch's AdamW increments ``state[p]["step"]`` in place."""
+        steps = self._opt._steps  # noqa: SLF001
+        with torch.no_grad():
+            for i, (t, _) in list(self._step_t.items()):
+                if i < len(steps) and t.item() != steps[i]:
+                    t.fill_(steps[i])
+                self._step_t[i] = (t, t._version)
+
+    def _step_tensor(self, i: int) -> torch.Tensor:
+        if i not in self._step_t:
+            t = torch.tensor(float(self._opt.shards_step(i)))
+            self._step_t[i] = (t, t._version)
+        return self._step_t[i][0]
+
+    # -- reading ----------------------------------------------------------------------------
+    def _moment(self, sh: ParamShard, key: str) -> torch.Tensor:
+        parts = [getattr(r, key) for r in sh.ranges]
+        if not parts:
+            return getattr(self._opt._engine, key).narrow(0, 0, 0)  # noqa: SLF001
+        for a, b in zip(parts, parts[1:]):
+            if b.storage_offset() != a.storage_offset() + a.numel():
+                # Buckets are packed without gaps, so a parameter's pieces on one rank are
+                # one run of the local space; a copy here would drop the user's writes.
+                raise RuntimeError(f"ZeroAdamW: the {key} ranges of parameter {sh.index} "
+                                   "are not contiguous on this rank; use opt.edit_shards()")
+        return parts[0].as_strided((sum(p.numel() for p in parts),), (1,))
+
+    def _entry(self, sh: ParamShard) -> _StateEntry:
+        self.adopt_step_writes()
+        self.refresh_steps()
+        if self._opt.shards_step(sh.index) == 0:
+            return _StateEntry(self, sh, {})
+        return _StateEntry(self, sh, {
+            "step": self._step_tensor(sh.index),
+            "exp_avg": self._moment(sh, "exp_avg"),
+            "exp_avg_sq": self._moment(sh, "exp_avg_sq"),
+            "ranges": [(r.start, r.numel) for r in sh.ranges]})
 
     def __getitem__(self, p: Any) -> dict[str, Any]:
         sh = self._shards().get(id(p))
@@ -98,3 +151,141 @@ class ShardedStateView(Mapping):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+    # -- writing ----------------------------------------------------------------------------
+    def _managed(self, p: Any) -> ParamShard:
+        if self._opt._engine is None and self._opt._index.get(id(p)) is not None:  # noqa: SLF001
+            raise RuntimeError("ZeroAdamW: no optimizer state exists before the first "
+                               "step(); write opt.state after it")
+        sh = self._shards().get(id(p))
+        if sh is None:
+            raise KeyError("opt.state: this tensor is not a parameter trained by this "
+                           "ZeroAdamW")
+        return sh
+
+    def _writer(self, sh: ParamShard, key: str, value: Any) -> Any:
+        """Check ``opt.state[p][key] = value``; return what applies it (nothing changes
+        before every assignment of a statement is checked)."""
+        if key == "step":
+            n = _step_count(value, sh.index)
+            return lambda: self._set_step(sh.index, n, value)
+        if key in ("exp_avg", "exp_avg_sq"):
+            if not torch.is_tensor(value):
+                raise TypeError(f"opt.state[p][{key!r}] must be a tensor, got "
+                                f"{type(value).__name__}")
+            local = sum(r.numel for r in sh.ranges)
+            if tuple(value.shape) == tuple(sh.shape):
+                flat = value.detach().reshape(-1)
+
+                def apply() -> None:
+                    with torch.no_grad():
+                        for r in sh.ranges:
+                            getattr(r, key).copy_(flat[r.start:r.start + r.numel])
+                return apply
+            if value.dim() == 1 and value.numel() == local:
+                dst = self._moment(sh, key)
+                return lambda: dst.copy_(value.detach())
+            raise ValueError(
+                f"opt.state[p][{key!r}]: a tensor of shape {tuple(value.shape)}; give the "
+                f"parameter's shape {tuple(sh.shape)} or this rank's 1-D part ({local} "
+                "elements, as opt.state[p] holds it)")
+        raise KeyError(f"opt.state[p] of a ZeroAdamW holds 'step', 'exp_avg', 'exp_avg_sq' "
+                       f"and 'ranges'; {key!r} cannot be written (keep other values "
+                       "outside the optimizer)")
+
+    def _set_step(self, i: int, n: int, value: Any) -> None:
+        self._opt._steps[i] = n  # noqa: SLF001
+        t = value if torch.is_tensor(value) and value.numel() == 1 else None
+        if t is None:
+            t = self._step_t[i][0] if i in self._step_t else torch.tensor(float(n))
+            with torch.no_grad():
+                t.fill_(n)
+        self._step_t[i] = (t, t._version)
+
+    def assign(self, sh: ParamShard, items: Mapping[str, Any]) -> None:
+        appliers = [self._writer(sh, k, v) for k, v in items.items()]
+        for apply in appliers:
+            apply()
+
+    def reset(self, sh: ParamShard) -> None:
+        """The parameter's state as before its first step: the next step starts it anew."""
+        with torch.no_grad():
+            for r in sh.ranges:
+                r.exp_avg.zero_()
+                r.exp_avg_sq.zero_()
+        self._set_step(sh.index, 0, 0)
+
+    def __setitem__(self, p: Any, value: Mapping[str, Any]) -> None:
+        sh = self._managed(p)
+        if not isinstance(value, Mapping):
+            raise TypeError(f"opt.state[p] = ... takes a dict, got {type(value).__name__}")
+        if not value:
+            self.reset(sh)
+            return
+        missing = {"step", "exp_avg", "exp_avg_sq"} - set(value)
+        if missing:
+            raise KeyError(f"opt.state[p] = {{...}}: the state needs 'step', 'exp_avg' and "
+                           f"'exp_avg_sq' (missing {sorted(missing)})")
+        self.assign(sh, {k: v for k, v in value.items() if k != "ranges"})
+
+    def __delitem__(self, p: Any) -> None:
+        if p not in self:
+            raise KeyError(p)
+        self.reset(self._managed(p))
+
+    def clear(self) -> None:
+        for sh in self._shards().values():
+            self.reset(sh)
+
+    def replace(self, value: Any) -> None:
+        """``opt.state = ...``: the reset idiom (an empty dict) resets every parameter's
+        state; anything else is refused."""
+        if value is self:
+            return
+        if isinstance(value, Mapping) and not value:
+            self.clear()
+            return
+        raise TypeError("opt.state = ... of a ZeroAdamW takes an empty dict (the reset "
+                        "idiom opt.state = defaultdict(dict)); to load a state use "
+                        "opt.load_state_dict(...) or write opt.state[p][...]")
+
+
+def _step_count(value: Any, index: int) -> int:
+    try:
+        v = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"step of parameter {index}: a number, got {value!r}") from None
+    if not (math.isfinite(v) and v >= 0 and v == int(v)):
+        raise ValueError(f"step of parameter {index} must be a whole number >= 0, got {v}")
+    return int(v)
+
+
+class _StateEntry(dict):
+    """``opt.state[p]``: a dict whose assignments go to the optimizer's state."""
+
+    def __init__(self, view: ShardedStateView, sh: ParamShard, items: dict[str, Any]) -> None:
+        super().__init__(items)
+        self._view, self._param = view, sh.param
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.update({key: value})
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        items = dict(*args, **kwargs)
+        # The shard as it is now (add_param_group re-lays the buffers out).
+        sh = self._view._managed(self._param)  # noqa: SLF001
+        self._view.assign(sh, items)
+        fresh = self._view._entry(sh)  # noqa: SLF001
+        super().clear()
+        super().update(fresh)
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a key of opt.state[p] cannot be removed; del opt.state[p] resets "
+                        "the parameter's whole state")
+
+    __delitem__ = pop = popitem = clear = _refuse  # type: ignore[assignment]
