@@ -19,10 +19,14 @@ except ImportError as exc:  # built with ZEROKERN_NO_NATIVE, or not built at all
 
 
 def has_native() -> bool:
+    """Whether the native extension ``zerokern._C`` was built and imports (the ``cpu`` backend
+    and the C++ arena need it; ``torch`` and ``triton`` do not)."""
     return _C is not None
 
 
 def has_cuda_kernels() -> bool:
+    """Whether ``zerokern._C`` was built with the CUDA kernels (``nvcc`` found at build time):
+    the ``cuda`` backend needs them."""
     return _C is not None and bool(getattr(_C, "WITH_CUDA", False))
 
 

@@ -61,6 +61,8 @@ COMM_FORMULAS = {0: "2*Psi", 1: "2*Psi", 2: "2*Psi", 3: "3*Psi"}
 
 
 def check_psi_n(psi: float, n: int) -> None:
+    """Raise ValueError unless ``psi`` (parameters) is positive and ``n`` (GPUs) a positive
+    integer."""
     if not psi > 0:
         raise ValueError(f"number of parameters must be positive, got {psi!r}")
     if int(n) != n or n < 1:
@@ -114,6 +116,7 @@ def model_state_bytes(stage: int, psi: float, n: int, k: float = DEFAULT_K) -> f
 
 
 def fits(nbytes: float, capacity: float) -> bool:
+    """Whether ``nbytes`` fit in ``capacity`` bytes (exact ties count as fitting)."""
     # a hair of slack so that exact ties (e.g. 128B params on 64 GPUs = 32 GB) count as fitting
     return nbytes <= capacity * (1 + 1e-12)
 

@@ -110,18 +110,22 @@ class Block:
 
     @property
     def arena(self) -> Arena:
+        """The arena this block was allocated from."""
         return self._arena
 
     @property
     def offset(self) -> int:
+        """Byte offset in the arena's buffer (changes when the arena is defragmented)."""
         return self._offset
 
     @property
     def numel(self) -> int:
+        """Number of elements."""
         return self._numel
 
     @property
     def dtype(self) -> torch.dtype:
+        """Element dtype."""
         return self._dtype
 
     @property
@@ -131,6 +135,7 @@ class Block:
 
     @property
     def is_live(self) -> bool:
+        """False once the block has been freed."""
         return self._live
 
     @property
@@ -244,6 +249,7 @@ class Arena:
 
     @property
     def capacity(self) -> int:
+        """Size of the backing buffer in bytes."""
         return self._capacity
 
     @property
@@ -253,10 +259,12 @@ class Arena:
 
     @property
     def alignment(self) -> int:
+        """Every block's address is a multiple of this many bytes."""
         return self._alignment
 
     @property
     def device(self) -> torch.device:
+        """Device of the backing buffer."""
         return self._buffer.device
 
     @property
@@ -266,10 +274,13 @@ class Arena:
 
     @property
     def core(self) -> Any:
+        """The bookkeeping object (offsets, free list): ``zerokern._C.ArenaCore`` or the
+        pure-Python fallback."""
         return self._core
 
     @property
     def is_native(self) -> bool:
+        """Whether the bookkeeping is the native (C++) core."""
         return not isinstance(self._core, _PyArenaCore)
 
     # -- allocation -----------------------------------------------------------------------
@@ -391,6 +402,7 @@ class Arena:
             return [self._live[off] for off in sorted(self._live)]
 
     def reset_peak(self) -> None:
+        """Restart ``stats()["peak_in_use"]`` from the bytes in use now."""
         self._core.reset_peak()
 
     def __repr__(self) -> str:
