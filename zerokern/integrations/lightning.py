@@ -154,9 +154,10 @@ class ZeroStrategy(DDPStrategy):
         unit_classes: stage 3 only: the module classes that become units of ``shard_model``
             (e.g. the transformer block class); default: ``shard_model``'s choice.
         prefetch: stage 3 only: how many units ``shard_model`` gathers ahead.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io,
-        precision_plugin, process_group_backend, timeout, start_method: as for
-            ``DDPStrategy`` (a process group that already exists is used as it is).
+
+    ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+    ``precision_plugin``, ``process_group_backend``, ``timeout`` and ``start_method`` are as for
+    ``DDPStrategy`` (a process group that already exists is used as it is).
 
     Precision: "32-true", "bf16-true", "16-true" (16-bit parameters with ZeroAdamW's fp32
     master; for fp16 give ``ZeroAdamW(loss_scale="dynamic")``: the strategy scales the loss)
