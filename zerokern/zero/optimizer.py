@@ -69,6 +69,38 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
     gradients are copied to the host bucket by bucket during backward and the new
     parameters copied back bucket by bucket during the step. Results are bitwise those of
     the same run without offload on CPU devices.
+
+    Args:
+        params: the parameters to train, or param-group dicts, as for ``torch.optim.AdamW``.
+            Only parameters that require grad at construction are trained.
+        lr: learning rate (per group, and schedulers may change it).
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: added to the denominator after the square root, as torch's AdamW adds it.
+        weight_decay: decoupled weight decay, applied before the moments are updated.
+        stage: the ZeRO stage, 0-3 (3 needs a model partitioned by ``shard_model``).
+        process_group: the group whose ranks share the work; default the world.
+        bucket_numel: gradient bucket size in elements (stages 0-2); default 2**21.
+        max_grad_norm: clip every step to this global 2-norm (None: no clipping).
+        loss_scale: ``"dynamic"`` or a float, for fp16 parameters: scale the loss with
+            ``scale_loss`` and overflowing steps are skipped on every rank.
+        overlap_comm: run the gradient collectives asynchronously, overlapping backward.
+        backend: the kernels' backend: ``"cuda"``, ``"triton"``, ``"cpu"``, ``"torch"``, or
+            None for the fastest available (``$ZEROKERN_BACKEND`` also sets it).
+        offload: ``"cpu"`` for ZeRO-Offload (stages 1-3), None to keep the state on the
+            parameters' device.
+
+    Attributes:
+        stage: the ZeRO stage.
+        offload: ``"cpu"`` or None.
+        max_grad_norm: the clipping norm of every step, or None.
+        last_grad_norm: the global gradient norm of the last step (None before one).
+        last_step_skipped: whether the last ``step()`` was skipped by the loss scaler.
+        state: ``opt.state[p]``: this rank's part of ``step``, ``exp_avg`` and
+            ``exp_avg_sq`` of each trained parameter, with the element ``ranges`` it covers
+            (a ``ShardedStateView``).
+        comm: the process group's wrapper; ``comm.rank`` and ``comm.world_size``.
+        layout: the flat layout of the parameters, fixed at the first ``step()`` (stages
+            0-2) or at construction (stage 3); None until then.
     """
 
     def __init__(
@@ -298,13 +330,19 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
             self._engine.set_sync(value)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (``loss_scale=``; unchanged without one):
+        call ``opt.scale_loss(loss).backward()``. ``step()`` divides the scale out."""
         return loss * self.scaler.scale if self.scaler is not None else loss
 
     @property
     def loss_scale(self) -> float:
+        """The current loss scale (1.0 without ``loss_scale=``)."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's: drop this step's gradients. ``set_to_none=False`` keeps a zero
+        gradient on every parameter, so the next step updates every parameter (decay,
+        moments), as torch's AdamW does. Call it after every ``step()``."""
         self._stepped_events = None
         # torch keeps zero gradients on every parameter: AdamW then updates them all (decay,
         # moments), those autograd left alone included. Stages 2-3 hold no .grad to zero, so
@@ -321,6 +359,10 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW step of this rank's shard, then the parameters gathered where the stage
+        keeps them whole. Finishes the gradient reduction, runs the one norm-and-flags
+        all-reduce (clipping, the fp16 overflow skip), updates, and returns ``closure()``'s
+        loss as torch's does. A collective: call it on every rank."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -45,6 +45,7 @@ class ParamShard:
 
     @property
     def numel(self) -> int:
+        """Elements of the full parameter (all ranks together)."""
         return self.shape.numel()
 
 
