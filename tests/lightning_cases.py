@@ -350,7 +350,7 @@ def habits(rank: int, world: int, *, tmp: str) -> None:
                              gradient_clip_algorithm="value").fit(Net(2), _loader(world)),
             ValueError, "gradient_clip_algorithm='value' is not supported")
     # Lightning's own DDPStrategy with a ZeroAdamW: DDP wraps the model before
-    # configure_optimizers builds ZeroAdamW, so the first forward refuses it and names
+    # configure_optimizers builds ZeroAdamW, so building it refuses the model and names
     # ZeroStrategy; no step has run.
     plain = Net(2)
     before = {k: v.clone() for k, v in plain.state_dict().items()}

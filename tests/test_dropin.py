@@ -146,19 +146,20 @@ def ddp_wrap_case(rank, world, stage):
     # wrapped after ZeroAdamW was built: refused by DDP's constructor
     with pytest.raises(RuntimeError, match="Remove the DDP"):
         DDP(model, find_unused_parameters=True)
-    if stage < 3:
-        # wrapped before ZeroAdamW was built (the usual order of a DDP script): refused in
-        # the first forward
-        torch.manual_seed(0)
-        plain = OddNet()
-        wrapped = DDP(plain, find_unused_parameters=True)
-        opt2 = zerokern.ZeroAdamW(wrapped.parameters(), stage=stage)
-        snap = [p.detach().clone() for p in plain.parameters()]
-        with pytest.raises(RuntimeError, match="Remove the DDP"):
-            wrapped(batch(0, rank)[0])
-        for a, p in zip(snap, plain.parameters()):
-            assert torch.equal(a, p.detach())
-        assert all(sh.step == 0 for sh in opt2.shards())
+    # wrapped before ZeroAdamW was built (the usual order of a DDP script): refused when
+    # ZeroAdamW (stage 3: shard_model) is built, before anything changes
+    torch.manual_seed(0)
+    plain = OddNet()
+    wrapped = DDP(plain, find_unused_parameters=True)
+    snap = [p.detach().clone() for p in plain.parameters()]
+    with pytest.raises(RuntimeError, match="Remove the DDP"):
+        if stage == 3:
+            zerokern.shard_model(plain)
+        else:
+            zerokern.ZeroAdamW(wrapped.parameters(), stage=stage)
+    for a, p in zip(snap, plain.parameters()):
+        assert torch.equal(a, p.detach())
+    wrapped(batch(0, rank)[0]).sum().backward()  # DDP itself is untouched and still runs
     after = zerokern.full_state_dict(model, rank0_only=False)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(sh.step == 0 for sh in opt.shards())

@@ -5,6 +5,9 @@ happened and what to do.
 1. Stage 3, evaluation on rank 0 only: the rank that waits in a gather the others never start
    raises CollectiveTimeout within ``gather_timeout`` (not the process group's 30 minutes);
    a rank that is merely slow does not trip it; the processes exit.
+3. torch.compile: no "global hooks on modules" warning (zerokern registers no global module
+   hook; a model wrapped in DDP before ZeroAdamW / shard_model is refused when they are
+   built), and the compiled model trains as DDP + AdamW.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 
 import pytest
 import torch
@@ -160,3 +164,42 @@ def test_gather_timeout_setting(monkeypatch):
     with pytest.raises(ValueError, match="gather_timeout"):
         zerokern.shard_model(model, gather_timeout=0)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+# -- 3. torch.compile: no global module hook ---------------------------------------------------
+
+def compiled_case(rank: int, world: int, stage: int) -> None:
+    torch.manual_seed(0)
+    base = _net()
+    ours = copy.deepcopy(base)
+    if stage == 3:
+        ours = zerokern.shard_model(ours, unit_classes=(Block,))
+    opt = zerokern.ZeroAdamW(ours.parameters(), stage=stage, bucket_numel=61, **HP)
+    # The guard against a DDP wrapper is no global module hook (torch.compile warns about
+    # those, and they would run on every module's forward in the process).
+    assert not torch.nn.modules.module._has_any_global_hook()
+    # "eager": dynamo traces (and would warn) without inductor's C++ compile time.
+    compiled = torch.compile(ours, backend="eager")
+    ref = copy.deepcopy(base)
+    ddp = DDP(ref)
+    ropt = torch.optim.AdamW(ref.parameters(), foreach=False, **HP)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(4):
+            x, y = _data(step, rank)
+            F.cross_entropy(compiled(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            ropt.step()
+            ropt.zero_grad()
+    hooks = [str(w.message) for w in seen if "global hooks" in str(w.message)]
+    assert not hooks, hooks
+    full = zerokern.full_state_dict(ours, rank0_only=False)
+    for n, p in ref.named_parameters():
+        _close(full[n], p.detach(), f"stage {stage} compiled: {n}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_compiled_model_no_global_hook_warning(stage, tmp_path):
+    run_ranks(2, compiled_case, stage, tmp_path=tmp_path)

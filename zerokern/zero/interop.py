@@ -9,14 +9,15 @@
 - A model run inside ``DistributedDataParallel`` would have its gradients averaged twice (or,
   at stage 3, break inside autograd). Two checks refuse it before anything changes: DDP's
   constructor (wrapped at import) refuses a module holding parameters of a ZeroAdamW or of
-  ``shard_model``; and for a model wrapped before its ZeroAdamW was built, a forward pre-hook
-  looks at the mark DDP sets on the module it runs (``_active_ddp_module``, for
-  torch.compile) until the first step.
+  ``shard_model``, and remembers (weakly) every DDP it built; ZeroAdamW and shard_model
+  refuse parameters that a live DDP holds (the model was wrapped first). No global module
+  hook is involved: torch.compile warns about those and they run on every module's forward.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 import weakref
 from typing import Any
@@ -102,6 +103,10 @@ def _trainer_hint() -> str:
     return ""
 
 
+# Every DDP built in this process (weakly): for a model wrapped before its ZeroAdamW exists.
+_LIVE_DDP: weakref.WeakSet = weakref.WeakSet()
+
+
 @functools.wraps(_DDP_INIT)
 def _ddp_init(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
     for p in module.parameters():
@@ -110,6 +115,20 @@ def _ddp_init(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> 
                                "managed by zerokern (ZeroAdamW or shard_model). "
                                + _DDP_MESSAGE + _trainer_hint())
     _DDP_INIT(self, module, *args, **kwargs)
+    _LIVE_DDP.add(self)
+
+
+def check_no_ddp(params: Any, who: str) -> None:
+    """Raise (before ``who`` changes anything) when a live DDP holds any of ``params``: the
+    model was wrapped in DDP before ZeroAdamW / shard_model saw it."""
+    if not _LIVE_DDP:
+        return
+    ids = {id(p) for p in params}
+    for ddp in list(_LIVE_DDP):
+        mod = getattr(ddp, "module", None)
+        if mod is not None and any(id(p) in ids for p in mod.parameters()):
+            raise RuntimeError(f"{who}: the model is wrapped in torch DistributedDataParallel. "
+                               + _DDP_MESSAGE + _trainer_hint())
 
 
 def install() -> None:
@@ -117,42 +136,15 @@ def install() -> None:
     and put the check in front of DDP's constructor; idempotent."""
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
-    DistributedDataParallel.__init__ = _ddp_init
+    if DistributedDataParallel.__init__ is not _ddp_init:
+        DistributedDataParallel.__init__ = _ddp_init
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # zerokern imported after the process group exists: DDPs may have been built
+            # without the wrapper. Found once, here (DDP needs a group, so only then).
+            _LIVE_DDP.update(o for o in gc.get_objects()
+                             if issubclass(type(o), DistributedDataParallel))
 
 
 def active_ddp_module() -> Any:
     # Present since torch 2.0 (torch.compile's DDP support); absent: nothing to detect with.
     return getattr(DistributedDataParallel, "_active_ddp_module", None)
-
-
-class DDPGuard:
-    """A global forward pre-hook, until ``remove()``: raises when a module runs inside a DDP
-    whose module holds parameters of ``opt``."""
-
-    def __init__(self, opt: Any) -> None:
-        self._opt = weakref.ref(opt)
-        self._checked: set[int] = set()
-        self._handle: Any = torch.nn.modules.module.register_module_forward_pre_hook(
-            self._hook)
-
-    def _hook(self, module: torch.nn.Module, args: Any) -> None:
-        opt = self._opt()
-        if opt is None:  # the optimizer is gone: nothing left to guard
-            self.remove()
-            return
-        check_not_in_ddp(opt, self._checked)
-
-    def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-
-
-def check_not_in_ddp(opt: Any, checked: set[int]) -> None:
-    ddp = active_ddp_module()
-    if ddp is None or id(ddp) in checked:
-        return
-    if any(optimizer_of(p) is opt for p in ddp.module.parameters()):
-        raise RuntimeError("ZeroAdamW: the model is wrapped in torch DistributedDataParallel. "
-                           + _DDP_MESSAGE + _trainer_hint())
-    checked.add(id(ddp))

@@ -165,6 +165,8 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
                 is None:
             raise ValueError("params: every trainable parameter has 0 elements; nothing to "
                              "optimize")
+        # A model wrapped in DDP first (DDP's constructor refuses the other order).
+        interop.check_no_ddp([p for g in self.param_groups for p in g["params"]], "ZeroAdamW")
         self._index = {id(p): i for i, p in enumerate(self._params)}
         # Frozen now, trainable later: refused at step() (its state was never planned).
         self._frozen = [p for g in self.param_groups for p in g["params"]
@@ -198,7 +200,6 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         self._warned_carry = False
         self._versions: tuple[int, ...] | None = None  # parameters as ZeroAdamW last left them
         interop.register_params(self._params, self)
-        self._ddp_guard: interop.DDPGuard | None = interop.DDPGuard(self)
         self.state = ShardedStateView(self)  # type: ignore[assignment]
         if self._rt is None:
             self._hooks = [
@@ -472,9 +473,6 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         red.norm = math.sqrt(vals[0]) / self.loss_scale if need_norm else 0.0
         if need_norm:
             self.last_grad_norm = red.norm
-        if self._ddp_guard is not None:  # the first forward ran outside DDP
-            self._ddp_guard.remove()
-            self._ddp_guard = None
         self._reduced = red
         return red
 

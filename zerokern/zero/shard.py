@@ -13,6 +13,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..comm import Comm
 from . import gather_timeout as told
 from . import registry
+from .interop import check_no_ddp
 from .stage3_runtime import Stage3Runtime
 
 # Default unit size when no unit classes are given: a module becomes a unit when it holds at
@@ -165,6 +166,7 @@ def _select_units(
     params = list(model.parameters())
     if not params:
         raise ValueError("model: it has no parameters to shard")
+    check_no_ddp(params, "shard_model")
     dtypes = {(p.dtype, p.device) for p in params}
     if len(dtypes) != 1:
         raise ValueError(f"model: all parameters must share one dtype and device, found {dtypes}")
