@@ -1,9 +1,11 @@
 """Writes tests/fixtures/pre_engine/: a checkpoint (stage 2, 2 ranks) and an
 ``opt.state_dict()`` (stage 1, 1 rank) of OddNet after 3 steps, as the engine before the
 per-stage redesign wrote them (commit 01df1f3's formats), plus the parameters each run reached
-after 2 more steps. tests/test_fixtures.py loads them with today's code and checks that the
-continuation is bitwise the same. Kept for provenance; rerunning it with today's code would
-test nothing, so the fixture files are committed (a few tens of KB).
+after 2 more steps. tests/test_fixtures.py loads them with today's code, checks the loaded
+state against the files bit for bit and the continuation against torch AdamW (+ DDP) started
+from it on the machine that runs the test (the recorded continuations are provenance only:
+another CPU's matmuls round differently). Rerunning this with today's code would test
+nothing, so the fixture files are committed (a few tens of KB).
 
     python tests/make_fixtures.py
 """
