@@ -5,6 +5,9 @@ happened and what to do.
 1. Stage 3, evaluation on rank 0 only: the rank that waits in a gather the others never start
    raises CollectiveTimeout within ``gather_timeout`` (not the process group's 30 minutes);
    a rank that is merely slow does not trip it; the processes exit.
+2. `p.data = t` after the first step trains t, as with DDP + AdamW (stages 0-3, the fp32
+   master of 16-bit parameters included); `model.to(torch.bfloat16)` after it is refused
+   with an error naming the cast, before anything is updated.
 3. torch.compile: no "global hooks on modules" warning (zerokern registers no global module
    hook; a model wrapped in DDP before ZeroAdamW / shard_model is refused when they are
    built), and the compiled model trains as DDP + AdamW.
@@ -164,6 +167,96 @@ def test_gather_timeout_setting(monkeypatch):
     with pytest.raises(ValueError, match="gather_timeout"):
         zerokern.shard_model(model, gather_timeout=0)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+# -- 2. a parameter's tensor replaced ----------------------------------------------------------
+
+def _weight(model: nn.Module) -> nn.Parameter:
+    return model[1].fc.weight  # inside a stage-3 unit
+
+
+def reassign_case(rank: int, world: int, stage: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    base = _net()
+    ours = copy.deepcopy(base).to(dtype)
+    if stage == 3:
+        ours = zerokern.shard_model(ours, unit_classes=(Block,))
+    opt = zerokern.ZeroAdamW(ours.parameters(), stage=stage, bucket_numel=61, **HP)
+    ref = copy.deepcopy(base)  # fp32: ZeroAdamW's master of a 16-bit model is fp32 too
+    ddp = DDP(ref)
+    ropt = torch.optim.AdamW(ref.parameters(), foreach=False, **HP)
+    g = torch.Generator().manual_seed(7)  # the same new values on every rank
+    for step in range(5):
+        new = 0.3 * torch.randn(16, 16, generator=g)
+        if step == 2:  # weight surgery before a forward (after the first step)
+            _weight(ours).data = new.to(dtype)
+            _weight(ref).data = new.clone()
+        x, y = _data(step, rank)
+        F.cross_entropy(ours(x.to(dtype)).float(), y).backward()
+        F.cross_entropy(ddp(x), y).backward()
+        if step == 3:  # between backward and step: the step updates the new tensor
+            _weight(ours).data = new.to(dtype)
+            _weight(ref).data = new.clone()
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    full = zerokern.full_state_dict(ours, rank0_only=False)
+    for n, p in ref.named_parameters():
+        if dtype == torch.float32:
+            _close(full[n], p.detach(), f"stage {stage}: {n} after p.data = t")
+        else:  # the fp32 master took the new values: bf16 rounding of the reference
+            torch.testing.assert_close(full[n].float(), p.detach(), rtol=2e-2, atol=2e-2,
+                                       msg=lambda m, n=n: f"stage {stage} bf16: {n}: {m}")
+    if stage < 3:  # the parameter is a view of ZeroAdamW's buffer again
+        assert _weight(ours).data_ptr() != 0 and all(
+            sh.step == 5 for sh in opt.shards() if sh.numel)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_param_data_assignment_trains_the_new_tensor(stage, tmp_path):
+    run_ranks(2, reassign_case, stage, torch.float32, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_param_data_assignment_bf16_master_takes_it(stage, tmp_path):
+    run_ranks(2, reassign_case, stage, torch.bfloat16, tmp_path=tmp_path)
+
+
+def cast_case(rank: int, world: int, stage: int) -> None:
+    torch.manual_seed(0)
+    model = _net()
+    if stage == 3:
+        model = zerokern.shard_model(model, unit_classes=(Block,))
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=stage, bucket_numel=61, **HP)
+    x, y = _data(0, rank)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    # Live views of the optimizer state (shards() itself refuses a cast model, see below).
+    views = [t for sh in opt.shards() for r in sh.ranges
+             for t in (r.values, r.exp_avg, r.exp_avg_sq)]
+    before = [t.clone() for t in views]
+    model.to(torch.bfloat16)
+    # torch: "TypeError: tensors[0] has dtype torch.bfloat16, out has torch.float32" deep in
+    # the bucket copy (stages 0-2); stage 3 silently went back to float32. Now: told at the
+    # first gradient (stages 0-2) or gather (stage 3), naming the cast and what to do.
+    with pytest.raises(RuntimeError) as info:
+        F.cross_entropy(model(x.bfloat16()).float(), y).backward()
+    msg = str(info.value)
+    for part in ("is now torch.bfloat16 on cpu but zerokern holds it as torch.float32",
+                 "model.to(...)", "cast or move the model before building ZeroAdamW"):
+        assert part in msg, (part, msg)
+    # ... before anything was updated, and step() refuses too.
+    with pytest.raises(RuntimeError, match="is now torch.bfloat16"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(views, before))
+    assert all(opt.shards_step(i) == 1 for i in range(len(opt.managed_params)))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_cast_after_first_step_is_refused(stage, tmp_path):
+    run_ranks(2, cast_case, stage, tmp_path=tmp_path)
 
 
 # -- 3. torch.compile: no global module hook ---------------------------------------------------
