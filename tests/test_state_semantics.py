@@ -278,6 +278,6 @@ def late_group_case(rank, world, stage):
     _same(ours, ref, f"stage {stage} after add_param_group")
 
 
-@pytest.mark.parametrize("stage", [2])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_param_added_later_keeps_accumulated_grad(stage, tmp_path):
     run_ranks(2, late_group_case, stage, tmp_path=tmp_path)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,6 @@ from .interop import active_ddp_module
 from .layout import ALIGN_ELEMS
 from .offload import HOST, Copier, OffloadPipeline, Ticket, pin_host_memory
 from .plan import UnitPlan, plan_units
-from .rebind import changed_error
 from .stage3_saved import SavedTensorHooks
 from .stages.base import average_
 
@@ -79,10 +79,10 @@ class Unit:
     def in_backward(self) -> bool:
         return self.phase in (GradPhase.BACKWARD, GradPhase.BACKWARD_AGAIN)
 
-    def start_backward(self) -> None:
+    def start_backward(self, reduced: Callable[[torch.nn.Parameter], bool]) -> None:
         self.phase = (GradPhase.BACKWARD_AGAIN if self.phase is GradPhase.REDUCED
                       else GradPhase.BACKWARD)
-        self.waiting = {j for j, p in enumerate(self.params) if p.requires_grad}
+        self.waiting = {j for j, p in enumerate(self.params) if p.requires_grad and reduced(p)}
 
     def end_backward(self, reduced: bool) -> None:
         """Its gradients were reduced, or (no_sync) are left on the parameters."""
@@ -115,7 +115,6 @@ class Stage3Runtime:
         self.wait_timeout = told.wait_limit(*gather_timeout, comm.backend)
         self.broken: str | None = None
         self._abandoned: list[torch.Tensor] = []  # buffers a pending collective may still write
-        self._adopted: list[torch.nn.Parameter] = []  # given new values (rebind.py), for the master
         p0 = next(p for _, _, ps in units for p in ps)
         self.dtype, self.device = p0.dtype, p0.device
         plans = plan_units([[p.numel() for p in ps] for _, _, ps in units], comm.world_size,
@@ -152,6 +151,11 @@ class Stage3Runtime:
         self.param_names: dict[int, str] = {}
         self._ddp_checked: set[int] = set()
         self._hooked: set[int] = set()
+        # The parameters of the optimizers built on this model (None: no optimizer yet, every
+        # gradient is reduced). The others are plain leaves, as in torch: their gradients stay
+        # on .grad and accumulate until zeroed, or until add_param_group makes them the
+        # optimizer's (its first step then reduces the sum, as DDP would have averaged it).
+        self._managed: set[int] | None = None
         # Released parameters keep their full shape, dtype and device (as FSDP2's DTensor
         # parameters do: shape-based param groups and parameter counts stay right) but hold no
         # memory: a zero-stride view of one NaN, so a value read outside a forward is NaN,
@@ -212,11 +216,21 @@ class Stage3Runtime:
                 # Runs even when the forward raised (after the hook above otherwise): then
                 # nothing stays gathered and the saved-tensor hooks are removed.
                 u.module.register_forward_hook(self._after_root_forward, always_call=True)
-        self.hook_params([p for u in self.units for p in u.params if p.requires_grad])
+        self._hook_grads([p for u in self.units for p in u.params if p.requires_grad])
 
     def hook_params(self, params: list[torch.nn.Parameter]) -> None:
-        """Reduce these parameters' gradients (once each: an optimizer's later
-        add_param_group of a parameter frozen at shard_model time comes here too)."""
+        """An optimizer's parameters (at its construction, and those of its
+        add_param_group): their gradients are reduced into the slices from now on."""
+        self._hook_grads(params)
+        if self._managed is None:
+            self._managed = set()
+        self._managed.update(id(p) for p in params)
+
+    def _reduces(self, p: torch.nn.Parameter) -> bool:
+        return self._managed is None or id(p) in self._managed
+
+    def _hook_grads(self, params: list[torch.nn.Parameter]) -> None:
+        # Once each: a parameter frozen at shard_model time and added later comes here too.
         for p in params:
             if id(p) in self._hooked:
                 continue
@@ -238,7 +252,6 @@ class Stage3Runtime:
         if self.broken is not None:
             raise RuntimeError(self.broken)
         if not u.gathered:
-            self._adopt(u)
             buf, blk = self._alloc(u.plan.padded_numel)
             u.buf, u.block = buf, blk
             src = self.local_shard(u, self.local_params)
@@ -364,7 +377,7 @@ class Stage3Runtime:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
         if not u.in_backward:
-            u.start_backward()
+            u.start_backward(self._reduces)
             self.gather(u)
             self._prefetch_backward(u)
         return grad
@@ -387,6 +400,8 @@ class Stage3Runtime:
 
     def _on_grad(self, u: Unit, j: int) -> None:
         p = u.params[j]
+        if not self._reduces(p):
+            return  # in no optimizer: its .grad accumulates, as torch's does
         self.grad_events += 1
         if p.grad is not None and p.grad.layout != torch.strided:
             raise TypeError(f"ZeroAdamW: parameter {self.param_names.get(id(p), j)} got a "
@@ -405,7 +420,7 @@ class Stage3Runtime:
         # this one, and the gather arena holds a single gradient buffer.
         self.finish_reduce()
         grads = [(p, off) for p, off in zip(u.params, u.plan.param_offsets)
-                 if p.grad is not None]
+                 if p.grad is not None and self._reduces(p)]
         buf, blk = self._alloc(u.plan.padded_numel)
         if len(grads) < len(u.params) or u.plan.padding:
             buf.zero_()  # params without a gradient on this rank, and the padding
@@ -470,49 +485,14 @@ class Stage3Runtime:
         """After a no_sync accumulation finished with a synced backward, nothing is left;
         if the user steps right after no_sync backwards, reduce what the params hold."""
         for u in self.units:
-            if any(p.grad is not None for p in u.params):
+            if any(p.grad is not None and self._reduces(p) for p in u.params):
                 for p in u.params:  # set by hand, or left by no_sync: used as torch does
-                    if p.grad is not None:
+                    if p.grad is not None and self._reduces(p):
                         self.got_grad[id(p)] = True
-                u.start_backward()
+                u.start_backward(self._reduces)
                 self.gather(u)
                 self._reduce(u)
         self.finish_reduce()
-
-    def _adopt(self, u: Unit) -> None:
-        """A released parameter whose ``.data`` was replaced (``p.data = t``; rebind.py):
-        this rank's slices take ``t``'s values, as torch would train ``t``; another dtype,
-        device or shape (``model.to(torch.bfloat16)``) is refused before anything changes."""
-        nan = self._nan.data_ptr()
-        for j, p in enumerate(u.params):
-            if p.data_ptr() == nan or u.plan.numels[j] == 0:
-                continue
-            if p.dtype != self.dtype or p.device != self.device or p.shape != u.shapes[j]:
-                raise changed_error("shard_model", f"parameter {self.param_names.get(id(p), j)!r}",
-                                    p, self.dtype, self.device, u.shapes[j], "shard_model")
-        for j, p in enumerate(u.params):
-            if p.data_ptr() == nan or u.plan.numels[j] == 0:
-                continue
-            # Through .data: local_params' version counter (ZeroAdamW's sign of weights
-            # written into the model) stays; the optimizer takes these via take_adopted().
-            flat = p.detach().reshape(-1)
-            for sp in u.plan.rank_pieces(self.comm.rank):
-                if sp.param_index == j:
-                    self.local_params.data.narrow(0, u.shard_start + sp.local_offset,
-                                                  sp.numel).copy_(
-                        flat[sp.param_offset : sp.param_offset + sp.numel])
-            p.data = self._nan.expand(u.shapes[j])
-            self._adopted.append(p)
-
-    def adopt_assigned(self) -> None:
-        """_adopt for every released unit (at a step: no gather since the assignment)."""
-        for u in self.units:
-            if not u.gathered:
-                self._adopt(u)
-
-    def take_adopted(self) -> list[torch.nn.Parameter]:
-        out, self._adopted = self._adopted, []
-        return out
 
     def shape_of(self, p: torch.nn.Parameter) -> torch.Size:
         u, j = self._param_unit[id(p)]
