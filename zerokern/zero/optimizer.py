@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
-from . import interop
+from . import interop, rebind
 from .interchange import InterchangeMixin, check_adamw_flags
 from .layout import Layout, build_layout, build_stage3_layout
 from .optimizer_state import ShardedStateMixin
@@ -235,6 +235,7 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
                 f"ZeroAdamW: parameter {index} got a {g.layout} gradient; sparse gradients "
                 "are not supported (build nn.Embedding / EmbeddingBag with sparse=False)")
         if self._engine is not None:
+            rebind.check_grad_param(self, index)  # cast or moved since the first step
             self._engine.on_grad(index)
         elif index not in self._seen:  # before the layout exists: learn the ready order
             self._seen.add(index)
@@ -300,6 +301,9 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         self.state.adopt_step_writes()  # opt.state[p]["step"] written in place: the same
         if self._engine is None or self._versions is None:
             return
+        # `p.data = t` since: t is adopted (its master too); a cast or move is refused.
+        with torch.no_grad():
+            (rebind.adopt_stage3 if self._rt is not None else rebind.adopt_flat)(self)
         if self._param_versions() != self._versions:
             with torch.no_grad():
                 self._engine.init_master()

@@ -36,6 +36,7 @@ from .interop import active_ddp_module
 from .layout import ALIGN_ELEMS
 from .offload import HOST, Copier, OffloadPipeline, Ticket, pin_host_memory
 from .plan import UnitPlan, plan_units
+from .rebind import changed_error
 from .stage3_saved import SavedTensorHooks
 from .stages.base import average_
 
@@ -115,6 +116,7 @@ class Stage3Runtime:
         self.wait_timeout = told.wait_limit(*gather_timeout, comm.backend)
         self.broken: str | None = None
         self._abandoned: list[torch.Tensor] = []  # buffers a pending collective may still write
+        self._adopted: list[torch.nn.Parameter] = []  # given new values (rebind.py), for the master
         p0 = next(p for _, _, ps in units for p in ps)
         self.dtype, self.device = p0.dtype, p0.device
         plans = plan_units([[p.numel() for p in ps] for _, _, ps in units], comm.world_size,
@@ -252,6 +254,7 @@ class Stage3Runtime:
         if self.broken is not None:
             raise RuntimeError(self.broken)
         if not u.gathered:
+            self._adopt(u)
             buf, blk = self._alloc(u.plan.padded_numel)
             u.buf, u.block = buf, blk
             src = self.local_shard(u, self.local_params)
@@ -493,6 +496,41 @@ class Stage3Runtime:
                 self.gather(u)
                 self._reduce(u)
         self.finish_reduce()
+
+    def _adopt(self, u: Unit) -> None:
+        """A released parameter whose ``.data`` was replaced (``p.data = t``; rebind.py):
+        this rank's slices take ``t``'s values, as torch would train ``t``; another dtype,
+        device or shape (``model.to(torch.bfloat16)``) is refused before anything changes."""
+        nan = self._nan.data_ptr()
+        for j, p in enumerate(u.params):
+            if p.data_ptr() == nan or u.plan.numels[j] == 0:
+                continue
+            if p.dtype != self.dtype or p.device != self.device or p.shape != u.shapes[j]:
+                raise changed_error("shard_model", f"parameter {self.param_names.get(id(p), j)!r}",
+                                    p, self.dtype, self.device, u.shapes[j], "shard_model")
+        for j, p in enumerate(u.params):
+            if p.data_ptr() == nan or u.plan.numels[j] == 0:
+                continue
+            # Through .data: local_params' version counter (ZeroAdamW's sign of weights
+            # written into the model) stays; the optimizer takes these via take_adopted().
+            flat = p.detach().reshape(-1)
+            for sp in u.plan.rank_pieces(self.comm.rank):
+                if sp.param_index == j:
+                    self.local_params.data.narrow(0, u.shard_start + sp.local_offset,
+                                                  sp.numel).copy_(
+                        flat[sp.param_offset : sp.param_offset + sp.numel])
+            p.data = self._nan.expand(u.shapes[j])
+            self._adopted.append(p)
+
+    def adopt_assigned(self) -> None:
+        """_adopt for every released unit (at a step: no gather since the assignment)."""
+        for u in self.units:
+            if not u.gathered:
+                self._adopt(u)
+
+    def take_adopted(self) -> list[torch.nn.Parameter]:
+        out, self._adopted = self._adopted, []
+        return out
 
     def shape_of(self, p: torch.nn.Parameter) -> torch.Size:
         u, j = self._param_unit[id(p)]
