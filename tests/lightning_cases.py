@@ -76,6 +76,7 @@ class Net(pl.LightningModule):
         # micro-batches that accumulate (no_sync: none), and in each step (some).
         self.early_reductions = 0
         self.step_reductions: list[int] = []
+        self.saved_weights: dict[str, torch.Tensor] | None = None  # seen at the last save
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -119,6 +120,10 @@ class Net(pl.LightningModule):
         if isinstance(opt, zerokern.ZeroAdamW) and self.automatic_optimization and \
                 (batch_idx + 1) % ACCUM:  # a micro-batch that accumulates
             self.early_reductions += _reductions(opt.comm.stats.as_dict())
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # What this hook (and a callback) sees of the weights: DDP gives the module's.
+        self.saved_weights = {k: v.detach().clone() for k, v in checkpoint["state_dict"].items()}
 
     def configure_optimizers(self) -> Any:
         decay = [p for p in self.parameters() if p.dim() >= 2]
@@ -221,7 +226,8 @@ def reference(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     assert trainer.global_step == STEPS
     assert len(model.norms) == STEPS and min(model.norms) > CLIP, model.norms
     _REFERENCE.update(tmp=tmp, losses=model.losses, norms=model.norms,
-                      params=_params(trainer, model), ckpt10=_ckpt(tmp / "ddp", SAVE_AT))
+                      params=_params(trainer, model), ckpt10=_ckpt(tmp / "ddp", SAVE_AT),
+                      saved=model.saved_weights)
     return _REFERENCE
 
 
@@ -247,6 +253,13 @@ def parity_and_resume(rank: int, world: int, *, stage: int, tmp: str) -> None:
     _close_list(model.losses, ref["losses"], f"stage {stage}: losses")
     final = _params(trainer, model)
     _close(final, ref["params"], f"stage {stage}: step-{STEPS} parameters vs DDP")
+    # checkpoint["state_dict"] in on_save_checkpoint at the last save: the weights, as with
+    # DDP (stage 3: gathered on rank 0, as FSDPStrategy's full state dict).
+    if stage == 3 and rank != 0:
+        assert model.saved_weights == {}, sorted(model.saved_weights or {})
+    else:
+        _close(model.saved_weights or {}, ref["saved"],
+               f"stage {stage}: checkpoint['state_dict'] seen by on_save_checkpoint")
 
     ck10 = _ckpt(ckdir, SAVE_AT)
     assert ck10.is_dir() and (ck10 / "meta.json").is_file(), ck10

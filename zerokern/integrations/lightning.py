@@ -165,9 +165,11 @@ class ZeroStrategy(DDPStrategy):
     has reduced into shards) is refused.
 
     Checkpoints are directories (every rank calls ``trainer.save_checkpoint``, as it does for
-    DDP anyway). ``checkpoint["state_dict"]`` and ``["optimizer_states"]`` are not part of the
-    dict the checkpoint hooks see: model and optimizer go into zerokern's sharded files. Use
-    ``strategy.full_state_dict()`` (or ``python -m zerokern consolidate``) for plain weights.
+    DDP anyway). The checkpoint hooks (``on_save_checkpoint``) see the weights in
+    ``checkpoint["state_dict"]`` (stage 3: gathered, on rank 0 only, as FSDPStrategy's full
+    state dict), but not the optimizer's state (``["optimizer_states"]`` holds ``{}``): model
+    and optimizer go into zerokern's sharded files. Use ``strategy.full_state_dict()`` (or
+    ``python -m zerokern consolidate``) for plain weights.
     """
 
     def __init__(
@@ -411,9 +413,17 @@ class ZeroStrategy(DDPStrategy):
         return self.lightning_module
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # The checkpoint dict carries no weights: save_checkpoint writes each rank's part
-        # (stage 3 would otherwise gather the whole model on every rank for nothing).
-        return {}
+        """The LightningModule's weights, as Lightning puts them in the checkpoint dict that
+        ``on_save_checkpoint`` and callbacks see: its ``state_dict()`` at stages 0-2; at stage
+        3 (where its own parameters are released) the full parameters and buffers on the
+        CPU, gathered one unit at a time, on rank 0 (the other ranks get {}), as
+        FSDPStrategy's full state dict. A collective at stage 3: every rank calls it
+        (``trainer.save_checkpoint`` does). save_checkpoint does not write this dict: the
+        weights go into zerokern's sharded files."""
+        if self._stage == 3:
+            return self.full_state_dict(rank0_only=True)
+        assert self.lightning_module is not None
+        return self.lightning_module.state_dict()
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The LightningModule's full parameters and buffers (on the CPU, keys as its
