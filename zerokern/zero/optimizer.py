@@ -9,8 +9,10 @@ engine in stages/.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ import torch
 
 from ..comm import Comm
 from . import interop, rebind
+from .grad_guard import GradGuard
 from .interchange import InterchangeMixin, check_adamw_flags
 from .layout import Layout, build_layout, build_stage3_layout
 from .optimizer_state import ShardedStateMixin
@@ -201,16 +204,21 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         self._versions: tuple[int, ...] | None = None  # parameters as ZeroAdamW last left them
         interop.register_params(self._params, self)
         self.state = ShardedStateView(self)  # type: ignore[assignment]
-        if self._rt is None:
-            self._hooks = [
-                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad(i))
-                for i, p in enumerate(self._params)
-            ]
-        else:
+        # p.grad between a synchronised backward and step(): a GradGuard (grad_guard.py).
+        self._guards: list[GradGuard | None] = []
+        self._guarded = False  # the guards are on the parameters now
+        self._guard_cb_queued = False
+        self._guard_norm_cache: list[float] | None = None
+        self._pre_hooks: list[Any] = []
+        self._hooks: list[Any] = []
+        self._watch_grads(self._params)
+        me = weakref.ref(self)
+        if self._rt is not None:
             # Stage 3: gradients of the model's parameters outside this optimizer stay on
             # their .grad (plain leaves, as in torch) instead of being reduced and dropped.
             self._rt.hook_params(self._params)
             self._build()  # stage 3: the units fix the layout already
+            self._rt.backward_end_callbacks.append(functools.partial(_end_backward, me))
         self._last_comm = self.comm.reset_stats()
         self._constructed = True
 
@@ -229,6 +237,11 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
 
     def _on_grad(self, index: int) -> None:
         self._events += 1
+        if self._sync and not self._guard_cb_queued:
+            # When this backward ends (after every hook of it): the guards go on.
+            self._guard_cb_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._install_guards(from_callback=True))
         g = self._params[index].grad
         if g is not None and g.layout != torch.strided:
             raise TypeError(
@@ -351,6 +364,12 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         """As torch's: drop this step's gradients. ``set_to_none=False`` keeps a zero
         gradient on every parameter, so the next step updates every parameter (decay,
         moments), as torch's AdamW does. Call it after every ``step()``."""
+        self._discard_guards()
+        if self._reduced is not None:
+            # Gradients reduced (for a clip_grad_norm_) and then dropped without a step (the
+            # "non-finite norm: zero_grad() and skip the batch" pattern): forget the step.
+            self._reduced = None
+            self._engine.end_step()
         self._stepped_events = None
         # torch keeps zero gradients on every parameter: AdamW then updates them all (decay,
         # moments), those autograd left alone included. Stages 2-3 hold no .grad to zero, so
@@ -383,7 +402,7 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
             self.last_step_skipped = True  # trainers skip their LR scheduler step on it
             self._end_step()
             return loss
-        clip = red.clip
+        clip = red.clip * self._guard_coef()
         if self.max_grad_norm is not None:
             clip *= min(1.0, self.max_grad_norm / (red.norm * clip + 1e-6))
         # An infinite norm (no loss scaler to skip the step) clips by 0, as torch's
@@ -424,6 +443,17 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         return torch.tensor(red.norm * red.clip_before, device=self.device)
 
     def _reduce_grads(self, need_norm: bool = False) -> _Reduced:
+        # Internals read the real .grad (bucket views, gradients set by hand): the guards
+        # come off for the reduction and go back on after it, for torch's utilities.
+        was = self._guarded
+        self._lift_guards()
+        try:
+            return self._reduce_grads_now(need_norm)
+        finally:
+            if was:
+                self._relay_guards()
+
+    def _reduce_grads_now(self, need_norm: bool = False) -> _Reduced:
         """Finish this step's gradient reduction and run the one small all-reduce (and host
         sync) of the step: the squared-norm partial and a flag per parameter saying whether it
         got a gradient on some rank (the others are left untouched, as AdamW does). Done once
@@ -451,6 +481,9 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         for gi, g in enumerate(self.param_groups):
             check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"],
                           f" (param group {gi})")
+            # A torch AdamW flag set on a group afterwards (g["amsgrad"] = True) is not
+            # dropped in silence either.
+            check_adamw_flags(g, f" (param group {gi})")
         for p in self._frozen:
             if p.requires_grad:
                 raise RuntimeError(
@@ -522,6 +555,7 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
                 red.on_grad_ready(i, in_backward=False)
 
     def _end_step(self) -> None:
+        self._discard_guards()
         self._engine.end_step()
         self._mark_params()
         self.state.refresh_steps()  # opt.state[p]["step"] counts, as torch's does
@@ -549,6 +583,95 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
                 cur = [pc.group, pc.local_start, pc.local_start + pc.numel, st]
                 runs.append(cur)
         return [Run(g, lo, hi, st) for g, lo, hi, st in runs]
+
+    # -- p.grad for torch's utilities (grad_guard.py) ----------------------------------------
+    def _watch_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Guard slots for new trainable parameters, and a hook on each that runs before
+        autograd accumulates into it: a new backward has begun, so the real .grad (stages
+        0-1: the bucket view; otherwise None) goes back first."""
+        me = weakref.ref(self)
+        first = len(self._guards)
+        self._guards += [None] * len(params)
+        self._pre_hooks += [p.register_hook(functools.partial(_before_accumulate, me))
+                            for p in params]
+        if self._rt is None:  # stage 3: the shard_model runtime delivers the gradients
+            # Weak: an optimizer dropped by the script must not live on through its
+            # parameters' hooks, nor keep acting on their gradients.
+            self._hooks += [p.register_post_accumulate_grad_hook(
+                functools.partial(_delivered, me, first + k)) for k, p in enumerate(params)]
+
+    def _install_guards(self, from_callback: bool = False) -> None:
+        """End of a synchronised backward: every trainable parameter's ``.grad`` becomes its
+        GradGuard (the real one, if any, kept on the guard), so torch's clipping utilities
+        either compute the global norm or are refused, whatever the stage."""
+        if from_callback:
+            self._guard_cb_queued = False
+        if not self._sync:
+            return
+        for i, p in enumerate(self._params):
+            g = self._guards[i]
+            if g is None:
+                g = self._guards[i] = GradGuard(p, self, i)
+            if p.grad is not g:
+                g.zk_held = p.grad
+                g.zk_coef = 1.0
+                p.grad = g
+        self._guarded = True
+
+    def _lift_guards(self) -> None:
+        if not self._guarded:
+            return
+        for p, g in zip(self._params, self._guards):
+            if g is not None and p.grad is g:
+                p.grad = g.zk_held
+        self._guarded = False
+
+    def _relay_guards(self) -> None:
+        for p, g in zip(self._params, self._guards):
+            if g is not None and p.grad is not g:
+                g.zk_held = p.grad
+                p.grad = g
+        self._guarded = True
+
+    def _discard_guards(self) -> None:
+        """The step is over (or its gradients dropped): the real .grad goes back."""
+        self._lift_guards()
+        for g in self._guards:
+            if g is not None:
+                g.zk_coef, g.zk_held = 1.0, None
+        self._guard_norm_cache = None
+
+    def _guard_coef(self) -> float:
+        """The one scalar torch's utilities multiplied every guarded gradient by (clipping
+        through p.grad); refused, before anything changes, when they differ."""
+        coefs = {g.zk_coef for g in self._guards if g is not None}
+        if len(coefs) > 1:
+            raise RuntimeError(
+                "ZeroAdamW: the gradients were scaled through p.grad by different factors "
+                "(a clip over some of the parameters only, or clip_grad_value_-like code). "
+                "ZeroAdamW clips by one global norm: use opt.clip_grad_norm_(max_norm) "
+                "before step(); call opt.zero_grad() to drop this step's gradients")
+        return coefs.pop() if coefs else 1.0
+
+    def _guard_norms(self) -> list[float]:
+        """The 2-norm of every trainable parameter's averaged gradient over all ranks (torch's
+        norm of p.grad under DDP), after opt.clip_grad_norm_'s clipping: one all-reduce of a
+        float per parameter per step, the first time torch's utilities ask."""
+        if self._guard_norm_cache is None:
+            red = self._reduce_grads(need_norm=True)
+            eng = self._engine
+            vec = torch.zeros(len(self._params), dtype=torch.float64)
+            for pc in self.layout.pieces:
+                if pc.param >= 0 and pc.numel:
+                    for t in eng.grad_slices(pc.local_start, pc.numel):
+                        vec[pc.param] += t.double().square().sum().item()
+            if not eng.replicated_grads:
+                vec = vec.to(self.device)
+                self.comm.all_reduce(vec, "per-parameter gradient norms (torch's clipping "
+                                     "utilities on p.grad)", count=False)
+            scale = red.clip / self.loss_scale
+            self._guard_norm_cache = [math.sqrt(v) * scale for v in vec.tolist()]
+        return self._guard_norm_cache
 
     # -- introspection ----------------------------------------------------------------------
     def comm_stats(self) -> dict[str, Any]:
@@ -581,3 +704,31 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         if self.offload:
             return cls.planned_memory(L, self.dtype)  # type: ignore[attr-defined]
         return planned_flat_memory(L, self.dtype, cls.buffer_specs(L, self.dtype))
+
+
+def _before_accumulate(ref: weakref.ref, grad: torch.Tensor) -> None:
+    """Tensor hook of every trainable parameter, run before autograd accumulates into it: a
+    new backward has begun, so the real gradients go back on the parameters."""
+    opt = ref()
+    if opt is None or not opt._guarded:
+        return
+    if any(g is not None and g.zk_coef != 1.0 for g in opt._guards):
+        raise RuntimeError(
+            "ZeroAdamW: the gradients were scaled through p.grad (torch's clip_grad_norm_ or "
+            "clip_grads_with_norm_) and then another backward started before step(); torch "
+            "would add the new gradients to the clipped ones, which ZeroAdamW cannot. Clip "
+            "after the last backward of the step, right before step()")
+    opt._lift_guards()
+    opt._guard_norm_cache = None
+
+
+def _delivered(ref: weakref.ref, index: int, _p: torch.Tensor) -> None:
+    opt = ref()
+    if opt is not None:
+        opt._on_grad(index)
+
+
+def _end_backward(ref: weakref.ref) -> None:
+    opt = ref()
+    if opt is not None:
+        opt._install_guards()

@@ -35,7 +35,7 @@ class ParamGroupsMixin:
         # checked, and not kept, before anything changes.
         if isinstance(param_group, dict):
             param_group = strip_adamw_flags(
-                param_group, f" (param group {len(self.param_groups)})")
+                param_group, f" (param group {len(self.param_groups)})", self.defaults)
         if not getattr(self, "_constructed", False):
             super().add_param_group(param_group)  # the constructor's groups
             return
@@ -77,10 +77,8 @@ class ParamGroupsMixin:
         self._steps += [0] * len(new)
         self._frozen += [p for p in group["params"] if not p.requires_grad]
         interop.register_params(new, self)
-        if self._rt is None:
-            self._hooks += [self._params[i].register_post_accumulate_grad_hook(
-                lambda _p, i=i: self._on_grad(i)) for i in range(first, len(self._params))]
-        else:
+        self._watch_grads(new)  # stages 0-2: gradient hooks too
+        if self._rt is not None:
             self._rt.hook_params(new)
         old = self._engine
         if old is None:

@@ -150,6 +150,9 @@ class Stage3Runtime:
         self.peak_units = 0
         self.got_grad: dict[int, bool] = {}
         self.grad_events = 0  # gradients delivered by autograd hooks
+        # Run at the end of every synchronised backward, after the reduction (ZeroAdamW puts
+        # its GradGuards on the parameters' .grad).
+        self.backward_end_callbacks: list[Any] = []
         self.param_names: dict[int, str] = {}
         self._ddp_checked: set[int] = set()
         self._hooked: set[int] = set()
@@ -478,6 +481,9 @@ class Stage3Runtime:
         self.finish_reduce()
         for u in self.units:
             self.release(u)
+        if self.sync:
+            for cb in self.backward_end_callbacks:
+                cb()
 
     def _last_pos(self, u: Unit) -> int:
         if u.index not in self.fwd_order:

@@ -118,6 +118,12 @@ class Engine(ABC):
         """Squared norm of the gradients this rank holds (its shard; stage 0: everything)."""
 
     @abstractmethod
+    def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
+        """The averaged gradient of local range [start, start + numel), after
+        finish_grads(), as the tensors that hold it (per-parameter norms for torch's
+        clipping utilities, grad_guard.py)."""
+
+    @abstractmethod
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:
         """The fused AdamW over ``runs`` of this rank's shard, then the parameters gathered

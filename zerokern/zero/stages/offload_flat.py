@@ -98,6 +98,9 @@ class OffloadFlat(FlatEngine):
         self.pipe.drain()
         return got
 
+    def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
+        return [self.host_grads.narrow(0, start, numel)]  # the host shard, in local space
+
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:
         def one(run: Run) -> None:

@@ -37,6 +37,9 @@ class Stage0(FlatEngine):
     def grad_sq_norm(self) -> torch.Tensor:
         return ops.sq_norm(self.flat_grad, backend=self.backend)
 
+    def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
+        return [self.flat_grad.narrow(0, start, numel)]  # local space = flat space
+
     # -- update: everything, on every rank ----------------------------------------------------
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:

@@ -61,6 +61,10 @@ class Stage1(FlatEngine):
         return torch.stack([ops.sq_norm(t, backend=self.backend)
                             for t in self._own_slices()]).sum()
 
+    def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
+        return [self.flat_grad.narrow(0, fs, k)
+                for _, fs, k in self.flat_slices(start, start + numel)]
+
     # -- update this rank's slices in place, then all-gather every bucket ----------------------
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:

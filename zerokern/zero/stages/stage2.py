@@ -110,6 +110,9 @@ class Stage2(FlatEngine):
     def grad_sq_norm(self) -> torch.Tensor:
         return ops.sq_norm(self.grad_shard, backend=self.backend)
 
+    def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
+        return [self.grad_shard.narrow(0, start, numel)]
+
     def zero_grad(self, set_to_none: bool) -> None:
         for p in self.params:
             p.grad = None

@@ -48,6 +48,9 @@ class Stage3(Engine):
     def grad_sq_norm(self) -> torch.Tensor:
         return ops.sq_norm(self.rt.local_grads, backend=self.backend)
 
+    def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
+        return [self.rt.local_grads.narrow(0, start, numel)]
+
     def end_step(self) -> None:
         self.rt.new_step()
 

@@ -1,0 +1,148 @@
+"""What ``p.grad`` holds between a synchronised backward and ``step()``: a ``GradGuard``.
+
+ZeroAdamW reduces gradients into flat shards during backward, so no plain tensor on the
+parameter holds the averaged gradient: stage 0-1's ``.grad`` views are local sums until the
+step flushes the last buckets, stage 1 keeps only its slices averaged, stages 2-3 keep no
+``.grad`` at all. torch's own utilities (``clip_grad_norm_`` imported before zerokern,
+``get_total_norm`` + ``clip_grads_with_norm_``, a list filtered by ``p.grad is not None``,
+``clip_grad_value_``) would then compute on local or missing gradients, silently.
+
+As FSDP2 puts a DTensor in ``.grad`` so that torch's own norm is the global one, ZeroAdamW
+puts a guard there: a tensor subclass with the parameter's shape, dtype and device and no
+storage of its own. torch's utilities either compute correctly on it or are refused:
+
+- ``torch.linalg.vector_norm(g)`` / ``torch._foreach_norm`` (2-norm): the norm of the
+  parameter's averaged gradient over all ranks (from one small all-reduce per step, a
+  collective: every rank clips, as every rank does under DDP);
+- ``g.mul_(c)`` / ``g.div_(c)`` / ``torch._foreach_mul_`` by a scalar: recorded, and applied by
+  ``step()`` as a clipping coefficient (every guarded parameter must get the same one);
+- ``g.zero_()``: a coefficient of 0;
+- anything else (``clamp_`` of ``clip_grad_value_``, reading the values): a RuntimeError that
+  names ``opt.clip_grad_norm_``, raised on every rank before anything changed.
+
+The guard lives on the parameter only from the end of a synchronised backward to the end of
+``step()`` (or ``zero_grad()``, or the start of the next backward, when the real gradient goes
+back so that autograd can accumulate into it).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+_HINT = (
+    "ZeroAdamW holds this gradient reduced and sharded across the ranks (from the end of "
+    "backward to step()), so torch cannot read or change its values. To clip: "
+    "opt.clip_grad_norm_(max_norm) (or torch.nn.utils.clip_grad_norm_(model.parameters(), "
+    "max_norm), which ZeroAdamW computes over all ranks), or ZeroAdamW(max_grad_norm=...); "
+    "clipping by value is not supported. (Another optimizer stepping these parameters "
+    "needs a model that no live ZeroAdamW manages)")
+
+_NORMS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar}
+_MULS = {aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar,
+         aten._foreach_mul_.Scalar, aten._foreach_mul_.Tensor, aten._foreach_mul_.List,
+         aten._foreach_mul_.ScalarList, aten._foreach_div_.Scalar, aten._foreach_div_.Tensor,
+         aten._foreach_div_.List, aten._foreach_div_.ScalarList}
+_ZERO = {aten.zero_.default, aten._foreach_zero_.default}
+_DIVS = {aten.div_.Tensor, aten.div_.Scalar, aten._foreach_div_.Scalar,
+         aten._foreach_div_.Tensor, aten._foreach_div_.List, aten._foreach_div_.ScalarList}
+
+
+class GradGuard(torch.Tensor):
+    """Stands in ``p.grad`` for parameter ``index`` of a ZeroAdamW (see the module docstring).
+    ``zk_coef`` is the product of the scalars it was multiplied by since it was put there;
+    ``zk_held`` is what ``p.grad`` held before (stages 0-1: the bucket view; otherwise None).
+    (Prefixed names: a tensor already has ``real``, ``index_*``...)"""
+
+    zk_index: int
+    zk_coef: float
+    zk_held: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, p: torch.Tensor, opt: Any, index: int) -> GradGuard:
+        g = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, p.shape, dtype=p.dtype, device=p.device, requires_grad=False)
+        return g
+
+    def __init__(self, p: torch.Tensor, opt: Any, index: int) -> None:
+        self._opt = weakref.ref(opt)
+        self.zk_index = index
+        self.zk_coef = 1.0
+        self.zk_held = None
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (f"GradGuard(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device}: ZeroAdamW holds this gradient sharded)")
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _NORMS:
+            return _norms(func, args, kwargs)
+        if func in _MULS:
+            return _scale(func, args)
+        if func in _ZERO:
+            for g in _guards(args[0]):
+                g.zk_coef = 0.0
+            return None if func is aten._foreach_zero_.default else args[0]
+        raise RuntimeError(f"{func}: {_HINT}")
+
+
+def _guards(x: Any) -> list[GradGuard]:
+    xs = x if isinstance(x, (list, tuple)) else [x]
+    return [g for g in xs if isinstance(g, GradGuard)]
+
+
+def _opt_of(gs: list[GradGuard]) -> Any:
+    opts = {id(o): o for o in (g._opt() for g in gs)}
+    if len(opts) != 1 or None in opts.values():
+        raise RuntimeError("gradients of parameters of several (or deleted) ZeroAdamW "
+                           "optimizers in one call: " + _HINT)
+    return next(iter(opts.values()))
+
+
+def _norms(func: Any, args: Any, kwargs: Any) -> Any:
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("scalars", 2))
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if float(ord_) != 2.0 or dim not in (None, [], ()):
+        raise RuntimeError(f"{func} with ord={ord_}, dim={dim}: ZeroAdamW computes the global "
+                           f"2-norm of a whole gradient only. {_HINT}")
+    xs = args[0] if func is aten._foreach_norm.Scalar else [args[0]]
+    gs = _guards(xs)
+    opt = _opt_of(gs)
+    norms = opt._guard_norms()  # one collective per step, on every rank
+
+    def one(x: Any) -> torch.Tensor:
+        if isinstance(x, GradGuard):
+            dt = kwargs.get("dtype") or x.dtype
+            return torch.tensor(norms[x.zk_index] * x.zk_coef, dtype=dt, device=x.device)
+        return torch.linalg.vector_norm(x, 2.0)  # not ZeroAdamW's: its own, local norm
+
+    out = [one(x) for x in xs]
+    return out if func is aten._foreach_norm.Scalar else out[0]
+
+
+def _scale(func: Any, args: Any) -> Any:
+    xs, other = args[0], args[1]
+    many = isinstance(xs, (list, tuple))
+    items = list(xs) if many else [xs]
+    scalars = list(other) if isinstance(other, (list, tuple)) else [other] * len(items)
+    for x, c in zip(items, scalars):
+        if isinstance(c, GradGuard):
+            raise RuntimeError(f"{func} by a gradient: {_HINT}")
+        c = float(c.item() if torch.is_tensor(c) else c)
+        if func in _DIVS:
+            c = 1.0 / c if c != 0 else math.inf
+        if isinstance(x, GradGuard):
+            x.zk_coef *= c
+        else:
+            x.mul_(c)  # a plain tensor mixed into the list (not ZeroAdamW's): as torch would
+    return None if many else xs
