@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
+import sys
 import time
 import warnings
 
@@ -296,3 +298,29 @@ def compiled_case(rank: int, world: int, stage: int) -> None:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_compiled_model_no_global_hook_warning(stage, tmp_path):
     run_ranks(2, compiled_case, stage, tmp_path=tmp_path)
+
+
+_LATE_IMPORT = """
+import tempfile, torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+d = tempfile.mkdtemp()
+dist.init_process_group("gloo", init_method=f"file://{d}/rv", rank=0, world_size=1)
+model = nn.Linear(4, 4)
+wrapped = DDP(model)  # before zerokern is imported: its DDP wrapper was not there yet
+import zerokern
+try:
+    zerokern.ZeroAdamW(model.parameters(), stage=2)
+except RuntimeError as exc:
+    assert "Remove the DDP" in str(exc), exc
+    print("refused")
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_built_before_zerokern_import_is_refused():
+    """The DDP guard needs no hook: a DDP built before zerokern was imported is found once,
+    at import, and ZeroAdamW refuses its parameters when it is built."""
+    out = subprocess.run([sys.executable, "-c", _LATE_IMPORT], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr[-2000:]
