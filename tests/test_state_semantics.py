@@ -102,7 +102,21 @@ def flags_case(rank, world, stage):
         zerokern.ZeroAdamW([{"params": params, "amsgrad": True}], stage=stage)
     with pytest.raises(ValueError, match="amsgrad"):  # positional, as in torch's signature
         zerokern.ZeroAdamW(params, 1e-3, (0.9, 0.999), 1e-8, 0.01, True, stage=stage)
+    with pytest.raises(ValueError, match="decoupled_weight_decay"):  # with the default decay
+        zerokern.ZeroAdamW([{"params": params, "decoupled_weight_decay": False}], stage=stage)
     _train(ours, opt, ddp, ropt, 2, 0, rank)
+    # A flag set on a group later: refused at step(), before anything is updated.
+    x, y = batch(2, rank)
+    F.cross_entropy(ours(x), y).backward()
+    before, weights = _snapshot(opt), zerokern.full_state_dict(ours, rank0_only=False)
+    opt.param_groups[0]["maximize"] = True
+    with pytest.raises(ValueError, match=r"maximize=True \(param group 0\)"):
+        opt.step()
+    del opt.param_groups[0]["maximize"]
+    _unchanged(opt, before, "maximize set on a group")
+    for k, v in zerokern.full_state_dict(ours, rank0_only=False).items():
+        assert torch.equal(v, weights[k]), k
+    opt.zero_grad()
     # Accepted, and not kept: they choose torch's kernels, not the update.
     fresh = _fresh(ref, stage)
     other = zerokern.ZeroAdamW([{"params": list(fresh.parameters()), "fused": True,
@@ -223,6 +237,10 @@ def state_writes_case(rank, world, stage):
         edit(opt.state[p], p)
         edit(ropt.state[rp], rp)
     held = opt.state[pairs[by_name["fc2.bias"]][0]]["step"]
+    # A copy is a plain dict, a snapshot (torch's entries are plain dicts too).
+    snap = copy.deepcopy(opt.state[pairs[by_name["fc1.weight"]][0]])
+    assert type(snap) is dict and snap["exp_avg_sq"].data_ptr() != \
+        opt.state[pairs[by_name["fc1.weight"]][0]]["exp_avg_sq"].data_ptr()
     # del opt.state[p]: the parameter starts afresh at its next step, as in torch.
     p, rp = pairs[by_name["norm.bias"]]
     del opt.state[p]

@@ -53,14 +53,16 @@ def check_adamw_flags(flags: dict[str, Any], where: str) -> None:
                          "autograd; use differentiable=False")
 
 
-def strip_adamw_flags(group: dict[str, Any], where: str) -> dict[str, Any]:
-    """``group`` without torch.optim.AdamW's flags, once checked: ZeroAdamW's param groups
-    hold what it uses (and any other key, e.g. a scheduler's initial_lr), and
-    full_state_dict() puts torch's defaults back."""
+def strip_adamw_flags(group: dict[str, Any], where: str,
+                      defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``group`` without torch.optim.AdamW's flags, once checked (with ``defaults`` for the
+    hyperparameters it leaves out): ZeroAdamW's param groups hold what it uses (and any
+    other key, e.g. a scheduler's initial_lr), and full_state_dict() puts torch's defaults
+    back."""
     flags = [k for k in (*_MATH_FLAGS, *_IMPL_FLAGS) if k in group]
     if not flags:
         return group
-    check_adamw_flags(group, where)
+    check_adamw_flags({**(defaults or {}), **group}, where)
     return {k: v for k, v in group.items() if k not in flags}
 
 

@@ -280,6 +280,10 @@ class _StateEntry(dict):
         super().clear()
         super().update(fresh)
 
+    def __reduce__(self) -> Any:
+        # copy.deepcopy / torch.save: a plain dict, a snapshot apart from the optimizer.
+        return (dict, (dict(self),))
+
     def setdefault(self, key: str, default: Any = None) -> Any:
         if key not in self:
             self[key] = default
