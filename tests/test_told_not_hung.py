@@ -261,6 +261,23 @@ def test_cast_after_first_step_is_refused(stage, tmp_path):
     run_ranks(2, cast_case, stage, tmp_path=tmp_path)
 
 
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_param_data_of_another_shape_is_refused(stage):
+    """torch's AdamW fails too (its state has the old shape); here before anything changes."""
+    torch.manual_seed(0)
+    model = _net()
+    if stage == 3:
+        model = zerokern.shard_model(model, unit_classes=(Block,))
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=stage, **HP)
+    x, y = _data(0, 0)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    _weight(model).data = torch.zeros(16, 15)
+    with pytest.raises(RuntimeError, match=r"now has shape \(16, 15\) but had \(16, 16\)"):
+        opt.step()
+
+
 # -- 3. torch.compile: no global module hook ---------------------------------------------------
 
 def compiled_case(rank: int, world: int, stage: int) -> None:

@@ -28,7 +28,7 @@ def changed_error(who: str, what: str, now: torch.Tensor, dtype: torch.dtype,
                   device: torch.device, shape: torch.Size, when: str) -> RuntimeError:
     if tuple(now.shape) != tuple(shape):
         return RuntimeError(
-            f"{who}: {what} now has shape {tuple(now.shape)} but was {tuple(shape)} when "
+            f"{who}: {what} now has shape {tuple(now.shape)} but had {tuple(shape)} at "
             f"{when} (`p.data = t` with another shape). Its optimizer state has the old shape "
             f"(torch's AdamW cannot continue either): build the model's final shapes first, "
             f"or a new optimizer after the change")
