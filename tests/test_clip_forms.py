@@ -213,3 +213,28 @@ def test_opt_method_then_skip_single_process():
         ropt.zero_grad()
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1], msg=n)
+
+
+def rank0_logging_case(rank, world, stage):
+    """Per-parameter gradient norms logged on rank 0 only (a common wandb habit), then the
+    step: the norms equal DDP's and no collective is mismatched (they travel with the step's
+    own all-reduce, which the other ranks make at step())."""
+    ours, opt, ref, ddp, ropt = _build(stage)
+    for step in range(3):
+        x, y = batch(step, rank)
+        F.cross_entropy(ours(x), y).backward()
+        F.cross_entropy(ddp(x), y).backward()
+        if rank == 0:
+            for (n, p), r in zip(ours.named_parameters(), ref.parameters()):
+                if r.grad is not None:
+                    assert math.isclose(float(p.grad.norm()), float(r.grad.norm()),
+                                        rel_tol=1e-5, abs_tol=1e-7), (step, n)
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+    _same_params(ours, ref, f"rank-0 logging, stage {stage}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_grad_norms_read_on_rank0_only(stage, tmp_path):
+    run_ranks(2, rank0_logging_case, stage, tmp_path=tmp_path)

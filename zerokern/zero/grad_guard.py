@@ -12,8 +12,10 @@ puts a guard there: a tensor subclass with the parameter's shape, dtype and devi
 storage of its own. torch's utilities either compute correctly on it or are refused:
 
 - ``torch.linalg.vector_norm(g)`` / ``torch._foreach_norm`` (2-norm): the norm of the
-  parameter's averaged gradient over all ranks (from one small all-reduce per step, a
-  collective: every rank clips, as every rank does under DDP);
+  parameter's averaged gradient over all ranks. Every parameter's squared norm travels in
+  the step's one small all-reduce (flags and total norm), so reading it on some ranks only
+  (logging on rank 0) waits for the others to reach step() and never mismatches a
+  collective;
 - ``g.mul_(c)`` / ``g.div_(c)`` / ``torch._foreach_mul_`` by a scalar: recorded, and applied by
   ``step()`` as a clipping coefficient (every guarded parameter must get the same one);
 - ``g.zero_()``: a coefficient of 0;

@@ -55,6 +55,9 @@ class _Reduced:
     norm: float = 0.0
     clip: float = 1.0
     clip_before: float = 1.0  # clip before the latest clip_grad_norm_ call
+    # Squared 2-norm of every parameter's averaged gradient, when GradGuards were on the
+    # parameters (torch's utilities may ask for them, on some ranks only: no collective then).
+    param_sq: list[float] | None = None
 
 
 class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.optim.Optimizer):
@@ -448,12 +451,12 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         was = self._guarded
         self._lift_guards()
         try:
-            return self._reduce_grads_now(need_norm)
+            return self._reduce_grads_now(need_norm, per_param=was)
         finally:
             if was:
                 self._relay_guards()
 
-    def _reduce_grads_now(self, need_norm: bool = False) -> _Reduced:
+    def _reduce_grads_now(self, need_norm: bool = False, per_param: bool = False) -> _Reduced:
         """Finish this step's gradient reduction and run the one small all-reduce (and host
         sync) of the step: the squared-norm partial and a flag per parameter saying whether it
         got a gradient on some rank (the others are left untouched, as AdamW does). Done once
@@ -501,15 +504,27 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
             got = [True] * len(got)
         need_norm = need_norm or self.max_grad_norm is not None or self.scaler is not None
         flags = torch.tensor([float(x) for x in got], dtype=torch.float32)
-        vec = torch.cat([torch.zeros(1), flags]).to(self.device)
+        n = len(got)
+        # With the guards on (p.grad readable by torch's utilities), each parameter's
+        # squared norm rides along in the same all-reduce: a rank that reads p.grad.norm()
+        # alone (logging on rank 0) then joins the collective every rank makes at step().
+        extra = per_param and not eng.replicated_grads
+        vec = torch.cat([torch.zeros(1), flags] + ([torch.zeros(n)] if extra else []))
+        vec = vec.to(self.device)
         if need_norm and not eng.replicated_grads:
             vec[0] = eng.grad_sq_norm()
+        if extra:
+            vec[1 + n:] = self._param_sq_partials()
         self.comm.all_reduce(vec, "grad norm and grad flags", count=False)
         if need_norm and eng.replicated_grads:  # every rank holds the full averaged grad
             vec[0] = eng.grad_sq_norm()
         vals = vec.tolist()
-        red = _Reduced(events=events, sq_norm=vals[0], active=[v > 0 for v in vals[1:]],
+        red = _Reduced(events=events, sq_norm=vals[0], active=[v > 0 for v in vals[1:n + 1]],
                        has_norm=need_norm)
+        if extra:
+            red.param_sq = vals[1 + n:]
+        elif per_param:
+            red.param_sq = self._param_sq_partials().tolist()
         red.norm = math.sqrt(vals[0]) / self.loss_scale if need_norm else 0.0
         if need_norm:
             self.last_grad_norm = red.norm
@@ -653,24 +668,38 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
                 "before step(); call opt.zero_grad() to drop this step's gradients")
         return coefs.pop() if coefs else 1.0
 
+    def _param_sq_partials(self) -> torch.Tensor:
+        """This rank's part of every parameter's squared gradient norm (fp32, one entry per
+        trainable parameter), from its pieces of the local space; a fused multi-tensor norm
+        on CUDA."""
+        views, owner = [], []
+        for pc in self.layout.pieces:
+            if pc.param >= 0 and pc.numel:
+                for t in self._engine.grad_slices(pc.local_start, pc.numel):
+                    views.append(t)
+                    owner.append(pc.param)
+        out = torch.zeros(len(self._params), dtype=torch.float32, device=self.device)
+        if views:
+            norms = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32))
+            out.index_add_(0, torch.tensor(owner, device=self.device),
+                           norms.to(self.device).square())
+        return out
+
     def _guard_norms(self) -> list[float]:
         """The 2-norm of every trainable parameter's averaged gradient over all ranks (torch's
-        norm of p.grad under DDP), after opt.clip_grad_norm_'s clipping: one all-reduce of a
-        float per parameter per step, the first time torch's utilities ask."""
+        norm of p.grad under DDP), after opt.clip_grad_norm_'s clipping. They come with the
+        step's one all-reduce (see _reduce_grads_now); only a guard put back after that
+        reduction (rare) costs a collective of its own."""
         if self._guard_norm_cache is None:
             red = self._reduce_grads(need_norm=True)
-            eng = self._engine
-            vec = torch.zeros(len(self._params), dtype=torch.float64)
-            for pc in self.layout.pieces:
-                if pc.param >= 0 and pc.numel:
-                    for t in eng.grad_slices(pc.local_start, pc.numel):
-                        vec[pc.param] += t.double().square().sum().item()
-            if not eng.replicated_grads:
-                vec = vec.to(self.device)
-                self.comm.all_reduce(vec, "per-parameter gradient norms (torch's clipping "
-                                     "utilities on p.grad)", count=False)
+            sq = red.param_sq
+            if sq is None:
+                vec = self._param_sq_partials()
+                if not self._engine.replicated_grads:
+                    self.comm.all_reduce(vec, "per-parameter gradient norms", count=False)
+                sq = red.param_sq = vec.tolist()
             scale = red.clip / self.loss_scale
-            self._guard_norm_cache = [math.sqrt(v) * scale for v in vec.tolist()]
+            self._guard_norm_cache = [math.sqrt(max(v, 0.0)) * scale for v in sq]
         return self._guard_norm_cache
 
     # -- introspection ----------------------------------------------------------------------
