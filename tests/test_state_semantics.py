@@ -33,9 +33,10 @@ def _close(a, b, what):
                                msg=lambda m: f"{what}: {m}")
 
 
-def _pair(stage, rank, params_of=None):
+def _pair(stage, rank, params_of=None, offload=None):
     """OddNet under ZeroAdamW (stage 3: sharded; buckets of 61 elements, so parameters
-    straddle them) and an identical copy under DDP + torch AdamW."""
+    straddle them; ``offload``: its state in host memory) and an identical copy under DDP +
+    torch AdamW."""
     torch.manual_seed(0)
     base = OddNet()
     ours = copy.deepcopy(base)
@@ -44,7 +45,7 @@ def _pair(stage, rank, params_of=None):
     ref = copy.deepcopy(base)
     ddp = DDP(ref, find_unused_parameters=True)
     pick = params_of or (lambda m: [p for p in m.parameters() if p.requires_grad])
-    opt = zerokern.ZeroAdamW(pick(ours), stage=stage, bucket_numel=61, **HP)
+    opt = zerokern.ZeroAdamW(pick(ours), stage=stage, bucket_numel=61, offload=offload, **HP)
     ropt = torch.optim.AdamW(pick(ref), foreach=False, **HP)
     return ours, opt, ref, ddp, ropt
 
@@ -213,8 +214,8 @@ def test_scheduler_resume_keeps_group_keys(stage, tmp_path):
 
 
 # -- 2. writes through opt.state -------------------------------------------------------------
-def state_writes_case(rank, world, stage):
-    ours, opt, ref, ddp, ropt = _pair(stage, rank)
+def state_writes_case(rank, world, stage, offload=None):
+    ours, opt, ref, ddp, ropt = _pair(stage, rank, offload=offload)
     _train(ours, opt, ddp, ropt, 2, 0, rank)
     pairs = [(p, rp) for p, rp in zip(ours.parameters(), ref.parameters())
              if p.requires_grad and rp in ropt.state]
@@ -275,20 +276,21 @@ def state_writes_case(rank, world, stage):
     assert opt.state[p]["step"].item() == 2.0
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_state_writes_take_effect(stage, tmp_path):
-    run_ranks(2, state_writes_case, stage, tmp_path=tmp_path)
+@pytest.mark.parametrize("stage,offload", [(0, None), (1, None), (2, None), (3, None),
+                                           (2, "cpu"), (3, "cpu")])
+def test_state_writes_take_effect(stage, offload, tmp_path):
+    run_ranks(2, state_writes_case, stage, offload, tmp_path=tmp_path)
 
 
 # -- 4. a parameter outside every param group, added later ----------------------------------
-def late_group_case(rank, world, stage):
+def late_group_case(rank, world, stage, offload=None):
     """fc2 is in the model but not in the optimizer: its gradient accumulates (DDP averages
     it; opt.zero_grad() leaves it alone) until add_param_group, as in torch."""
     def without_fc2(m):
         return [p for n, p in m.named_parameters() if p.requires_grad
                 and not n.startswith("fc2.")]
 
-    ours, opt, ref, ddp, ropt = _pair(stage, rank, without_fc2)
+    ours, opt, ref, ddp, ropt = _pair(stage, rank, without_fc2, offload)
     _train(ours, opt, ddp, ropt, 3, 0, rank)
     for o, m in ((opt, ours), (ropt, ref)):
         o.add_param_group({"params": list(m.fc2.parameters()), "weight_decay": 0.0})
@@ -296,6 +298,6 @@ def late_group_case(rank, world, stage):
     _same(ours, ref, f"stage {stage} after add_param_group")
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_param_added_later_keeps_accumulated_grad(stage, tmp_path):
-    run_ranks(2, late_group_case, stage, tmp_path=tmp_path)
+@pytest.mark.parametrize("stage,offload", [(2, None), (3, None), (3, "cpu")])
+def test_param_added_later_keeps_accumulated_grad(stage, offload, tmp_path):
+    run_ranks(2, late_group_case, stage, offload, tmp_path=tmp_path)
