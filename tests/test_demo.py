@@ -79,6 +79,22 @@ def test_model_and_data() -> None:
     assert int(x1.max()) < VOCAB
 
 
+def test_demo_defaults_and_model_option() -> None:
+    # The default run is the short one the docs time (GPT "small", 50 steps per stage);
+    # --model and --model-size name the same preset; the options' defaults are DemoOptions'.
+    import argparse
+
+    from zerokern.cli.demo import _options, configure_parser
+    from zerokern.demo.train import DemoOptions
+
+    parser = configure_parser(argparse.ArgumentParser())
+    args = parser.parse_args([])
+    assert (args.steps, args.model_size) == (50, "small")
+    assert _options(args) == DemoOptions()
+    assert parser.parse_args(["--model", "base"]).model_size == "base"
+    assert parser.parse_args(["--model-size", "tiny"]).model_size == "tiny"
+
+
 def _run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     env = {
         k: v

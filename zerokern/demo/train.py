@@ -32,7 +32,7 @@ __all__ = ["DemoOptions", "lr_at", "release_all", "train_all", "train_policy"]
 @dataclass(frozen=True)
 class DemoOptions:
     stages: tuple[int, ...] = (0, 1, 2, 3)
-    steps: int = 200
+    steps: int = 50
     model_size: str = "small"
     precision: str = "bf16"
     micro_batch: int = 8
@@ -43,8 +43,9 @@ class DemoOptions:
 
 
 def lr_at(step: int, steps: int, lr: float) -> float:
-    """Linear warm-up over the first 10% of the steps, then cosine decay to lr / 10."""
-    warm = max(1, steps // 10)
+    """Linear warm-up over the first 10% of the steps (but at least 20 steps, or a third of a
+    shorter run: a short run's loss curve does not spike), then cosine decay to lr / 10."""
+    warm = max(1, steps // 10, min(20, steps // 3))
     if step < warm:
         return lr * (step + 1) / warm
     frac = (step - warm) / max(1, steps - warm)
