@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a fresh machine for zerokern: a virtualenv in .venv, torch and the test/bench tools,
+# Set up a fresh machine for zerokern: a virtualenv in .venv, torch, the test/bench and docs tools,
 # then build the native module against that torch (CUDA kernels when nvcc is found).
 # Idempotent: a second run reuses .venv and rebuilds only what changed.
 set -euo pipefail
@@ -18,6 +18,8 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 python -m pip install -q "setuptools>=64" wheel "pybind11>=2.10" ninja pytest ruff numpy \
   safetensors matplotlib transformers accelerate pytorch-lightning
+# The documentation tools (pyproject.toml's `docs` extra): scripts/test.sh builds the site.
+python -m pip install -q "mkdocs>=1.6" "mkdocs-material>=9.5" "mkdocstrings-python>=2.0"
 
 # nvcc is optional: with it the CUDA kernels compile (they cannot run without a GPU).
 # setup.py finds the toolkit behind the nvcc on PATH (CUDA_HOME overrides).
