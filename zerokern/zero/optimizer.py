@@ -83,6 +83,14 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         betas: coefficients of the running averages of the gradient and its square.
         eps: added to the denominator after the square root, as torch's AdamW adds it.
         weight_decay: decoupled weight decay, applied before the moments are updated.
+        amsgrad: as torch's; only False (AdamW without AMSGrad) is implemented, True is
+            refused.
+        maximize: as torch's; only False, True is refused (minimize the negated loss).
+        foreach: accepted and ignored: it chooses torch's kernels; ZeroAdamW's own run
+            once over each flat shard.
+        capturable: accepted and ignored, as ``foreach``.
+        differentiable: only False (the step is not recorded by autograd).
+        fused: accepted and ignored, as ``foreach``.
         stage: the ZeRO stage, 0-3 (3 needs a model partitioned by ``shard_model``).
         process_group: the group whose ranks share the work; default the world.
         bucket_numel: gradient bucket size in elements (stages 0-2); default 2**21.
