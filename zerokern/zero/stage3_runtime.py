@@ -517,6 +517,11 @@ class Stage3Runtime:
         for j, p in enumerate(u.params):
             if p.data_ptr() == nan or u.plan.numels[j] == 0:
                 continue
+            if bool(torch.isnan(p.detach()).all()):
+                # The placeholder itself, copied by a conversion that materialises it
+                # (Accelerate's prepare of a sharded model does): nothing was assigned.
+                p.data = self._nan.expand(u.shapes[j])
+                continue
             # Through .data: local_params' version counter (ZeroAdamW's sign of weights
             # written into the model) stays; the optimizer takes these via take_adopted().
             flat = p.detach().reshape(-1)
