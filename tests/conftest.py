@@ -4,7 +4,10 @@ import pytest
 import torch
 
 # Keep intra-op threads at 2 so multi-process tests do not oversubscribe the CI's cores.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# ZEROKERN_TEST_THREADS=1 runs the suite single-threaded (a check that no test depends on the
+# thread count: another machine has other cores).
+torch.set_num_threads(int(os.environ.get("ZEROKERN_TEST_THREADS", 0))
+                      or min(2, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -238,3 +238,55 @@ def rank0_logging_case(rank, world, stage):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_grad_norms_read_on_rank0_only(stage, tmp_path):
     run_ranks(2, rank0_logging_case, stage, tmp_path=tmp_path)
+
+
+class _Boom(torch.autograd.Function):
+    """Raises in backward, after the model's other gradients were accumulated (created
+    before the forward, so the engine runs it last)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom")
+
+
+def raised_backward_case(rank, world, stage):
+    """A backward that raises (caught, the batch dropped with zero_grad(), as an OOM-skip loop
+    does) must not switch the guards off for the rest of the run: torch's clip imported
+    before zerokern still equals DDP's afterwards, and Lightning's grad_norm (p.grad.data)
+    reads the same per-parameter norms as under DDP."""
+    from pytorch_lightning.utilities import grad_norm
+    from test_zero_parity import _ref_average
+
+    ours, opt, ref, _, ropt = _build(stage)  # the reference: averaged by hand (DDP cannot
+    w = _Boom.apply(ours.fc1.weight)          # go on after a backward that raised)
+    x, y = batch(0, rank)
+    with pytest.raises(RuntimeError, match="boom"):
+        (F.cross_entropy(ours(x), y) + 0.0 * w.sum()).backward()
+    opt.zero_grad()
+    for step in range(1, 4):
+        x, y = batch(step, rank)
+        F.cross_entropy(ours(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        _ref_average(ref, world)
+        a, b = grad_norm(ours, 2), grad_norm(ref, 2)
+        # A parameter no rank gave a gradient has a guard too (norm 0); torch's is None.
+        assert b.keys() <= a.keys()
+        for k in a:
+            want = float(b[k]) if k in b else 0.0
+            assert math.isclose(float(a[k]), want, rel_tol=1e-5, abs_tol=1e-7), k
+        n_ours = TORCH_CLIP(list(ours.parameters()), MAX_NORM)
+        n_ref = TORCH_CLIP(list(ref.parameters()), MAX_NORM)
+        assert math.isclose(float(n_ours), float(n_ref), rel_tol=1e-5), (step, n_ours, n_ref)
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+    _same_params(ours, ref, f"after a raised backward, stage {stage}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_guards_survive_a_backward_that_raised(stage, tmp_path):
+    run_ranks(2, raised_backward_case, stage, tmp_path=tmp_path)

@@ -617,7 +617,8 @@ def _script_interp():
     if why is not None:
         print(json.dumps({"skip": why}))
         return
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(int(os.environ.get("ZEROKERN_TEST_THREADS", 0))
+                          or min(2, os.cpu_count() or 1))
     out, times = {}, {}
     for name, fn in (
         ("adamw", _interp_adamw),

@@ -51,6 +51,7 @@ _MULS = {aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar,
          aten._foreach_mul_.ScalarList, aten._foreach_div_.Scalar, aten._foreach_div_.Tensor,
          aten._foreach_div_.List, aten._foreach_div_.ScalarList}
 _ZERO = {aten.zero_.default, aten._foreach_zero_.default}
+_ALIASES = {aten.detach.default, aten.alias.default}
 _DIVS = {aten.div_.Tensor, aten.div_.Scalar, aten._foreach_div_.Scalar,
          aten._foreach_div_.Tensor, aten._foreach_div_.List, aten._foreach_div_.ScalarList}
 
@@ -91,6 +92,8 @@ class GradGuard(torch.Tensor):
             return _norms(func, args, kwargs)
         if func in _MULS:
             return _scale(func, args)
+        if func in _ALIASES:  # p.grad.data, p.grad.detach(): the guard itself
+            return args[0]
         if func in _ZERO:
             for g in _guards(args[0]):
                 g.zk_coef = 0.0
@@ -140,7 +143,7 @@ def _scale(func: Any, args: Any) -> Any:
     for x, c in zip(items, scalars):
         if isinstance(c, GradGuard):
             raise RuntimeError(f"{func} by a gradient: {_HINT}")
-        c = float(c.item() if torch.is_tensor(c) else c)
+        c = _as_float(c)
         if func in _DIVS:
             c = 1.0 / c if c != 0 else math.inf
         if isinstance(x, GradGuard):
@@ -148,3 +151,21 @@ def _scale(func: Any, args: Any) -> Any:
         else:
             x.mul_(c)  # a plain tensor mixed into the list (not ZeroAdamW's): as torch would
     return None if many else xs
+
+
+_last_scalar: tuple[Any, int, float] | None = None
+
+
+def _as_float(c: Any) -> float:
+    """The scalar of a clip coefficient. torch's per-tensor path multiplies every gradient
+    by the same 0-d tensor: its value is read once (one device sync on CUDA, not one per
+    parameter)."""
+    global _last_scalar
+    if not torch.is_tensor(c):
+        return float(c)
+    last = _last_scalar
+    if last is not None and last[0]() is c and last[1] == c._version:
+        return last[2]
+    v = float(c.item())
+    _last_scalar = (weakref.ref(c), c._version, v)
+    return v

@@ -80,7 +80,7 @@ class GradReducer:
                 self.frag_count[b] += 1
             bstart += plan.num_buckets
         self.sync = True
-        self._callback_queued = False
+        self._callback_task = -1  # the backward whose end-of-backward callback is queued
         self.reset()
 
     # -- per-step state ----------------------------------------------------------------------
@@ -101,18 +101,19 @@ class GradReducer:
         self.cursor = 0  # first bucket not yet reducing or reduced
 
     def _end_of_backward(self) -> None:
-        self._callback_queued = False
         self.drain()
 
     # -- hooks ------------------------------------------------------------------------------
     def on_grad_ready(self, index: int, in_backward: bool = True) -> None:
         if not self.sync:
             return  # no_sync: autograd keeps accumulating into param.grad
-        if in_backward and not self._callback_queued:
+        task = torch._C._current_graph_task_id() if in_backward else -1
+        # Per backward, not a sticky flag: a backward that raised never ran its callback.
+        if in_backward and task != self._callback_task:
             # Like DDP's finalize: when this backward ends, wait for its asynchronous
             # collectives, so gradients are final and no bucket is written while in flight.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
+            self._callback_task = task
         frags = self.frags[index]
         if self.cursor >= len(self.buckets) or (
             frags and index in self.buckets[frags[0][0]].delivered

@@ -218,7 +218,8 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         # p.grad between a synchronised backward and step(): a GradGuard (grad_guard.py).
         self._guards: list[GradGuard | None] = []
         self._guarded = False  # the guards are on the parameters now
-        self._guard_cb_queued = False
+        self._guard_cb_task = -1  # the backward (graph task) whose end installs them
+        self._sq_views: tuple[Any, list[torch.Tensor], torch.Tensor] | None = None
         self._guard_norm_cache: list[float] | None = None
         self._pre_hooks: list[Any] = []
         self._hooks: list[Any] = []
@@ -248,11 +249,12 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
 
     def _on_grad(self, index: int) -> None:
         self._events += 1
-        if self._sync and not self._guard_cb_queued:
-            # When this backward ends (after every hook of it): the guards go on.
-            self._guard_cb_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._install_guards(from_callback=True))
+        task = torch._C._current_graph_task_id()
+        if self._sync and task != self._guard_cb_task:
+            # When this backward ends (after every hook of it): the guards go on. Keyed by
+            # the backward, not a flag: a backward that raised never runs its callbacks.
+            self._guard_cb_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._install_guards)
         g = self._params[index].grad
         if g is not None and g.layout != torch.strided:
             raise TypeError(
@@ -418,7 +420,8 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
             clip *= min(1.0, self.max_grad_norm / (red.norm * clip + 1e-6))
         # An infinite norm (no loss scaler to skip the step) clips by 0, as torch's
         # clip_grad_norm_ does: finite gradients become 0, infinite ones NaN.
-        grad_scale = self.loss_scale / clip if clip > 0 else math.inf
+        grad_scale = (self.loss_scale / clip if clip > 0
+                      else math.nan if math.isnan(clip) else math.inf)
         self._engine.update(self._runs(red.active), self.param_groups, grad_scale, red.active)
         for i, a in enumerate(red.active):
             if a:
@@ -459,12 +462,12 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         was = self._guarded
         self._lift_guards()
         try:
-            return self._reduce_grads_now(need_norm, per_param=was)
+            return self._reduce_grads_now(need_norm)
         finally:
             if was:
                 self._relay_guards()
 
-    def _reduce_grads_now(self, need_norm: bool = False, per_param: bool = False) -> _Reduced:
+    def _reduce_grads_now(self, need_norm: bool = False) -> _Reduced:
         """Finish this step's gradient reduction and run the one small all-reduce (and host
         sync) of the step: the squared-norm partial and a flag per parameter saying whether it
         got a gradient on some rank (the others are left untouched, as AdamW does). Done once
@@ -476,6 +479,13 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
                 raise RuntimeError(
                     "ZeroAdamW: gradients were produced after clip_grad_norm_() in this step; "
                     "call it after the last backward, right before step()")
+            if need_norm and not red.has_norm and red.param_sq is not None:
+                # Reduced without a norm (p.grad read first): the per-parameter squares
+                # that came with the reduction give it.
+                red.sq_norm = math.fsum(red.param_sq)
+                red.norm = math.sqrt(red.sq_norm) / self.loss_scale
+                red.has_norm = True
+                self.last_grad_norm = red.norm
             if need_norm and not red.has_norm:
                 raise RuntimeError("ZeroAdamW: clip_grad_norm_() after the gradients were "
                                    "reduced without a norm; call it right before step()")
@@ -513,10 +523,13 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         need_norm = need_norm or self.max_grad_norm is not None or self.scaler is not None
         flags = torch.tensor([float(x) for x in got], dtype=torch.float32)
         n = len(got)
-        # With the guards on (p.grad readable by torch's utilities), each parameter's
-        # squared norm rides along in the same all-reduce: a rank that reads p.grad.norm()
-        # alone (logging on rank 0) then joins the collective every rank makes at step().
-        extra = per_param and not eng.replicated_grads
+        # Each parameter's squared norm rides along in the same all-reduce, for torch's
+        # utilities reading p.grad (grad_guard.py): a rank that reads p.grad.norm() alone
+        # (logging on rank 0) then joins the collective every rank makes at step(). Always
+        # (one multi-tensor norm pass over the local shard), so that the all-reduce has the
+        # same size on every rank whatever each one did. Stage 0 holds the averaged
+        # gradients: computed there when asked, without a collective.
+        extra = not eng.replicated_grads
         vec = torch.cat([torch.zeros(1), flags] + ([torch.zeros(n)] if extra else []))
         vec = vec.to(self.device)
         if need_norm and not eng.replicated_grads:
@@ -531,8 +544,6 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
                        has_norm=need_norm)
         if extra:
             red.param_sq = vals[1 + n:]
-        elif per_param:
-            red.param_sq = self._param_sq_partials().tolist()
         red.norm = math.sqrt(vals[0]) / self.loss_scale if need_norm else 0.0
         if need_norm:
             self.last_grad_norm = red.norm
@@ -623,12 +634,10 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
             self._hooks += [p.register_post_accumulate_grad_hook(
                 functools.partial(_delivered, me, first + k)) for k, p in enumerate(params)]
 
-    def _install_guards(self, from_callback: bool = False) -> None:
+    def _install_guards(self) -> None:
         """End of a synchronised backward: every trainable parameter's ``.grad`` becomes its
         GradGuard (the real one, if any, kept on the guard), so torch's clipping utilities
         either compute the global norm or are refused, whatever the stage."""
-        if from_callback:
-            self._guard_cb_queued = False
         if not self._sync:
             return
         for i, p in enumerate(self._params):
@@ -668,6 +677,8 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         """The one scalar torch's utilities multiplied every guarded gradient by (clipping
         through p.grad); refused, before anything changes, when they differ."""
         coefs = {g.zk_coef for g in self._guards if g is not None}
+        if coefs and all(math.isnan(c) for c in coefs):
+            return math.nan  # torch's clip by a NaN norm: NaN gradients, as in torch
         if len(coefs) > 1:
             raise RuntimeError(
                 "ZeroAdamW: the gradients were scaled through p.grad by different factors "
@@ -680,32 +691,31 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         """This rank's part of every parameter's squared gradient norm (fp32, one entry per
         trainable parameter), from its pieces of the local space; a fused multi-tensor norm
         on CUDA."""
-        views, owner = [], []
-        for pc in self.layout.pieces:
-            if pc.param >= 0 and pc.numel:
-                for t in self._engine.grad_slices(pc.local_start, pc.numel):
-                    views.append(t)
-                    owner.append(pc.param)
+        eng = self._engine
+        if self._sq_views is None or self._sq_views[0] is not eng:  # once per layout
+            views, owner = [], []
+            for pc in self.layout.pieces:
+                if pc.param >= 0 and pc.numel:
+                    for t in eng.grad_slices(pc.local_start, pc.numel):
+                        views.append(t)
+                        owner.append(pc.param)
+            self._sq_views = (eng, views, torch.tensor(owner, device=self.device))
+        _, views, owner_t = self._sq_views
         out = torch.zeros(len(self._params), dtype=torch.float32, device=self.device)
         if views:
             norms = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32))
-            out.index_add_(0, torch.tensor(owner, device=self.device),
-                           norms.to(self.device).square())
+            out.index_add_(0, owner_t, norms.to(self.device).square())
         return out
 
     def _guard_norms(self) -> list[float]:
         """The 2-norm of every trainable parameter's averaged gradient over all ranks (torch's
         norm of p.grad under DDP), after opt.clip_grad_norm_'s clipping. They come with the
-        step's one all-reduce (see _reduce_grads_now); only a guard put back after that
-        reduction (rare) costs a collective of its own."""
+        step's one all-reduce (see _reduce_grads_now): no collective of their own."""
         if self._guard_norm_cache is None:
-            red = self._reduce_grads(need_norm=True)
+            red = self._reduce_grads()
             sq = red.param_sq
-            if sq is None:
-                vec = self._param_sq_partials()
-                if not self._engine.replicated_grads:
-                    self.comm.all_reduce(vec, "per-parameter gradient norms", count=False)
-                sq = red.param_sq = vec.tolist()
+            if sq is None:  # stage 0: every rank holds the averaged gradients
+                sq = red.param_sq = self._param_sq_partials().tolist()
             scale = red.clip / self.loss_scale
             self._guard_norm_cache = [math.sqrt(max(v, 0.0)) * scale for v in sq]
         return self._guard_norm_cache

@@ -89,21 +89,27 @@ class ShardedStateView(Mapping):
         return self._cache[1]
 
     # -- step counts handed out as tensors -------------------------------------------------
-    def adopt_step_writes(self) -> None:
+    def _handed(self, only: int | None) -> list[tuple[int, tuple[torch.Tensor, int]]]:
+        if only is None:
+            return list(self._step_t.items())
+        return [(only, self._step_t[only])] if only in self._step_t else []
+
+    def adopt_step_writes(self, only: int | None = None) -> None:
         """Step tensors written in place since step() last set them: their values become the
-        parameters' step counts (before anything of a step is done with the old ones)."""
+        parameters' step counts (before anything of a step is done with the old ones).
+        ``only``: that parameter's alone (reading one entry stays O(1))."""
         steps = self._opt._steps  # noqa: SLF001
-        for i, (t, version) in list(self._step_t.items()):
+        for i, (t, version) in self._handed(only):
             if t._version != version:
                 steps[i] = _step_count(t, i)
                 self._step_t[i] = (t, t._version)
 
-    def refresh_steps(self) -> None:
+    def refresh_steps(self, only: int | None = None) -> None:
         """The handed-out step tensors take the step counts (after a step, a load, a reset),
         as torch's AdamW increments ``state[p]["step"]`` in place."""
         steps = self._opt._steps  # noqa: SLF001
         with torch.no_grad():
-            for i, (t, _) in list(self._step_t.items()):
+            for i, (t, _) in self._handed(only):
                 if i < len(steps) and t.item() != steps[i]:
                     t.fill_(steps[i])
                 self._step_t[i] = (t, t._version)
@@ -128,8 +134,8 @@ class ShardedStateView(Mapping):
         return parts[0].as_strided((sum(p.numel() for p in parts),), (1,))
 
     def _entry(self, sh: ParamShard) -> _StateEntry:
-        self.adopt_step_writes()
-        self.refresh_steps()
+        self.adopt_step_writes(sh.index)
+        self.refresh_steps(sh.index)
         if self._opt.shards_step(sh.index) == 0:
             return _StateEntry(self, sh, {})
         return _StateEntry(self, sh, {

@@ -170,7 +170,7 @@ class Stage3Runtime:
         self.fwd_order: list[int] = []
         self.prev_order: list[int] = []
         self._saved_hooks = SavedTensorHooks(self)
-        self._callback_queued = False
+        self._callback_task = -1  # the backward whose end-of-backward callback is queued
         self._inflight_rs: Any = None
         # Prefetched gathers run asynchronously on every backend (NCCL stream, gloo threads).
         self.overlap = comm.world_size > 1
@@ -379,9 +379,10 @@ class Stage3Runtime:
 
     # -- backward ----------------------------------------------------------------------------
     def pre_backward(self, u: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
-        if not self._callback_queued:
+        task = torch._C._current_graph_task_id()
+        if task != self._callback_task:  # per backward: one that raised never ran its own
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
+            self._callback_task = task
         if not u.in_backward:
             u.start_backward(self._reduces)
             self.gather(u)
@@ -471,7 +472,6 @@ class Stage3Runtime:
     def _end_of_backward(self) -> None:
         """Units whose gradients did not all arrive (unused parameters) are reduced with zeros
         in a fixed order, the same on every rank; everything still gathered is released."""
-        self._callback_queued = False
         pending = [u for u in self.units if u.in_backward]
         for u in sorted(pending, key=lambda x: -self._last_pos(x)):
             if self.sync:

@@ -100,6 +100,7 @@ class FlatEngine(Engine):
                 p.grad = None
         if keep_views:
             self.flat_grad.zero_()
+        self.reducer.drain()  # a backward that raised may have left collectives in flight
         self.reducer.reset(zeroed=True)
 
     def flat_slices(self, s: int, e: int) -> list[tuple[int, int, int]]:

@@ -116,6 +116,7 @@ class Stage2(FlatEngine):
     def zero_grad(self, set_to_none: bool) -> None:
         for p in self.params:
             p.grad = None
+        self.reducer.drain()  # a backward that raised may have left collectives in flight
         self.reducer.reset(zeroed=True)
 
     # -- update the shard, then all-gather every bucket ------------------------------------------
