@@ -51,3 +51,54 @@ def test_nccl_world1_matches_adamw(stage, dtype_name, tmp_path):
     if not torch.cuda.is_available() or not zerokern.has_cuda_kernels():
         pytest.skip("needs a GPU and the CUDA kernels")
     run_ranks(1, nccl_parity, stage, dtype_name, tmp_path=tmp_path, backend="nccl")
+
+
+def nccl_guard_and_save(rank, world, stage, out):
+    """On CUDA: torch's clip_grad_norm_ as imported before zerokern (it reads the p.grad
+    guards: multi-tensor norm, one coefficient read) clips as opt.clip_grad_norm_ does, and
+    torch.save of the model's state dict (DLPack-aliased parameters on device memory) loads
+    back with plain torch.load to the same values."""
+    import io
+
+    from zerokern.zero import interop
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    base = TinyGPT().to(dev).to(torch.bfloat16)
+    runs = []
+    for form in ("method", "torch"):
+        model = copy.deepcopy(base)
+        if stage == 3:
+            model = zerokern.shard_model(model, unit_classes=(Block,))
+        opt = zerokern.ZeroAdamW(model.parameters(), lr=1e-3, stage=stage, bucket_numel=257)
+        norms = []
+        for step in range(4):
+            x, y = (t.to(dev) for t in batch(step, rank))
+            F.cross_entropy(model(x).float(), y).backward()
+            if form == "method":
+                norms.append(float(opt.clip_grad_norm_(0.05)))
+            else:
+                norms.append(float(interop._TORCH_CLIP(model.parameters(), 0.05)))
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, norms))
+    (a, na), (b, nb) = runs
+    for u, v in zip(na, nb):
+        assert abs(u - v) <= 2e-2 * abs(u), (na, nb)  # bf16 per-parameter norms
+    fa, fb = zerokern.full_state_dict(a), zerokern.full_state_dict(b)
+    for k in fa:
+        torch.testing.assert_close(fa[k].float(), fb[k].float(), rtol=2e-2, atol=2e-3)
+    buf = io.BytesIO()
+    torch.save(b.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    for k, v in fb.items():
+        assert torch.equal(loaded[k].cpu(), v), k
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_nccl_world1_guard_clip_and_plain_save(stage, tmp_path):
+    if not torch.cuda.is_available() or not zerokern.has_cuda_kernels():
+        pytest.skip("needs a GPU and the CUDA kernels")
+    run_ranks(1, nccl_guard_and_save, stage, str(tmp_path), tmp_path=tmp_path,
+              backend="nccl")
