@@ -281,6 +281,3 @@ class OffloadPipeline:
         self._returns = []
         self.staging.settle_all()
         self.phase = [ShardPhase.ON_DEVICE] * len(self.phase)
-
-    def sq_norm(self, t: torch.Tensor) -> torch.Tensor:
-        return ops.sq_norm(t, backend=self.backend)

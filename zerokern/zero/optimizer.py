@@ -408,14 +408,15 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
             with torch.enable_grad():
                 loss = closure()
         self._adopt_param_writes()
-        red = self._reduce_grads()
+        coef = self._guard_coef()  # mixed factors: refused before anything is reduced
+        red = self._reduce_grads(relay=False)  # the step ends them: no need to put them back
         self.last_step_skipped = False
         if self.scaler is not None and not math.isfinite(red.sq_norm):
             self.scaler.update(True)  # every rank saw the same sum: all skip together
             self.last_step_skipped = True  # trainers skip their LR scheduler step on it
             self._end_step()
             return loss
-        clip = red.clip * self._guard_coef()
+        clip = red.clip * coef
         if self.max_grad_norm is not None:
             clip *= min(1.0, self.max_grad_norm / (red.norm * clip + 1e-6))
         # An infinite norm (no loss scaler to skip the step) clips by 0, as torch's
@@ -456,15 +457,18 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
             red.clip *= min(1.0, float(max_norm) / (red.norm * red.clip + 1e-6))
         return torch.tensor(red.norm * red.clip_before, device=self.device)
 
-    def _reduce_grads(self, need_norm: bool = False) -> _Reduced:
+    def _reduce_grads(self, need_norm: bool = False, relay: bool = True) -> _Reduced:
         # Internals read the real .grad (bucket views, gradients set by hand): the guards
         # come off for the reduction and go back on after it, for torch's utilities.
         was = self._guarded
         self._lift_guards()
+        done = False
         try:
-            return self._reduce_grads_now(need_norm)
+            red = self._reduce_grads_now(need_norm)
+            done = True
+            return red
         finally:
-            if was:
+            if was and (relay or not done):  # an error leaves p.grad as it was
                 self._relay_guards()
 
     def _reduce_grads_now(self, need_norm: bool = False) -> _Reduced:
@@ -532,10 +536,10 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
         extra = not eng.replicated_grads
         vec = torch.cat([torch.zeros(1), flags] + ([torch.zeros(n)] if extra else []))
         vec = vec.to(self.device)
-        if need_norm and not eng.replicated_grads:
-            vec[0] = eng.grad_sq_norm()
         if extra:
             vec[1 + n:] = self._param_sq_partials()
+            if need_norm:  # the same pass gives the total: no second read of the shard
+                vec[0] = vec[1 + n:].sum()
         self.comm.all_reduce(vec, "grad norm and grad flags", count=False)
         if need_norm and eng.replicated_grads:  # every rank holds the full averaged grad
             vec[0] = eng.grad_sq_norm()

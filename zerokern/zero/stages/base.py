@@ -113,9 +113,11 @@ class Engine(ABC):
         """Complete the reduction of this step's gradients (averaged over the group) and say
         which parameters got a gradient on this rank."""
 
-    @abstractmethod
     def grad_sq_norm(self) -> torch.Tensor:
-        """Squared norm of the gradients this rank holds (its shard; stage 0: everything)."""
+        """Squared norm of the full averaged gradient, for a stage that holds it on every rank
+        (``replicated_grads``: stage 0). The sharded stages sum their per-parameter squares
+        from grad_slices() instead, in the pass that feeds torch's utilities."""
+        raise NotImplementedError
 
     @abstractmethod
     def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:

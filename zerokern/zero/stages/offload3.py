@@ -63,9 +63,6 @@ class Stage3Offload(Stage3):
         self.exp_avg_sq = self.host.alloc("exp_avg_sq", n, torch.float32)
         rt.offload_grads(self.pipe)
 
-    def grad_sq_norm(self) -> torch.Tensor:
-        return self.pipe.sq_norm(self.rt.local_grads)
-
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:
         rt = self.rt

@@ -16,8 +16,8 @@ CPU updates the next bucket.
 Bitwise equal to the same run without offload: the gradient reaching the kernel is the same
 reduce-scatter result averaged by the same division in the same dtype (a sum of the same
 terms; the in-place reduce-scatter only swaps the operands of its first addition, which is
-commutative), the norm is the same sq_norm over the same values, and the kernel is the same
-elementwise kernel on the same values (on a CPU device, the very same backend).
+commutative), the norm is the same per-parameter pass over the same values, and the kernel
+is the same elementwise kernel on the same values (on a CPU device, the very same backend).
 """
 
 from __future__ import annotations
@@ -200,10 +200,6 @@ class Stage1Offload(OffloadFlat, Stage1):
         average_(self.host_grads, self.comm)  # the own slices' sums, as stage 1 divides them
         return got
 
-    def grad_sq_norm(self) -> torch.Tensor:
-        return torch.stack([self.pipe.sq_norm(self.host_grads.narrow(0, ls, k))
-                            for ls, _, k in self.flat_slices(0, self.layout.local_numel)]).sum()
-
 
 class Stage2Offload(OffloadFlat, Stage2):
     """Stage 2: only the bucket pool on the device; each bucket is reduce-scattered in place
@@ -236,6 +232,3 @@ class Stage2Offload(OffloadFlat, Stage2):
         mine = average_(self._own(b, src), self.comm)
         self._land(b, mine, self._accumulate.pop(b, False))
         self._release(b)
-
-    def grad_sq_norm(self) -> torch.Tensor:
-        return self.pipe.sq_norm(self.host_grads)

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from ... import ops
 from ...comm import Handle
 from .base import Run, average_
 from .flat import FlatEngine
@@ -56,10 +55,6 @@ class Stage1(FlatEngine):
         for t in self._own_slices():  # sums over ranks until now
             average_(t, self.comm)
         return got
-
-    def grad_sq_norm(self) -> torch.Tensor:
-        return torch.stack([ops.sq_norm(t, backend=self.backend)
-                            for t in self._own_slices()]).sum()
 
     def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
         return [self.flat_grad.narrow(0, fs, k)

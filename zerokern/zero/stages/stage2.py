@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from ... import ops
 from ...comm import Handle
 from ..layout import Bucket, Layout
 from .base import BufferSpec, Run, average_
@@ -106,9 +105,6 @@ class Stage2(FlatEngine):
     def finish_reduce(self, b: int, src: torch.Tensor) -> None:
         average_(self._shard(b), self.comm)
         self._release(b)
-
-    def grad_sq_norm(self) -> torch.Tensor:
-        return ops.sq_norm(self.grad_shard, backend=self.backend)
 
     def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
         return [self.grad_shard.narrow(0, start, numel)]

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from ... import ops
 from ...comm import Comm
 from ..layout import Layout
 from ..stage3_runtime import Stage3Runtime
@@ -44,9 +43,6 @@ class Stage3(Engine):
     def finish_grads(self) -> list[bool]:
         self.rt.prepare_step()
         return [self.rt.got_grad.get(id(p), False) for p in self.params]
-
-    def grad_sq_norm(self) -> torch.Tensor:
-        return ops.sq_norm(self.rt.local_grads, backend=self.backend)
 
     def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
         return [self.rt.local_grads.narrow(0, start, numel)]
