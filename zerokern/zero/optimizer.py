@@ -30,8 +30,7 @@ from .param_groups import ParamGroupsMixin
 from .registry import runtime_of_param
 from .scaler import LossScaler
 from .shards import ShardedStateView
-from .stages import ENGINES, OFFLOAD_ENGINES, Engine, Run
-from .stages.flat import planned_flat_memory
+from .stages import Engine, Run, make_engine, planned_memory
 from .validate import (
     check_hparams,
     check_no_duplicates,
@@ -295,10 +294,9 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
                 self._group_sizes, stage=self.stage, world_size=self.comm.world_size,
                 rank=self.comm.rank, bucket_numel=self._bucket_numel, ready_order=ready_order,
             )
-        extra = {"runtime": self._rt} if self._rt is not None else {}
-        self._engine = self._engine_cls()(
-            layout, self._params, self.comm, dtype=self.dtype, device=self.device,
-            overlap=self._overlap, backend=self.backend, **extra)
+        self._engine = make_engine(
+            self.stage, self.offload, layout, self._params, self.comm, dtype=self.dtype,
+            device=self.device, overlap=self._overlap, backend=self.backend, runtime=self._rt)
         self._engine.set_sync(self._sync)
         self.layout = layout
         self._mark_params()
@@ -334,9 +332,6 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
             with torch.no_grad():
                 self._engine.init_master()
             self._mark_params()
-
-    def _engine_cls(self) -> type[Engine]:
-        return (OFFLOAD_ENGINES if self.offload else ENGINES)[self.stage]
 
     def _first_step_layout(self) -> None:
         """Agree on rank 0's observed order, lay everything out, then push the gradients the
@@ -751,10 +746,7 @@ class ZeroAdamW(ParamGroupsMixin, InterchangeMixin, ShardedStateMixin, torch.opt
             return self._engine.memory_stats()
         L = build_layout(self._group_sizes, stage=self.stage, world_size=self.comm.world_size,
                          rank=self.comm.rank, bucket_numel=self._bucket_numel)
-        cls = self._engine_cls()
-        if self.offload:
-            return cls.planned_memory(L, self.dtype)  # type: ignore[attr-defined]
-        return planned_flat_memory(L, self.dtype, cls.buffer_specs(L, self.dtype))
+        return planned_memory(self.stage, self.offload, L, self.dtype)
 
 
 def _before_accumulate(ref: weakref.ref, grad: torch.Tensor) -> None:
