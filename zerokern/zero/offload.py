@@ -206,6 +206,7 @@ class OffloadPipeline:
         self.phase = [ShardPhase.ON_DEVICE] * chunks
         self.log: list[tuple[int, ShardPhase]] = []  # every transition, in order (tests)
         self._returns: list[Ticket] = []
+        self._fenced = 0  # returns already fenced (the device stream stays ordered after them)
 
     def _set(self, c: int, ph: ShardPhase) -> None:
         self.phase[c] = ph
@@ -268,8 +269,9 @@ class OffloadPipeline:
     def fence_returns(self) -> None:
         """Device work issued from now on (the all-gather of the new parameters) runs after
         every parameter copy issued so far."""
-        for t in self._returns:
+        for t in self._returns[self._fenced:]:
             t.fence()
+        self._fenced = len(self._returns)
 
     def returned(self, c: int) -> None:
         self._set(c, ShardPhase.RETURNED)
@@ -279,5 +281,6 @@ class OffloadPipeline:
         for t in self._returns:
             t.wait()
         self._returns = []
+        self._fenced = 0
         self.staging.settle_all()
         self.phase = [ShardPhase.ON_DEVICE] * len(self.phase)

@@ -1,8 +1,8 @@
-"""One engine per ZeRO stage (see base.py for the verbs they share), and the ZeRO-Offload
-variants of stages 1-3 (offload_flat.py, offload3.py).
+"""One engine per ZeRO stage (see base.py for the verbs they share). Each composes this
+rank's optimizer state (shard_state.py), placed on the device or, with ZeRO-Offload, on the
+host; the stage owns only how gradients are reduced and how parameters come back.
 
-``make_engine`` and ``planned_memory`` are the only entry points the optimizer uses: which
-class (or composition) serves a stage and a placement is this package's business.
+``make_engine`` and ``planned_memory`` are the only entry points the optimizer uses.
 """
 
 from __future__ import annotations
@@ -12,18 +12,15 @@ from typing import Any
 import torch
 
 from ..layout import Layout
+from .accounting import planned_flat_memory
 from .base import Engine, Run
-from .flat import planned_flat_memory
-from .offload3 import Stage3Offload
-from .offload_flat import Stage1Offload, Stage2Offload
+from .flat import FlatEngine
 from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
 from .stage3 import Stage3
 
 ENGINES: dict[int, type[Engine]] = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
-OFFLOAD_ENGINES: dict[int, type[Engine]] = {1: Stage1Offload, 2: Stage2Offload,
-                                            3: Stage3Offload}
 
 
 def make_engine(stage: int, offload: str | None, layout: Layout,
@@ -32,22 +29,21 @@ def make_engine(stage: int, offload: str | None, layout: Layout,
                 runtime: Any = None) -> Engine:
     """The engine of ``stage`` with its state on the device (``offload`` None) or on the host
     (``"cpu"``), allocated for ``layout``; ``runtime``: stage 3's shard_model runtime."""
-    cls = (OFFLOAD_ENGINES if offload else ENGINES)[stage]
     extra = {"runtime": runtime} if stage == 3 else {}
-    return cls(layout, params, comm, dtype=dtype, device=device, overlap=overlap,
-               backend=backend, **extra)
+    return ENGINES[stage](layout, params, comm, dtype=dtype, device=device, overlap=overlap,
+                          backend=backend, offload=bool(offload), **extra)
 
 
 def planned_memory(stage: int, offload: str | None, layout: Layout,
                    dtype: torch.dtype) -> dict[str, int]:
-    """memory_stats() of stages 0-2 before the first step: the buffers the engine will take
+    """memory_stats() of stages 0-2 before the first step: the blocks the engine will take
     (nothing is allocated)."""
-    cls = (OFFLOAD_ENGINES if offload else ENGINES)[stage]
-    if offload:
-        return cls.planned_memory(layout, dtype)  # type: ignore[attr-defined]
-    return planned_flat_memory(layout, dtype, cls.buffer_specs(layout, dtype))
+    cls = ENGINES[stage]
+    assert issubclass(cls, FlatEngine)
+    specs = cls.device_specs(layout, dtype, bool(offload))
+    return planned_flat_memory(layout, dtype, specs,
+                               cls.host_specs(layout, dtype) if offload else None)
 
 
-__all__ = ["ENGINES", "OFFLOAD_ENGINES", "Engine", "Run", "Stage0", "Stage1", "Stage1Offload",
-           "Stage2", "Stage2Offload", "Stage3", "Stage3Offload", "make_engine",
+__all__ = ["ENGINES", "Engine", "Run", "Stage0", "Stage1", "Stage2", "Stage3", "make_engine",
            "planned_memory"]

@@ -1,11 +1,12 @@
-"""What every stage engine has: the verbs ZeroAdamW calls, the optimizer-state buffers in one
-arena, and the two operations every stage shares (averaging over the group, the fused update
-of one local range).
+"""What every stage engine has: the verbs ZeroAdamW calls, the device arena, and the state
+part it composes (shard_state.py: master, moments, their placement and the fused step).
 
-A stage engine owns its buffers for one fixed layout: how they are allocated, how gradients
-are reduced and averaged, how this rank's shard is updated and how parameters are gathered
-again. ZeroAdamW keeps what is common to all stages (hooks, param groups, the norm-and-flags
-all-reduce, clipping, the loss scaler, step counts, the public API).
+A stage engine owns what differs between stages for one fixed layout: which buffers the
+parameters and gradients live in, how gradients are reduced and averaged, and how parameters
+come back after the step. Where the optimizer state lives (``offload``) is a placement given
+to its ShardState, not a class per stage. ZeroAdamW keeps what is common to all stages (hooks,
+param groups, the norm-and-flags all-reduce, clipping, the loss scaler, step counts, the
+public API).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ... import ops
 from ...comm import Comm
 from ...memory import Arena, Block
 from ..layout import Layout
+from ..shard_state import BufferSpec, OnDevice, OnHost, ShardState
 
 ARENA_ALIGN = 256  # bytes: every block starts on a 256-byte boundary (vector loads, DMA)
 
@@ -32,13 +33,6 @@ class Run:
     start: int
     stop: int
     step: int  # 1-based step count of every parameter in the range
-
-
-@dataclass(frozen=True)
-class BufferSpec:
-    kind: str  # the memory_stats() key it is reported under
-    numel: int
-    dtype: torch.dtype
 
 
 def average_(t: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -60,7 +54,8 @@ def _esize(dtype: torch.dtype) -> int:
 
 
 class Engine(ABC):
-    """One stage's buffers and sequence for a fixed layout."""
+    """One stage's buffers and sequence for a fixed layout, composed with this rank's
+    ShardState (on the device, or on the host when ``offload``)."""
 
     stage: ClassVar[int]
     # Stage 0: every rank holds the full averaged gradient, so the norm is computed after the
@@ -69,43 +64,75 @@ class Engine(ABC):
 
     def __init__(self, layout: Layout, params: list[torch.nn.Parameter], comm: Comm, *,
                  dtype: torch.dtype, device: torch.device, overlap: bool,
-                 backend: str | None) -> None:
+                 backend: str | None, offload: bool = False) -> None:
         self.layout, self.params, self.comm = layout, params, comm
         self.dtype, self.device, self.backend = dtype, device, backend
+        self.offload = offload
         # Asynchronous collectives overlap backward on every backend: NCCL runs them on its
         # own stream, gloo on its worker threads (as DDP's reducer does).
         self.overlap = overlap and comm.world_size > 1
-        self.has_master = dtype != torch.float32
-        specs = self.buffer_specs(layout, dtype)
+        specs = self.device_specs(layout, dtype, offload)
         self.arena = Arena(max(reserved_bytes(specs), ARENA_ALIGN), device,
                            alignment=ARENA_ALIGN)
         self.blocks: dict[str, Block] = {}
-        self.master: torch.Tensor | None = None
+        self.state: ShardState  # set by the stage once its own buffers exist (make_state)
 
     # -- buffers ----------------------------------------------------------------------------
     @classmethod
     @abstractmethod
-    def buffer_specs(cls, layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
-        """Every block the engine will take from its arena (pure: memory_stats() before the
-        first step reports these without allocating anything)."""
+    def device_specs(cls, layout: Layout, dtype: torch.dtype,
+                     offload: bool) -> list[BufferSpec]:
+        """Every block the engine will take from its device arena, its state's included
+        when on the device (pure: memory_stats() before the first step reports these
+        without allocating anything)."""
 
     def alloc(self, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         blk = self.arena.alloc(numel, dtype)
         self.blocks[kind] = blk
         return blk.tensor.zero_()
 
-    def alloc_state(self) -> None:
+    def make_state(self, *, master: bool, own_grads: bool, chunks: int, slot_numel: int,
+                   params_on_host: bool = False) -> ShardState:
+        """This rank's state over the local space, placed where ``offload`` says: the device
+        arena, or a host arena whose pipeline moves ``chunks`` buckets or units through
+        staging slots of ``slot_numel`` elements."""
         n = self.layout.local_numel
-        if self.has_master:
-            self.master = self.alloc("master", n, torch.float32)
-        self.exp_avg = self.alloc("exp_avg", n, torch.float32)
-        self.exp_avg_sq = self.alloc("exp_avg_sq", n, torch.float32)
+        if self.offload:
+            specs = ShardState.specs(n, self.dtype, master=master, own_grads=own_grads)
+            specs += [BufferSpec("staging", slot_numel, self.dtype)] * 2
+            placement: OnDevice | OnHost = OnHost(
+                specs, self.device, chunks=chunks, slot_numel=slot_numel, dtype=self.dtype,
+                backend=self.backend, params_on_host=params_on_host)
+        else:
+            placement = OnDevice(self.alloc, self.backend)
+        return ShardState(n, self.dtype, placement, master=master, own_grads=own_grads)
 
-    @staticmethod
-    def state_specs(layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
-        n = layout.local_numel
-        kinds = (["master"] if dtype != torch.float32 else []) + ["exp_avg", "exp_avg_sq"]
-        return [BufferSpec(k, n, torch.float32) for k in kinds]
+    # The state's buffers under the names the rest of the package reads.
+    @property
+    def master(self) -> torch.Tensor | None:
+        return self.state.master
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.state.exp_avg
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.state.exp_avg_sq
+
+    @property
+    def has_master(self) -> bool:
+        return self.state.master is not None
+
+    @property
+    def pipe(self) -> Any:
+        """The host pipeline (offload only)."""
+        return self.state.placement.pipe  # type: ignore[union-attr]
+
+    @property
+    def host(self) -> Any:
+        """The host arena (offload only)."""
+        return self.state.placement.host  # type: ignore[union-attr]
 
     # -- the step -----------------------------------------------------------------------------
     @abstractmethod
@@ -131,34 +158,9 @@ class Engine(ABC):
         """The fused AdamW over ``runs`` of this rank's shard, then the parameters gathered
         again where the stage keeps them replicated."""
 
-    def fused(self, grp: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, s: int,
-              n: int, step: int, grad_scale: float, lp: torch.Tensor | None) -> None:
-        """One launch on local range [s, s + n): ``param`` the fp32 values updated in place,
-        ``lp`` the 16-bit copy written in the same pass."""
-        ops.fused_adamw_(
-            param, grad, self.exp_avg.narrow(0, s, n), self.exp_avg_sq.narrow(0, s, n),
-            lr=float(grp["lr"]), beta1=float(grp["betas"][0]), beta2=float(grp["betas"][1]),
-            eps=float(grp["eps"]), weight_decay=float(grp["weight_decay"]), step=step,
-            grad_scale=grad_scale, param_lp=lp, backend=self.backend,
-        )
-
-    def update_in_place(self, runs: list[Run], groups: list[dict[str, Any]],
-                        grad_scale: float, grads: torch.Tensor, params: torch.Tensor) -> None:
-        """The update when local range [s, e) of ``grads`` and ``params`` (the 16-bit or fp32
-        parameters) is the same range of the state (stage 0: everything; stage 3: the unit
-        slices): fp32 parameters are updated in place, 16-bit ones through the master."""
-        for r in runs:
-            s, n = r.start, r.stop - r.start
-            grad, own = grads.narrow(0, s, n), params.narrow(0, s, n)
-            if self.master is not None:
-                self.fused(groups[r.group], self.master.narrow(0, s, n), grad, s, n, r.step,
-                           grad_scale, own)
-            else:
-                self.fused(groups[r.group], own, grad, s, n, r.step, grad_scale, None)
-
-    @abstractmethod
     def end_step(self) -> None:
-        """Forget this step's gradients (after step())."""
+        """Forget this step's gradients (after step()); the state's copies are complete."""
+        self.state.end_step()
 
     @abstractmethod
     def zero_grad(self, set_to_none: bool) -> None: ...

@@ -1,10 +1,16 @@
 """What stages 0-2 share: every rank holds the full parameters in one flat buffer (the model's
 parameters become views of it), gradients go through the bucket sequencer of grads.py, and
 stages 1-2 gather each bucket's updated slice back in place.
+
+The state (shard_state.py) sits on the device or, with ``offload``, on the host: the stage
+asks it where a bucket's reduced gradient goes (``reduce_target`` / ``receive``), runs its
+step bucket by bucket, and lets it put the new parameters in place before each bucket's
+gather (``before_gather``). The same code serves both placements.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,18 +18,21 @@ import torch
 from ...comm import Comm, Handle
 from ...memory.alias import own_storage
 from ..grads import GradReducer
-from ..layout import Layout
-from .base import BufferSpec, Engine, Run, reserved_bytes
+from ..layout import Bucket, Layout
+from ..shard_state import BufferSpec, ShardState
+from .accounting import flat_memory, offload_flat_memory, slot_numel
+from .base import Engine, Run
 
 
 class FlatEngine(Engine):
     pool_size: int = 0  # constant-size bucket buffers (stage 2)
+    shards_grads: bool = False  # stage 2: the state keeps the reduced gradient shard
 
     def __init__(self, layout: Layout, params: list[torch.nn.Parameter], comm: Comm, *,
                  dtype: torch.dtype, device: torch.device, overlap: bool,
-                 backend: str | None) -> None:
+                 backend: str | None, offload: bool = False) -> None:
         super().__init__(layout, params, comm, dtype=dtype, device=device, overlap=overlap,
-                         backend=backend)
+                         backend=backend, offload=offload)
         with torch.no_grad():
             self.flat_param = self.alloc("params", layout.flat_numel, dtype)
             for i, p in enumerate(params):
@@ -34,27 +43,69 @@ class FlatEngine(Engine):
                 # the arena (memory/alias.py).
                 p.data = own_storage(view).view_as(p)
             self.alloc_grads()
-            self.alloc_state()
+            master, own_grads = self.state_options(dtype, offload)
+            # With offload the host keeps an fp32 master for fp32 parameters too: the kernel
+            # runs on the host copy, the device parameters receive the result.
+            self.state = self.make_state(master=master, own_grads=own_grads,
+                                         chunks=len(layout.buckets),
+                                         slot_numel=slot_numel(layout))
             self.init_master()
         self.overflow_bucket_bytes = 0
         self.pool_blocks: list[Any] = []
+        self._reducing: dict[int, tuple[torch.Tensor, bool]] = {}
         self.reducer = GradReducer(layout, params, self, overlap=self.overlap, backend=backend,
                                    max_inflight=self.max_inflight())
 
+    # -- buffers ----------------------------------------------------------------------------
     @classmethod
-    def buffer_specs(cls, layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
-        """Stages 0-1: the flat parameters, a full-size flat gradient, the state."""
+    def state_options(cls, dtype: torch.dtype, offload: bool) -> tuple[bool, bool]:
+        """(master, own_grads) of this stage's state."""
+        return offload or dtype != torch.float32, offload or cls.shards_grads
+
+    @classmethod
+    def stage_specs(cls, layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
+        """What the stage itself keeps on the device; stages 0-1: the flat parameters and a
+        full-size flat gradient (its buckets are what autograd accumulates into)."""
         return [BufferSpec("params", layout.flat_numel, dtype),
-                BufferSpec("grads", layout.flat_numel, dtype),
-                *cls.state_specs(layout, dtype)]
+                BufferSpec("grads", layout.flat_numel, dtype)]
+
+    @classmethod
+    def device_specs(cls, layout: Layout, dtype: torch.dtype,
+                     offload: bool) -> list[BufferSpec]:
+        specs = cls.stage_specs(layout, dtype)
+        if not offload:
+            master, own_grads = cls.state_options(dtype, offload)
+            specs += ShardState.specs(layout.local_numel, dtype, master=master,
+                                      own_grads=own_grads)
+        return specs
+
+    @classmethod
+    def host_specs(cls, layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
+        """The host arena's blocks with offload: the state and two staging slots."""
+        master, own_grads = cls.state_options(dtype, True)
+        return [*ShardState.specs(layout.local_numel, dtype, master=master,
+                                  own_grads=own_grads),
+                *[BufferSpec("staging", slot_numel(layout), dtype)] * 2]
 
     def alloc_grads(self) -> None:
-        """The stage's gradient buffers: stages 0-1 a persistent full-size flat gradient (its
-        buckets are what autograd accumulates into); stage 2 overrides this."""
-        self.flat_grad = self.alloc("grads", self.layout.flat_numel, self.dtype)
+        self.flat_grad: torch.Tensor | None = self.alloc("grads", self.layout.flat_numel,
+                                                         self.dtype)
 
     def max_inflight(self) -> int | None:
         return None
+
+    def own(self, b: int, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of bucket ``b``'s tensor ``t``."""
+        bk = self.layout.buckets[b]
+        return t.narrow(0, self.comm.rank * bk.shard_numel, bk.shard_numel)
+
+    def grad_of(self, ls: int, fs: int, k: int) -> torch.Tensor:
+        """The averaged gradient the step reads for local range [ls, ls + k) (flat [fs,
+        fs + k)): the state's shard, or this rank's slice of the flat gradient."""
+        if self.state.grads is not None:
+            return self.state.grads.narrow(0, ls, k)
+        assert self.flat_grad is not None
+        return self.flat_grad.narrow(0, fs, k)
 
     # -- BucketOps (grads.py) defaults -----------------------------------------------------
     def after_delivery(self, index: int) -> None:
@@ -82,10 +133,18 @@ class FlatEngine(Engine):
 
     def finish_grads(self) -> list[bool]:
         self.reducer.flush()
+        self.state.drain()  # every landed gradient is in the state's shard
         return self.reducer.got_grad
+
+    def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
+        if self.state.grads is not None:
+            return [self.state.grads.narrow(0, start, numel)]
+        return [self.flat_grad.narrow(0, fs, k)
+                for _, fs, k in self.flat_slices(start, start + numel)]
 
     def end_step(self) -> None:
         self.reducer.reset()
+        super().end_step()
 
     def set_sync(self, value: bool) -> None:
         self.reducer.sync = value
@@ -115,23 +174,35 @@ class FlatEngine(Engine):
                             hi - lo))
         return out
 
-    def gather_buckets(self, runs: list[Run], update: Any, source: Any = None) -> None:
-        """Stages 1-2: update this rank's slice bucket by bucket (``update(run_part)``) and
-        start each bucket's all-gather as soon as its slice is final, so the gathers overlap
-        the remaining updates (NCCL on its stream, gloo on its threads). Every rank gathers
-        in bucket order, in place from its own slice of the flat parameters unless
-        ``source(bucket)`` gives another one."""
+    def step_into_params(self, run: Run, bk: Bucket, groups: list[dict[str, Any]],
+                         grad_scale: float) -> None:
+        """The step of ``run`` (within bucket ``bk``), the new parameters written into this
+        rank's slice of the flat parameters (the source of the bucket's in-place gather)."""
+        for ls, fs, k in self.flat_slices(run.start, run.stop):
+            self.state.step(bk.index, groups[run.group], ls, k, run.step, grad_scale,
+                            grad=self.grad_of(ls, fs, k), param=self.flat_param.narrow(0, fs, k))
+
+    def params_source(self, bk: Bucket) -> torch.Tensor:
+        """The gather's source when the step wrote into the flat parameters: this rank's
+        slice of them, once the state's copies back have reached it."""
+        self.state.before_gather(bk.index)
+        return self.own(bk.index, self.flat_param.narrow(0, bk.flat_start, bk.numel))
+
+    def gather_buckets(self, runs: list[Run], update: Callable[[Run, Bucket], None],
+                       source: Callable[[Bucket], torch.Tensor]) -> None:
+        """Stages 1-2: update this rank's slice bucket by bucket (``update(run_part,
+        bucket)``) and start each bucket's all-gather as soon as its slice is final, so the
+        gathers overlap the remaining updates (NCCL on its stream, gloo on its threads).
+        Every rank gathers in bucket order, in place from ``source(bucket)``."""
         handles = []
         for bk in self.layout.buckets:
             lo, hi = bk.shard_start, bk.shard_start + bk.shard_numel
             for r in runs:
                 a, b = max(r.start, lo), min(r.stop, hi)
                 if a < b:
-                    update(Run(r.group, a, b, r.step))
+                    update(Run(r.group, a, b, r.step), bk)
             full = self.flat_param.narrow(0, bk.flat_start, bk.numel)
-            mine = (source(bk) if source is not None else
-                    full.narrow(0, self.comm.rank * bk.shard_numel, bk.shard_numel))
-            h = self.comm.all_gather(full, mine, f"parameters of bucket {bk.index}",
+            h = self.comm.all_gather(full, source(bk), f"parameters of bucket {bk.index}",
                                      async_op=self.overlap)
             if h is not None:
                 handles.append(h)
@@ -156,60 +227,20 @@ class FlatEngine(Engine):
             for ls, fs, k in self.flat_slices(0, self.layout.local_numel):
                 self.flat_param.narrow(0, fs, k).copy_(self.master.narrow(0, ls, k))
         if gather:
-            self.gather_buckets([], lambda run: None)
+            self.gather_buckets([], lambda run, bk: None,
+                                lambda bk: self.own(bk.index, self.flat_param.narrow(
+                                    0, bk.flat_start, bk.numel)))
 
     # -- accounting -------------------------------------------------------------------------
     def memory_stats(self) -> dict[str, int]:
         a = self.arena.stats()
-        pool = sum(b.nbytes for b in self.pool_blocks)
-        specs = type(self).buffer_specs(self.layout, self.dtype)
-        return flat_memory(self.layout, self.dtype, specs,
-                           buckets=pool + self.overflow_bucket_bytes,
-                           overflow=self.overflow_bucket_bytes, scratch=self.comm.scratch_peak,
-                           in_use=int(a["in_use"]), capacity=int(a["capacity"]))
-
-
-def flat_memory(layout: Layout, dtype: torch.dtype, specs: list[BufferSpec], *, buckets: int,
-                overflow: int, scratch: int, in_use: int, capacity: int) -> dict[str, int]:
-    """Bytes a stage-0/1/2 rank holds for model states, by kind; padding (bucket and shard
-    rounding) on its own. Also what memory_stats() reports before the first step, from the
-    buffers the engine will allocate."""
-    esz = torch.empty(0, dtype=dtype).element_size()
-    psi = sum(layout.plans[g].total_numel for g in range(len(layout.plans)))
-    local_real = sum(pc.numel for pc in layout.pieces if pc.param >= 0)
-    kinds = {s.kind for s in specs}
-    nstate = 3 if "master" in kinds else 2
-    out = {"params": psi * esz, "grads": 0,
-           "master": local_real * 4 if "master" in kinds else 0,
-           "exp_avg": local_real * 4, "exp_avg_sq": local_real * 4, "buckets": buckets,
-           "padding": (layout.local_numel - local_real) * 4 * nstate
-           + (layout.flat_numel - psi) * esz}
-    for s in specs:
-        if s.kind != "grads":
-            continue
-        if s.numel == layout.flat_numel:  # the full flat gradient (stages 0-1)
-            out["grads"] += psi * esz
-            out["padding"] += (layout.flat_numel - psi) * esz
-        else:  # the gradient shard (stage 2)
-            out["grads"] += local_real * esz
-            out["padding"] += (layout.local_numel - local_real) * esz
-    # Receive buffers of gloo's point-to-point reduce-scatter (stage 1 in place; stage 2
-    # with more than 2 ranks): the most held at once. 0 on NCCL.
-    out["comm_scratch"] = scratch
-    out["arena_in_use"] = in_use
-    out["arena_capacity"] = capacity
-    out["total"] = in_use + overflow + scratch
-    out["device_total"] = out["total"]
-    out["host_total"] = 0  # nothing offloaded
-    return out
-
-
-def planned_flat_memory(layout: Layout, dtype: torch.dtype,
-                        specs: list[BufferSpec]) -> dict[str, int]:
-    """memory_stats() before the first step: nothing is allocated yet; the buffers the
-    engine will take, the bucket pool included."""
-    nbytes = reserved_bytes(specs)
-    pool = sum(s.numel * torch.empty(0, dtype=s.dtype).element_size()
-               for s in specs if s.kind == "buckets")
-    return flat_memory(layout, dtype, specs, buckets=pool, overflow=0, scratch=0,
-                       in_use=nbytes, capacity=nbytes)
+        pool = sum(b.nbytes for b in self.pool_blocks) + self.overflow_bucket_bytes
+        specs = type(self).device_specs(self.layout, self.dtype, self.offload)
+        kw = dict(buckets=pool, overflow=self.overflow_bucket_bytes,
+                  scratch=self.comm.scratch_peak, in_use=int(a["in_use"]),
+                  capacity=int(a["capacity"]))
+        if not self.offload:
+            return flat_memory(self.layout, self.dtype, specs, **kw)
+        h = self.host.stats()
+        return offload_flat_memory(self.layout, self.dtype, specs, **kw,
+                                   host_in_use=h["in_use"], host_capacity=h["capacity"])

@@ -43,7 +43,11 @@ class Stage0(FlatEngine):
     # -- update: everything, on every rank ----------------------------------------------------
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:
-        self.update_in_place(runs, groups, grad_scale, self.flat_grad, self.flat_param)
+        for r in runs:
+            s, n = r.start, r.stop - r.start
+            self.state.step(0, groups[r.group], s, n, r.step, grad_scale,
+                            grad=self.flat_grad.narrow(0, s, n),
+                            param=self.flat_param.narrow(0, s, n))
 
     # -- sharded state (local == flat) ---------------------------------------------------------
     def values(self, start: int, numel: int) -> torch.Tensor:

@@ -6,6 +6,10 @@ slices are zeroed, so a further backward (accumulation without no_sync) adds to 
 the next reduce-scatter gives the total; the average is taken once, at the step. The update
 writes the new parameters straight into this rank's slice of each bucket, the source of the
 in-place all-gather that follows.
+
+With offload the state keeps a host copy of the gradient shard: after each bucket's
+reduce-scatter this rank's slice (the sum over ranks so far) overwrites its range of it, and
+the division by N is done there.
 """
 
 from __future__ import annotations
@@ -28,15 +32,10 @@ class Stage1(FlatEngine):
         # stage 2's pool.
         return 2 if self.overlap and self.comm.in_place_scratch() else None
 
-    def _own_slices(self) -> list[torch.Tensor]:
-        return [self.flat_grad.narrow(0, fs, k)
-                for _, fs, k in self.flat_slices(0, self.layout.local_numel)]
-
     # -- gradients: reduce-scatter in place, keep the own slice's sum ---------------------------
     def start_reduce(self, b: int, src: torch.Tensor, accumulate: bool) -> Handle | None:
         bk = self.layout.buckets[b]
-        mine = src.narrow(0, self.comm.rank * bk.shard_numel, bk.shard_numel)
-        h = self.comm.reduce_scatter(mine, src, f"bucket {b} (group {bk.group}, "
+        h = self.comm.reduce_scatter(self.own(b, src), src, f"bucket {b} (group {bk.group}, "
                                      f"{bk.numel} elements)", async_op=self.overlap)
         if h is None:
             self.finish_reduce(b, src)
@@ -44,33 +43,27 @@ class Stage1(FlatEngine):
 
     def finish_reduce(self, b: int, src: torch.Tensor) -> None:
         n, r = self.comm.world_size, self.comm.rank
-        v = src.view(n, self.layout.buckets[b].shard_numel)
+        bk = self.layout.buckets[b]
+        v = src.view(n, bk.shard_numel)
         if r > 0:
             v[:r].zero_()
         if r < n - 1:
             v[r + 1:].zero_()
+        # A host state takes a copy of the sum so far (overwritten: it is the running total).
+        self.state.receive(b, bk.shard_start, self.own(b, src), accumulate=False)
 
     def finish_grads(self) -> list[bool]:
         got = super().finish_grads()
-        for t in self._own_slices():  # sums over ranks until now
-            average_(t, self.comm)
+        if self.state.grads is not None:  # the host copy
+            average_(self.state.grads, self.comm)
+        else:
+            for _, fs, k in self.flat_slices(0, self.layout.local_numel):
+                average_(self.flat_grad.narrow(0, fs, k), self.comm)  # sums until now
         return got
-
-    def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
-        return [self.flat_grad.narrow(0, fs, k)
-                for _, fs, k in self.flat_slices(start, start + numel)]
 
     # -- update this rank's slices in place, then all-gather every bucket ----------------------
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:
-        def one(run: Run) -> None:
-            for ls, fs, k in self.flat_slices(run.start, run.stop):
-                grad = self.flat_grad.narrow(0, fs, k)
-                fp = self.flat_param.narrow(0, fs, k)
-                if self.master is not None:
-                    self.fused(groups[run.group], self.master.narrow(0, ls, k), grad, ls, k,
-                               run.step, grad_scale, fp)
-                else:
-                    self.fused(groups[run.group], fp, grad, ls, k, run.step, grad_scale, None)
-
-        self.gather_buckets(runs, one)
+        self.gather_buckets(runs, lambda run, bk: self.step_into_params(run, bk, groups,
+                                                                        grad_scale),
+                            self.params_source)

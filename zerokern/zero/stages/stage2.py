@@ -1,11 +1,16 @@
 """Stage 2, P_os+g: gradients sharded as well (2 Psi + (2 + K) Psi / N).
 
-Buffers: the flat parameters, this rank's gradient shard, and a pool of two constant-size
-bucket buffers. A gradient is copied into its bucket and freed at once (param.grad = None); a
-full bucket is reduce-scattered into the shard (added to it when an earlier backward of the
-same step was reduced already) and its buffer reused. With 16-bit parameters the update writes
-the new 16-bit shard over the gradient it was computed from, element by element in the same
-pass, and that shard is the all-gather's source: no extra Psi / N buffer.
+Buffers: the flat parameters and a pool of two constant-size bucket buffers; the gradient
+shard is the state's. A gradient is copied into its bucket and freed at once (param.grad =
+None); a full bucket is reduce-scattered into the shard (added to it when an earlier backward
+of the same step was reduced already) and its buffer reused. With 16-bit parameters and the
+state on the device, the update writes the new 16-bit shard over the gradient it was computed
+from, element by element in the same pass, and that shard is the all-gather's source: no
+extra Psi / N buffer.
+
+With offload, only the bucket pool is on the device: each bucket is reduce-scattered in place
+into this rank's slice of it, averaged there and landed in the host shard; the new parameters
+come back into this rank's slice of the flat parameters, the gather's source.
 """
 
 from __future__ import annotations
@@ -16,32 +21,31 @@ import torch
 
 from ...comm import Handle
 from ..layout import Bucket, Layout
-from .base import BufferSpec, Run, average_
+from ..shard_state import BufferSpec
+from .base import Run, average_
 from .flat import FlatEngine
 
 
 class Stage2(FlatEngine):
     stage = 2
     pool_size = 2  # one bucket fills while the previous one is being reduced
+    shards_grads = True
 
     @classmethod
-    def buffer_specs(cls, layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
+    def stage_specs(cls, layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
         cap = max((b.numel for b in layout.buckets), default=0)
         return [BufferSpec("params", layout.flat_numel, dtype),
-                BufferSpec("grads", layout.local_numel, dtype),
-                *cls.state_specs(layout, dtype),
                 *[BufferSpec("buckets", cap, dtype)] * cls.pool_size]
 
     def alloc_grads(self) -> None:
         self.flat_grad = None
-        self.grad_shard = self.alloc("grads", self.layout.local_numel, self.dtype)
         self.buffers: dict[int, torch.Tensor] = {}
         self.pool: list[torch.Tensor] = []
         self.allocated = 0
 
-    def _shard(self, b: int) -> torch.Tensor:
-        bk = self.layout.buckets[b]
-        return self.grad_shard.narrow(0, bk.shard_start, bk.shard_numel)
+    @property
+    def grad_shard(self) -> torch.Tensor | None:
+        return self.state.grads
 
     # -- the bucket pool ------------------------------------------------------------------------
     def bucket_tensor(self, b: int) -> torch.Tensor:
@@ -89,25 +93,20 @@ class Stage2(FlatEngine):
 
     def start_reduce(self, b: int, src: torch.Tensor, accumulate: bool) -> Handle | None:
         bk = self.layout.buckets[b]
-        shard = self._shard(b)
-        label = f"bucket {b} (group {bk.group}, {bk.numel} elements)"
-        if not accumulate:
-            h = self.comm.reduce_scatter(shard, src, label, async_op=self.overlap)
-            if h is None:
-                self.finish_reduce(b, src)
-            return h
-        out = torch.empty_like(shard)
-        self.comm.reduce_scatter(out, src, label)
-        shard.add_(average_(out, self.comm))
-        self._release(b)
-        return None
+        out, may_async = self.state.reduce_target(bk.shard_start, self.own(b, src), accumulate)
+        self._reducing[b] = (out, accumulate)
+        h = self.comm.reduce_scatter(out, src, f"bucket {b} (group {bk.group}, "
+                                     f"{bk.numel} elements)",
+                                     async_op=self.overlap and may_async)
+        if h is None:
+            self.finish_reduce(b, src)
+        return h
 
     def finish_reduce(self, b: int, src: torch.Tensor) -> None:
-        average_(self._shard(b), self.comm)
+        out, accumulate = self._reducing.pop(b)
+        average_(out, self.comm)
+        self.state.receive(b, self.layout.buckets[b].shard_start, out, accumulate)
         self._release(b)
-
-    def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
-        return [self.grad_shard.narrow(0, start, numel)]
 
     def zero_grad(self, set_to_none: bool) -> None:
         for p in self.params:
@@ -118,19 +117,19 @@ class Stage2(FlatEngine):
     # -- update the shard, then all-gather every bucket ------------------------------------------
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:
-        lowp = self.master is not None
-        skipped = lowp and not all(active)
+        st = self.state
+        if st.on_host or st.master is None:  # new parameters into the flat buffer's slice
+            self.gather_buckets(runs, lambda run, bk: self.step_into_params(
+                run, bk, groups, grad_scale), self.params_source)
+            return
+        skipped = not all(active)
 
-        def one(run: Run) -> None:
+        def one(run: Run, bk: Bucket) -> None:
+            # 16-bit on the device: the new values over the gradient they come from
             s, n = run.start, run.stop - run.start
-            if lowp:
-                grad = self.grad_shard.narrow(0, s, n)
-                self.fused(groups[run.group], self.master.narrow(0, s, n), grad, s, n,
-                           run.step, grad_scale, grad)
-                return
-            for ls, fs, k in self.flat_slices(s, run.stop):
-                self.fused(groups[run.group], self.flat_param.narrow(0, fs, k),
-                           self.grad_shard.narrow(0, ls, k), ls, k, run.step, grad_scale, None)
+            grad = st.grad_range(s, n)
+            st.step(bk.index, groups[run.group], s, n, run.step, grad_scale, grad=grad,
+                    param=None, lp=grad)
 
         def source(bk: Bucket) -> torch.Tensor:
             lo, hi = bk.shard_start, bk.shard_start + bk.shard_numel
@@ -140,7 +139,7 @@ class Stage2(FlatEngine):
                 for pc in self.layout.pieces:
                     a, b = max(pc.local_start, lo), min(pc.local_start + pc.numel, hi)
                     if a < b and not active[pc.param]:
-                        self.grad_shard.narrow(0, a, b - a).copy_(self.master.narrow(0, a, b - a))
-            return self.grad_shard.narrow(0, lo, bk.shard_numel)
+                        st.grad_range(a, b - a).copy_(st.master.narrow(0, a, b - a))
+            return st.grad_range(lo, bk.shard_numel)
 
-        self.gather_buckets(runs, one, source if lowp else None)
+        self.gather_buckets(runs, one, source)

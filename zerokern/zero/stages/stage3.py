@@ -1,22 +1,33 @@
-"""Stage 3, P_os+g+p: parameters partitioned as well ((2 + 2 + K) Psi / N).
+"""Stage 3, P_os+g+p: parameters partitioned as well ((2 + 2 + K) Psi / N); the optimizer side.
 
 The parameter side (gathering units just in time, reduce-scattering each unit's gradients as
 its backward finishes) is the runtime of ``shard_model`` (zero/stage3_runtime.py); it owns this
-rank's parameter and gradient slices. The optimizer side here holds the fp32 master (16-bit
-params) and the moments of those slices and updates them; the new 16-bit slice is all the
-next forward gathers, so nothing is gathered after the step.
+rank's parameter and gradient slices. This engine composes the state of those slices (fp32
+master for 16-bit parameters, both moments; shard_state.py) and steps it unit by unit; the new
+slice is all the next forward gathers, so nothing is gathered after the step.
+
+With offload the state is on the host (ZeRO-Offload): the runtime moves its gradient slice
+there and lands each unit's reduced gradients through the state's staging slots; the CPU
+kernel updates the host master and the new 16-bit slice goes back to the device slice (or is
+written in place when ``shard_model(offload_params=True)`` keeps the parameter slice in host
+memory, ZeRO-Infinity's ``offload_param``). Bitwise equal to stage 3 without offload: the
+same reduced values, the same norm, the same elementwise kernel.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...comm import Comm
 from ..layout import Layout
-from ..stage3_runtime import Stage3Runtime
-from .base import BufferSpec, Engine, Run
+from ..shard_state import BufferSpec, ShardState
+from .accounting import stage3_memory, stage3_offload_memory
+from .base import Engine, Run
+
+if TYPE_CHECKING:
+    from ..stage3_runtime import Stage3Runtime
 
 
 class Stage3(Engine):
@@ -24,17 +35,30 @@ class Stage3(Engine):
 
     def __init__(self, layout: Layout, params: list[torch.nn.Parameter], comm: Comm, *,
                  dtype: torch.dtype, device: torch.device, overlap: bool,
-                 backend: str | None, runtime: Stage3Runtime) -> None:
+                 backend: str | None, runtime: Stage3Runtime, offload: bool = False) -> None:
         super().__init__(layout, params, comm, dtype=dtype, device=device, overlap=overlap,
-                         backend=backend)
+                         backend=backend, offload=offload)
         self.rt = runtime
+        # fp32 parameters kept in host memory are their own master; with offload every other
+        # case updates a host fp32 copy and sends the result to the device slice.
+        on_host = offload and runtime.offload_params
+        master = dtype != torch.float32 or (offload and not on_host)
+        self.slot = max(u.plan.shard_numel for u in runtime.units)
         with torch.no_grad():
-            self.alloc_state()
+            self.state = self.make_state(master=master, own_grads=False,
+                                         chunks=len(runtime.units), slot_numel=self.slot,
+                                         params_on_host=on_host)
+            if offload:
+                self.rt.offload_grads(self.state.placement.pipe)  # type: ignore[union-attr]
             self.init_master()
 
     @classmethod
-    def buffer_specs(cls, layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
-        return cls.state_specs(layout, dtype)
+    def device_specs(cls, layout: Layout, dtype: torch.dtype,
+                     offload: bool) -> list[BufferSpec]:
+        if offload:
+            return []  # nothing of the optimizer on the device
+        return ShardState.specs(layout.local_numel, dtype, master=dtype != torch.float32,
+                                own_grads=False)
 
     # -- gradients: reduced by the runtime during backward ---------------------------------------
     def on_grad(self, index: int) -> None:
@@ -49,6 +73,7 @@ class Stage3(Engine):
 
     def end_step(self) -> None:
         self.rt.new_step()
+        super().end_step()
 
     def zero_grad(self, set_to_none: bool) -> None:
         for p in self.params:
@@ -58,10 +83,21 @@ class Stage3(Engine):
     def set_sync(self, value: bool) -> None:
         self.rt.sync = value
 
-    # -- update: this rank's slices ------------------------------------------------------------
+    # -- update: this rank's slices, unit by unit ----------------------------------------------
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:
-        self.update_in_place(runs, groups, grad_scale, self.rt.local_grads, self.rt.local_params)
+        rt, st = self.rt, self.state
+        for u in rt.units:  # a unit's range fits a staging slot (offload)
+            lo, hi = u.shard_start, u.shard_start + u.plan.shard_numel
+            for r in runs:
+                a, b = max(r.start, lo), min(r.stop, hi)
+                if a < b:
+                    st.step(u.index, groups[r.group], a, b - a, r.step, grad_scale,
+                            grad=rt.local_grads.narrow(0, a, b - a),
+                            param=rt.local_params.narrow(0, a, b - a))
+        # The next forward's gathers read the device slices after the state's copies back.
+        for u in rt.units:
+            st.before_gather(u.index)
 
     # -- sharded state ----------------------------------------------------------------------
     def values(self, start: int, numel: int) -> torch.Tensor:
@@ -87,20 +123,12 @@ class Stage3(Engine):
 
     # -- accounting -------------------------------------------------------------------------
     def memory_stats(self) -> dict[str, int]:
-        L, rt = self.layout, self.rt
-        esz = torch.empty(0, dtype=self.dtype).element_size()
-        local_real = sum(pc.numel for pc in L.pieces if pc.param >= 0)
-        nstate = 3 if self.master is not None else 2
-        held = sum(pc.numel for pc in L.pieces)  # this rank's slice, frozen params too
-        out = {"params": held * esz, "grads": held * esz,
-               "master": local_real * 4 if self.master is not None else 0,
-               "exp_avg": local_real * 4, "exp_avg_sq": local_real * 4, "buckets": 0,
-               "padding": (L.local_numel - local_real) * 4 * nstate
-               + 2 * (rt.local_numel - held) * esz}
-        g = rt.memory_stats()
-        out.update({f"gather_{k}" if not k.startswith("gather") else k: v
-                    for k, v in g.items() if not k.startswith("local")})
-        out["total"] = 2 * rt.local_numel * esz + int(self.arena.stats()["in_use"])
-        out["device_total"] = out["total"]
-        out["host_total"] = 0  # nothing offloaded
-        return out
+        in_use = int(self.arena.stats()["in_use"])
+        master = self.master is not None
+        if not self.offload:
+            return stage3_memory(self.layout, self.rt, self.dtype, master=master,
+                                 arena_in_use=in_use)
+        h = self.host.stats()
+        return stage3_offload_memory(self.layout, self.rt, self.dtype, master=master,
+                                     arena_in_use=in_use, slot=self.slot,
+                                     host_in_use=h["in_use"], host_capacity=h["capacity"])
