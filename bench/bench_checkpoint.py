@@ -78,7 +78,7 @@ class Big(torch.nn.Module):
 def build(args: argparse.Namespace, stage: int) -> tuple[Big, zerokern.ZeroAdamW]:
     torch.manual_seed(0)
     model = Big(args.vocab, args.dim, args.blocks)
-    return model, zerokern.ZeroAdamW(model.parameters(), lr=1e-3, stage=stage)
+    return model, zerokern.parallelize(model, stage=stage, lr=1e-3)
 
 
 def child(args: list[str], hwm_file: Path) -> tuple[float, float]:

@@ -51,7 +51,7 @@ def main() -> None:
     runs = {}
     for name in ("guards", "no_guards"):
         model = copy.deepcopy(base)
-        opt = zerokern.ZeroAdamW(model.parameters(), stage=a.stage, max_grad_norm=1.0)
+        opt = zerokern.parallelize(model, stage=a.stage, max_grad_norm=1.0)
         if name == "no_guards":  # the benchmark's switches only: no guards, no norm pass
             n = sum(1 for _ in model.parameters())
             opt._install_guards = lambda: None

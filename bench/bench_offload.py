@@ -1,5 +1,6 @@
 """ZeRO-Offload: step time and device/host memory of zerokern stages 2 and 3 with and without
-``offload="cpu"`` (stage 3 also with ``shard_model(offload_params=True)``), side by side with
+``offload="cpu"`` (stage 3 also with ``offload_params=True``; zerokern's rows are built by
+``zerokern.parallelize`` in zero_policies.py), side by side with
 DeepSpeed's ZeRO-Offload when it is installed (optional provider: skipped otherwise), on the
 same GPT, data, batch, precision and device as bench_zero.py.
 

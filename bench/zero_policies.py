@@ -73,11 +73,6 @@ class Setup:
 
 def unavailable(policy: str) -> str | None:
     """Why the policy cannot run here, found without spawning its ranks (None: it can)."""
-    if policy.startswith("zk_stage3"):
-        import zerokern
-
-        if not hasattr(zerokern, "shard_model"):
-            return "zerokern.shard_model not available"
     if policy.startswith("ds_") and importlib.util.find_spec("deepspeed") is None:
         return "deepspeed not installed (optional provider)"
     return None
@@ -202,14 +197,10 @@ def setup_zerokern(job: Job, model: nn.Module, stage: int, offload: bool = False
                    offload_params: bool = False) -> Setup:
     import zerokern
 
-    if stage == 3:
-        if not hasattr(zerokern, "shard_model"):
-            raise Skip("zerokern.shard_model not available (stage 3 not implemented)")
-        model = zerokern.shard_model(model, offload_params=offload_params)
     kw = {"bucket_numel": job.bucket_numel} if job.bucket_numel else {}
-    if offload:
-        kw["offload"] = "cpu"
-    opt = zerokern.ZeroAdamW(model.parameters(), **HP, stage=stage, **kw)
+    # Stage 3: shard_model's default units (the blocks), then the optimizer.
+    opt = zerokern.parallelize(model, stage=stage, offload="cpu" if offload else None,
+                               offload_params=offload_params, **HP, **kw)
 
     def state() -> dict[str, int]:
         # Device bytes by kind (with offload the optimizer state is on the host: host_total).

@@ -14,9 +14,10 @@ Several nodes: run this on every node, HOST being the address of one of them:
         examples/train_gpt.py
 
 The model and the data (a text corpus generated locally, nothing downloads) come from
-zerokern.demo. Compared with a DDP script, the ZeRO-specific lines are the two marked "ZeRO":
+zerokern.demo. Compared with a DDP script, the ZeRO-specific line is the one marked "ZeRO":
 the model is not wrapped in DDP (ZeroAdamW averages the gradients over the ranks itself), and
-for stage 3 shard_model partitions the parameters before the optimizer is built.
+zerokern.parallelize builds the optimizer in place of torch.optim.AdamW; at stage 3 it first
+partitions the parameters, one unit per transformer block.
 """
 
 import argparse
@@ -70,14 +71,13 @@ if master:
         f"{dist.get_backend()}, {args.dtype}"
     )
 
-if args.stage == 3:
-    model = zerokern.shard_model(model, unit_classes=(Block,))  # ZeRO: one unit per block
-optimizer = zerokern.ZeroAdamW(  # ZeRO: in place of DDP(model) + torch.optim.AdamW
-    model.parameters(),
+optimizer = zerokern.parallelize(  # ZeRO: in place of DDP(model) + torch.optim.AdamW
+    model,
+    stage=args.stage,
+    unit_classes=(Block,),  # stage 3: one unit per block
     lr=args.lr,
     betas=(0.9, 0.95),
     weight_decay=0.1,
-    stage=args.stage,
     max_grad_norm=1.0,
 )
 

@@ -4,6 +4,7 @@ from . import ops
 from ._native import has_cuda_kernels, has_native
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import CollectiveError, CollectiveTimeout
+from .compose import parallelize, shard_for
 from .memory import Arena, ArenaOutOfMemory, Block
 from .zero import ZeroAdamW, full_state_dict, shard_model
 
@@ -24,5 +25,7 @@ __all__ = [
     "has_native",
     "load_checkpoint",
     "ops",
+    "parallelize",
     "save_checkpoint",
+    "shard_for",
 ]

@@ -72,25 +72,26 @@ def _progress(stage: int, done: int, total: int, loss: float, secs: float) -> No
 def train_policy(
     stage: int, opts: DemoOptions, device: torch.device, progress: Callable[..., None] | None = None
 ) -> dict:
-    """Train with ``ZeroAdamW(stage=stage)``; returns this rank's measurements."""
+    """Train with ``zerokern.parallelize(model, stage=stage)``'s ZeroAdamW; returns this
+    rank's measurements."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = config_for(opts.model_size, VOCAB)
     dtype = torch.bfloat16 if opts.precision == "bf16" else torch.float32
     torch.manual_seed(opts.seed)
     model = GPT(cfg).to(device=device, dtype=dtype)
     psi = model.num_params()
-    if stage == 3:
-        zerokern.shard_model(model, unit_classes=(Block,))
     # Buckets a fraction of the model, as with a large model and zerokern's default size;
-    # zerokern pads only the last one, up to the bucket size.
+    # zerokern pads only the last one, up to the bucket size (stages 0-2).
     bucket_numel = opts.bucket_numel or -(-psi // 8)
-    opt = zerokern.ZeroAdamW(
-        model.parameters(),
+    # Stage 3: one unit per block (the model is partitioned before the optimizer is built).
+    opt = zerokern.parallelize(
+        model,
+        stage=stage,
+        unit_classes=(Block,),
         lr=opts.lr,
         betas=(0.9, 0.95),
         eps=1e-8,
         weight_decay=0.1,
-        stage=stage,
         bucket_numel=bucket_numel,
         max_grad_norm=opts.max_grad_norm,
     )

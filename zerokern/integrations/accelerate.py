@@ -19,6 +19,10 @@ wrap). ``ZeroAccelerator`` differs from it in exactly the places where ZeroAdamW
 - ``get_state_dict(model)`` of a ``shard_model``'ed model gathers the full parameters (call it on
   every rank).
 
+The model and its optimizer are put together by the script, before ``prepare``, with
+``opt = zerokern.parallelize(model, stage=..., ...)`` (at stage 3 it partitions the model
+first); ``prepare(model, opt, ...)`` then takes both as they are.
+
 fp16 mixed precision is refused: Accelerate's GradScaler reads ``p.grad``, which ZeroAdamW
 keeps in flat shards. Use bf16, or 16-bit parameters with ``ZeroAdamW(loss_scale="dynamic")``.
 """
@@ -108,7 +112,7 @@ class ZeroAccelerator(_acc.Accelerator):
             raise ValueError(
                 f"ZeroAccelerator.prepare: the model was partitioned by shard_model on "
                 f"{rt.device}, but this accelerator trains on {self.device}; move the model "
-                f"to the device first, then call shard_model")
+                f"to the device first, then call zerokern.parallelize (or shard_model)")
         # evaluation_mode is Accelerate's own "everything but the distributed wrapper": device
         # placement, autocast and torch.compile are applied as for any model.
         return super().prepare_model(model, device_placement=device_placement,

@@ -6,9 +6,11 @@ the optimizer state (stage 3: of the parameters too), so ``ZeroStrategy`` change
 DeepSpeed and FSDP strategies change, and keeps the rest of DDPStrategy (process group,
 launcher, sampler, collectives):
 
-- no DDP wrap. At stage 3 the LightningModule is partitioned by ``shard_model`` in the
-  strategy's setup, after ``configure_model`` and before ``configure_optimizers``, so that
-  ``ZeroAdamW(self.parameters(), stage=3)`` there gets the sharded parameters;
+- no DDP wrap. At stage 3 the LightningModule is partitioned by ``zerokern.shard_for`` (the
+  first half of ``zerokern.parallelize``, which calls ``shard_model``) in the strategy's
+  setup, after ``configure_model`` and before ``configure_optimizers``, so that
+  ``ZeroAdamW(self.parameters(), stage=3)`` there (the second half) gets the sharded
+  parameters;
 - ``configure_optimizers`` must return one ``zerokern.ZeroAdamW`` of the strategy's stage
   (with or without an LR scheduler): a torch optimizer would step on gradients nobody
   averaged, so anything else is refused at setup;
@@ -54,7 +56,8 @@ from torch import nn  # noqa: E402
 from ..checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from ..checkpoint.format import remove_checkpoint_dir  # noqa: E402
 from ..checkpoint.locks import publishing  # noqa: E402
-from ..zero import ZeroAdamW, full_state_dict, shard_model  # noqa: E402
+from ..compose import shard_for  # noqa: E402
+from ..zero import ZeroAdamW, full_state_dict  # noqa: E402
 from ..zero.registry import runtime_of_param  # noqa: E402
 
 __all__ = ["ZeroStrategy"]
@@ -151,8 +154,9 @@ class ZeroStrategy(DDPStrategy):
     Args:
         stage: the ZeRO stage (0-3); ``configure_optimizers`` must return a ``ZeroAdamW`` of
             this stage.
-        unit_classes: stage 3 only: the module classes that become units of ``shard_model``
-            (e.g. the transformer block class); default: ``shard_model``'s choice.
+        unit_classes: stage 3 only: the module classes (or class names) that become units of
+            ``shard_model`` (e.g. the transformer block class); default: ``shard_model``'s
+            choice.
         prefetch: stage 3 only: how many units ``shard_model`` gathers ahead.
 
     ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
@@ -175,7 +179,7 @@ class ZeroStrategy(DDPStrategy):
     def __init__(
         self,
         stage: int = 2,
-        unit_classes: Sequence[type[nn.Module]] | None = None,
+        unit_classes: Sequence[type[nn.Module] | str] | None = None,
         prefetch: int = 1,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -269,7 +273,8 @@ class ZeroStrategy(DDPStrategy):
                 "LightningModule itself in its setup (give ZeroStrategy(unit_classes=...)) and "
                 "configure_model must not call shard_model")
         root = _Stage3Root(lm)
-        shard_model(root, unit_classes=self._unit_classes, prefetch=self._prefetch)
+        # The first half of zerokern.parallelize: configure_optimizers builds the second.
+        shard_for(root, stage=3, unit_classes=self._unit_classes, prefetch=self._prefetch)
         return root
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -11,8 +11,10 @@ Trainer's loop and arguments and changes what ZeroAdamW needs:
 - the optimizer is a ZeroAdamW built from the Trainer's own settings (``learning_rate``,
   ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay`` with the Trainer's decay / no-decay
   groups), or the ZeroAdamW given through ``optimizers=``;
-- at stage 3 the model is partitioned with ``shard_model`` at construction, with the model's
-  ``_no_split_modules`` as units unless ``unit_classes`` is given;
+- at stage 3 the model is partitioned at construction by ``zerokern.shard_for`` (the first
+  half of ``zerokern.parallelize``), with the model's ``_no_split_modules`` as units unless
+  ``unit_classes`` is given; the optimizer, built later by ``create_optimizer``, is its
+  second half;
 - checkpoints: every rank writes its part of a zerokern checkpoint into
   ``checkpoint-N/zerokern`` (model and optimizer, exact), rank 0 the scheduler, RNG and trainer
   state as usual; ``resume_from_checkpoint`` reads it back. A checkpoint of a plain Trainer
@@ -32,7 +34,9 @@ from typing import Any
 import torch
 
 from ..checkpoint import load_checkpoint, save_checkpoint
-from ..zero import ZeroAdamW, shard_model
+from ..compose import resolve_units as _resolve_units
+from ..compose import shard_for
+from ..zero import ZeroAdamW
 from ..zero.registry import runtime_of_module
 from ..zero.shard import full_state_dict
 from ._optional import require
@@ -50,29 +54,13 @@ ZERO_CHECKPOINT = "zerokern"
 _ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
 
-def _units_by_name(model: torch.nn.Module, names: Iterable[str]) -> tuple[type, ...]:
-    wanted = set(names)
-    found = {type(m) for m in model.modules() if type(m).__name__ in wanted}
-    missing = wanted - {c.__name__ for c in found}
-    if missing:
-        raise ValueError(f"ZeroTrainer: unit class {sorted(missing)[0]!r} (from unit_classes or "
-                         f"the model's _no_split_modules) is not a module of the model")
-    return tuple(sorted(found, key=lambda c: c.__name__))
-
-
 def resolve_units(model: torch.nn.Module,
                   unit_classes: Iterable[type | str] | None) -> tuple[type, ...] | None:
     """The stage-3 unit classes: ``unit_classes`` (classes or class names) if given, else the
     model's ``_no_split_modules`` (the blocks HF's FSDP auto-wrap policy shards by), else None
-    (shard_model's default)."""
-    if unit_classes is None:
-        names = getattr(model, "_no_split_modules", None)
-        return _units_by_name(model, names) if names else None
-    classes = [c for c in unit_classes if isinstance(c, type)]
-    names = [c for c in unit_classes if isinstance(c, str)]
-    if len(classes) + len(names) != len(list(unit_classes)):
-        raise TypeError("ZeroTrainer: unit_classes must hold module classes or class names")
-    return tuple(classes) + (_units_by_name(model, names) if names else ())
+    (shard_model's default). ``zerokern.compose.resolve_units``, with errors naming
+    ZeroTrainer."""
+    return _resolve_units(model, unit_classes, caller="ZeroTrainer")
 
 
 class _ZeroGradAfterStep(_tf.TrainerCallback):
@@ -142,8 +130,10 @@ class ZeroTrainer(_tf.Trainer):
             # The Trainer may have left the model on the CPU (full-eval dtypes, no device
             # placement); a partitioned model's shards stay where they are made.
             self.model.to(self.args.device)
-            shard_model(self.model, unit_classes=resolve_units(self.model, unit_classes),
-                        **self._shard_options)
+            # The units resolved here, so that errors name ZeroTrainer; the rest is the one
+            # composition rule (zerokern.compose).
+            shard_for(self.model, stage=3, unit_classes=resolve_units(self.model, unit_classes),
+                      **self._shard_options)
         self.add_callback(_ZeroGradAfterStep(self))
 
     @staticmethod
