@@ -1,8 +1,9 @@
-"""Shared benchmark plumbing: timing (warm-up, repeats, median and spread), a memory-bandwidth
-probe measured in the same run, machine metadata, CSV and table output, and the two
-measurements of a training step that need more than a clock: the model-state bytes a rank
-holds (a walk over tensor storages) and the collectives it ran (from torch.profiler events).
-bench/README.md says what each measurement counts."""
+"""Shared benchmark plumbing: timing (warm-up, repeats, median and spread; providers timed in
+interleaved rounds and their per-round ratios), a memory-bandwidth probe measured in the same
+run, machine metadata, CSV and table output, and the two measurements of a training step that
+need more than a clock: the model-state bytes a rank holds (a walk over tensor storages) and
+the collectives it ran (from torch.profiler events). bench/README.md says what each
+measurement counts."""
 
 from __future__ import annotations
 
@@ -64,6 +65,92 @@ def time_fn(
         "ms_max": max(times),
         "repeats": len(times),
     }
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], object]],
+    device: torch.device,
+    *,
+    rounds: int,
+    warmup: int = 2,
+    min_sample_ms: float = 2.0,
+) -> dict[str, list[float]]:
+    """One sample (ms per call) per provider and round, the providers timed in turns.
+
+    Round r times every provider once, in the given order on even rounds and reversed on odd
+    ones, so that drift of a shared machine and the position in a round fall on all providers
+    alike; a ratio of two providers' samples of the same round is then a paired measurement.
+    A sample is the mean of ``calls`` back-to-back calls, ``calls`` fixed per provider after
+    the warm-up so that a sample lasts at least ``min_sample_ms`` (a single call of a tiny
+    input is below the clock's and the launch's noise)."""
+    calls: dict[str, int] = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        one = min(_timed(fn, device, 1) for _ in range(3))  # the fastest: a hiccup is no size
+        calls[name] = max(1, min(10_000, math.ceil(min_sample_ms / max(one, 1e-3))))
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            samples[name].append(_timed(fns[name], device, calls[name]) / calls[name])
+    return samples
+
+
+def _timed(fn: Callable[[], object], device: torch.device, calls: int) -> float:
+    """Milliseconds of ``calls`` back-to-back calls (CUDA events on GPU, perf_counter on CPU)."""
+    sync(device)
+    if device.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def ratio_stats(ratios: Sequence[float], prefix: str) -> dict[str, Any]:
+    """Per-round ratios summarised under ``prefix``: the median, the spread (min and max) and
+    every round's value; the median is the result, the spread says how far noise moved it."""
+    if not ratios:
+        return {}
+    return {
+        prefix: statistics.median(ratios),
+        f"{prefix}_min": min(ratios),
+        f"{prefix}_max": max(ratios),
+        f"{prefix}_rounds": " ".join(f"{x:.3f}" for x in ratios),
+    }
+
+
+def compare_interleaved(
+    fns: dict[str, Callable[[], object]],
+    device: torch.device,
+    base: str,
+    *,
+    rounds: int,
+    warmup: int = 2,
+    min_sample_ms: float = 2.0,
+) -> dict[str, dict[str, Any]]:
+    """Per provider: ms per call (median, min, max over rounds, from ``time_interleaved``) and
+    its speed-up over ``base`` in each round (base ms / provider ms, > 1 is faster), summed up
+    by ``ratio_stats`` as ``x_vs_base`` (median), ``_min``, ``_max`` and ``_rounds``."""
+    samples = time_interleaved(fns, device, rounds=rounds, warmup=warmup,
+                               min_sample_ms=min_sample_ms)
+    out: dict[str, dict[str, Any]] = {}
+    for name, ms in samples.items():
+        out[name] = {
+            "ms": statistics.median(ms),
+            "ms_min": min(ms),
+            "ms_max": max(ms),
+            "rounds": len(ms),
+            **ratio_stats([b / m for b, m in zip(samples[base], ms)], "x_vs_base"),
+        }
+    return out
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 28) -> float:

@@ -4,11 +4,14 @@
 they wrote into one row. ``worker`` (the rank side) forms the process group through the job's
 file rendezvous, builds the policy (zero_policies.build), runs the timed steps and then the
 profiled ones, and writes its result, or its error, as JSON into ``job.outdir``: a failing
-policy becomes a row with a status instead of ending the run.
+policy becomes a row with a status instead of ending the run. ``run_policy(..., tree=PATH)``
+makes the ranks import zerokern from another checkout (bench_zero.py --tree), for before/after
+comparisons of the engine in one run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -19,6 +22,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +92,12 @@ def run_rank(rank: int, job: Job) -> dict[str, Any]:
             # Finding torch's group formed, DeepSpeed adopts it instead of forming its own
             # (which would want a launcher's MASTER_ADDR/MASTER_PORT, or MPI).
             deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-        return train(rank, job, device, build(job, device))
+        res = train(rank, job, device, build(job, device))
+        # Which checkout the engine came from: the driver checks it against --tree.
+        import zerokern
+
+        res["zerokern_dir"] = str(Path(zerokern.__file__).resolve().parent)
+        return res
     finally:
         dist.destroy_process_group()
 
@@ -137,12 +146,44 @@ def train(rank: int, job: Job, device: torch.device, s: Setup) -> dict[str, Any]
 
 
 # -- driver -------------------------------------------------------------------------------------
-def run_policy(job: Job, timeout: float) -> dict[str, Any]:
-    """Spawn the ranks, wait (at most `timeout` s), combine their results into one row."""
+@contextlib.contextmanager
+def imports_from(tree: Path | None) -> Iterator[None]:
+    """Processes spawned inside this block import zerokern from ``tree`` (a checkout whose
+    ``zerokern`` package sits at ``tree/zerokern``); None: from wherever this process does.
+
+    Why the parent's own sys.path: a spawned child takes its sys.path from the parent at the
+    moment of the spawn (multiprocessing sends it with the preparation data, which overrides
+    the child's PYTHONPATH), and it imports zerokern while re-running the main script, before
+    any argument of the worker is unpickled. So the tree goes first on the parent's sys.path
+    while the ranks start, and is taken off again; the parent's modules are already imported
+    and stay as they are. PYTHONPATH is set too, for processes the ranks start themselves.
+    An installed editable finder does not get in the way: it sits after sys.path's finder."""
+    if tree is None:
+        yield
+        return
+    entry = str(tree)
+    old_env = os.environ.get("PYTHONPATH")
+    sys.path.insert(0, entry)
+    os.environ["PYTHONPATH"] = entry + (os.pathsep + old_env if old_env else "")
+    try:
+        yield
+    finally:
+        sys.path.remove(entry)
+        if old_env is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old_env
+
+
+def run_policy(job: Job, timeout: float, tree: Path | None = None) -> dict[str, Any]:
+    """Spawn the ranks, wait (at most `timeout` s), combine their results into one row.
+    ``tree``: the ranks import zerokern from that checkout (checked: a rank that imported it
+    from anywhere else makes the row an error) and the row says where, as ``zerokern_dir``."""
     t0 = time.perf_counter()
-    ctx = mp.start_processes(
-        worker, args=(job,), nprocs=job.world, join=False, start_method="spawn"
-    )
+    with imports_from(tree):
+        ctx = mp.start_processes(
+            worker, args=(job,), nprocs=job.world, join=False, start_method="spawn"
+        )
     failure = None
     try:
         while not ctx.join(timeout=5):
@@ -171,7 +212,14 @@ def run_policy(job: Job, timeout: float) -> dict[str, Any]:
     ]
     if failure or len(ranks) != job.world:
         return {"status": failure or "error: a rank wrote no result"}
-    return combine(ranks, job.steps)
+    row = combine(ranks, job.steps)
+    if tree is not None:
+        want = str((tree / "zerokern").resolve())
+        got = {r["zerokern_dir"] for r in ranks}
+        if got != {want}:
+            return {"status": f"error: ranks imported zerokern from {sorted(got)}, not {want}"}
+        row["zerokern_dir"] = want
+    return row
 
 
 def combine(ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:

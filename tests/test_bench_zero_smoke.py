@@ -3,12 +3,17 @@ bf16, in a subprocess. Checks that it exits 0 and writes one ok row per policy, 
 that the numbers mean something: both policies train the same model on the same data from the
 same weights (their last losses agree), and the byte counts match what the algorithms must
 move (DDP: one all-reduce of every gradient, 2Ψ by the paper's count, measured from the
-profiler; zerokern stage 2: a reduce-scatter plus an all-gather, 2Ψ, from comm_stats)."""
+profiler; zerokern stage 2: a reduce-scatter plus an all-gather, 2Ψ, from comm_stats).
+Then the shape of what --repeats and --tree report (never the timings themselves): per-round
+ratios to ddp of the same round, their median within their spread, ddp's own ratio exactly 1,
+and ranks of a --tree variant that really imported that tree's zerokern."""
 
 from __future__ import annotations
 
 import csv
 import math
+import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -22,22 +27,41 @@ from bench_zero import QUICK  # noqa: E402
 MB = 1 << 20
 
 
-@pytest.mark.slow
-def test_bench_zero_quick(tmp_path: Path) -> None:
+def run_bench(out: Path, *extra: str, policies: tuple[str, ...] = ("ddp", "zk_stage2")) -> str:
+    """bench_zero.py --quick on 2 CPU ranks, bf16, 3 steps; its stdout."""
     cmd = [
         sys.executable,
         str(ROOT / "bench" / "bench_zero.py"),
         "--quick",
         "--device", "cpu",
         "--world-size", "2",
-        "--policies", "ddp", "zk_stage2",
+        "--policies", *policies,
         "--precision", "bf16",
         "--steps", "3",
         "--prof-steps", "1",
-        "--out", str(tmp_path),
+        "--out", str(out),
+        *extra,
     ]  # fmt: skip
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return r.stdout
+
+
+def read_csv_rows(out: Path, pattern: str) -> list[dict[str, str]]:
+    files = list(out.glob(pattern))
+    assert len(files) == 1, f"no single {pattern} in {list(out.iterdir())}"
+    with files[0].open() as f:
+        return list(csv.DictReader(f))
+
+
+def read_csv(out: Path, pattern: str) -> dict[str, dict[str, str]]:
+    """The CSV's rows by policy."""
+    return {row["policy"]: row for row in read_csv_rows(out, pattern)}
+
+
+@pytest.mark.slow
+def test_bench_zero_quick(tmp_path: Path) -> None:
+    run_bench(tmp_path)
     psi = QUICK["cfg"].num_params()
     # One precision keeps this a smoke test of the harness (fp32 parity is the parity tests'
     # job): its rows, its loss agreement and its communication accounting.
@@ -56,3 +80,58 @@ def test_bench_zero_quick(tmp_path: Path) -> None:
         assert float(ddp["comm_mb"]) * MB == pytest.approx(2 * psi * esz, rel=1e-3)
         # stage 2 pads each bucket to a multiple of the world size: a few elements at most
         assert float(zk["zk_comm_mb"]) * MB == pytest.approx(2 * psi * esz, rel=1e-2)
+
+
+@pytest.mark.slow
+def test_bench_zero_repeats(tmp_path: Path) -> None:
+    """--repeats 2: the summary CSV has one row per policy with each round's ratio to ddp of
+    that round, their median and spread; the rounds CSV has every run; the markdown shows
+    them."""
+    stdout = run_bench(tmp_path, "--repeats", "2")
+    rows = read_csv(tmp_path, "bench_zero_cpu_bf16_*_quick.csv")
+    runs = read_csv_rows(tmp_path, "bench_zero_cpu_bf16_*_quick_rounds.csv")
+    assert set(rows) == {"ddp", "zk_stage2"}
+    assert sorted((r["round"], r["policy"]) for r in runs) == [
+        ("1", "ddp"), ("1", "zk_stage2"), ("2", "ddp"), ("2", "zk_stage2")]
+    for name, row in rows.items():
+        assert row["status"] == "ok", f"{name}: {row['status']}"
+        assert row["rounds"] == "2"
+        per_round = [float(x) for x in row["x_time_vs_ddp_rounds"].split()]
+        assert len(per_round) == 2 and all(x > 0 for x in per_round)
+        lo, med, hi = (float(row[f"x_time_vs_ddp{k}"]) for k in ("_min", "", "_max"))
+        assert lo <= med <= hi
+        assert med == pytest.approx(statistics.median(per_round), abs=1e-3)
+        # Each round's ratio is that round's step time over ddp's of the same round.
+        for rnd, ratio in zip(("1", "2"), per_round):
+            mine = next(r for r in runs if r["round"] == rnd and r["policy"] == name)
+            ddp = next(r for r in runs if r["round"] == rnd and r["policy"] == "ddp")
+            assert ratio == pytest.approx(float(mine["step_ms"]) / float(ddp["step_ms"]),
+                                          abs=1e-3)
+        assert len(row["step_ms_rounds"].split(" / ")) == 2
+    assert rows["ddp"]["x_time_vs_ddp_rounds"] == "1.000 1.000"
+    assert float(rows["ddp"]["x_time_vs_ddp"]) == 1.0
+    assert float(rows["ddp"]["x_time_vs_ddp_min"]) == float(rows["ddp"]["x_time_vs_ddp_max"])
+    assert "time / ddp: median (min-max)" in stdout and "time / ddp, each round" in stdout
+
+
+@pytest.mark.slow
+def test_bench_zero_tree(tmp_path: Path) -> None:
+    """--tree LABEL=PATH: the variant's ranks import zerokern from PATH (a copy of this
+    package, extension included), checked by the bench and recorded as zerokern_dir; its rows
+    are policy@LABEL with the ratio to the same policy from this tree."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "zerokern", tree / "zerokern",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    if not list((tree / "zerokern").glob("_C*.so")):
+        pytest.skip("zerokern._C is not built in this checkout (--tree wants it)")
+    out = tmp_path / "out"
+    run_bench(out, "--tree", f"copy={tree}", policies=("zk_stage2",))
+    rows = read_csv(out, "bench_zero_cpu_bf16_*_quick.csv")
+    assert set(rows) == {"zk_stage2", "zk_stage2@copy"}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    copy = rows["zk_stage2@copy"]
+    assert copy["tree"] == "copy"
+    assert Path(copy["zerokern_dir"]) == (tree / "zerokern").resolve()
+    assert float(copy["x_time_vs_this_tree"]) == pytest.approx(
+        float(copy["step_ms"]) / float(rows["zk_stage2"]["step_ms"]), rel=1e-6)
+    assert copy["loss"] == rows["zk_stage2"]["loss"]  # the same engine: the same numbers
