@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
-    from .stage3_runtime import Stage3Runtime
+    from .stage3 import Stage3Runtime
 
 _BY_MODULE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _BY_PARAM: WeakIdKeyDictionary = WeakIdKeyDictionary()

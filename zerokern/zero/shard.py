@@ -1,5 +1,5 @@
-"""shard_model: partition a model's parameters for ZeRO stage 3 (the facade of stage3.py),
-and full_state_dict: gather the full parameters one unit at a time."""
+"""shard_model: partition a model's parameters for ZeRO stage 3 (the facade of the stage3
+package), and full_state_dict: gather the full parameters one unit at a time."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ..comm import Comm
 from . import gather_timeout as told
 from . import registry
 from .interop import check_no_ddp
-from .stage3_runtime import Stage3Runtime
+from .stage3 import Stage3Runtime
 
 # Default unit size when no unit classes are given: a module becomes a unit when it holds at
 # least this share of the model's parameters (typically the transformer blocks).

@@ -1,0 +1,14 @@
+"""ZeRO stage 3's parameter side: units gathered just in time, reduced as their backward ends.
+
+Start with unit.py: its docstring is the whole step, and ``Unit`` the lifecycle of one unit.
+context.py holds what the units share (comm, arenas), runtime.py the hooks that move them,
+saved.py autograd's saved tensors, adopt.py values assigned to released parameters.
+"""
+
+from .context import UnitContext
+from .runtime import Stage3Runtime
+from .saved import SavedTensorHooks
+from .unit import GradPhase, IllegalTransition, Unit, UnitState
+
+__all__ = ["GradPhase", "IllegalTransition", "SavedTensorHooks", "Stage3Runtime", "Unit",
+           "UnitContext", "UnitState"]

@@ -1,0 +1,148 @@
+"""What every stage-3 unit's verbs work over (unit.py says how they are used).
+
+One ``UnitContext`` per sharded model, shared by its units: the process group, this rank's
+persistent slices (``local_params`` and ``local_grads``, each in its own arena, on the device
+or in host memory), the gather arena that units borrow full-size buffers from, the placeholder
+released parameters point at, the offload copier and gradient sink, the bound on one wait in a
+collective, and the one gradient reduce-scatter in flight. It holds no hook and no policy: the
+runtime (runtime.py) decides when units move, the units (unit.py) how.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...comm import CollectiveTimeout, Comm
+from ...memory import Arena, ArenaOutOfMemory, Block
+from .. import gather_timeout as told
+from ..offload import HOST, Copier, OffloadPipeline, pin_host_memory
+
+if TYPE_CHECKING:
+    from .unit import Unit
+
+GATHER_ALIGN = 256  # bytes: every gather buffer starts aligned for vector loads and NCCL
+
+
+def gather_arena_bytes(root_numels: list[int], unit_numels: list[int], prefetch: int,
+                       element_size: int) -> int:
+    """Capacity of the gather arena: the root (held through the whole forward), the
+    ``prefetch + 1`` biggest other units (gathered at once), and one gradient buffer of the
+    biggest unit (the reduce-scatter in flight); plus one alignment's slack per buffer."""
+    sizes = sorted(unit_numels, reverse=True)
+    root = sum(root_numels)
+    biggest = sizes[0] if sizes else root
+    elems = root + sum(sizes[: prefetch + 1]) + biggest
+    return elems * element_size + GATHER_ALIGN * (prefetch + 4)
+
+
+class UnitContext:
+    """The comm, arenas and shared bookkeeping the units of one sharded model use.
+
+    Attributes: ``comm``, ``dtype``, ``device``; ``local_params`` / ``local_grads`` (this
+    rank's slice of every unit, flat, ``local_numel`` elements) in ``param_arena`` /
+    ``grad_arena``; ``gather_arena``; ``overflow_bytes`` (buffers the arena could not hold,
+    allocated outside it and counted); ``gathered_units`` / ``peak_units`` (non-root units
+    holding a gather buffer now / at most); ``nan`` (the placeholder's one element);
+    ``copier`` (offload_params) and ``grad_sink`` (offloaded gradients); ``broken`` (the
+    message of a collective that timed out, after which nothing runs); ``inflight`` (the
+    unit whose reduce-scatter is in flight); ``adopted`` (parameters whose assigned values
+    the slices took, for the optimizer's master); ``param_names`` (for error messages).
+    """
+
+    def __init__(self, comm: Comm, dtype: torch.dtype, device: torch.device, *,
+                 local_numel: int, gather_bytes: int, offload_params: bool,
+                 gather_timeout: tuple[float, bool]) -> None:
+        self.comm, self.dtype, self.device = comm, dtype, device
+        self.local_numel = local_numel
+        # Prefetched gathers (and gradient reduce-scatters) run asynchronously on every
+        # backend (NCCL stream, gloo threads).
+        self.overlap = comm.world_size > 1
+        # Bound on one wait in a unit's collective (gather_timeout.py); after a timeout the
+        # context refuses to go on (``broken``): the timed-out collective is still pending.
+        self.timeout_s = gather_timeout[0]
+        self.wait_timeout = told.wait_limit(*gather_timeout, comm.backend)
+        self.broken: str | None = None
+        self.abandoned: list[torch.Tensor] = []  # buffers a pending collective may still write
+        # Persistent model state of this rank: its slice of every unit (params and grads),
+        # each in its own arena on the device, or in host memory when offloaded.
+        self.param_arena, self.local_params = self._alloc_local(offload_params)
+        self.grad_arena, self.local_grads = self._alloc_local(False)
+        self.local_grads.zero_()
+        self.grads_on_host = False
+        self.grad_sink: OffloadPipeline | None = None  # the offloading optimizer's pipeline
+        self.copier = Copier(device) if offload_params else None
+        self.gather_arena = Arena(gather_bytes, device, alignment=GATHER_ALIGN)
+        self.overflow_bytes = 0
+        self.gathered_units = self.peak_units = 0
+        # Released parameters keep their full shape, dtype and device (as FSDP2's DTensor
+        # parameters do: shape-based param groups and parameter counts stay right) but hold no
+        # memory: a zero-stride view of one NaN, so a value read outside a forward is NaN,
+        # never a plausible number, and a write raises.
+        self.nan = torch.full((), float("nan"), dtype=dtype, device=device)
+        self.inflight: Unit | None = None
+        self.adopted: list[torch.nn.Parameter] = []
+        self.param_names: dict[int, str] = {}
+
+    def _alloc_local(self, on_host: bool) -> tuple[Arena, torch.Tensor]:
+        esz = torch.empty(0, dtype=self.dtype).element_size()
+        arena = Arena(max(self.local_numel * esz + 512, 512), HOST if on_host else self.device,
+                      pin_memory=on_host and pin_host_memory(self.device))
+        return arena, arena.alloc(self.local_numel, self.dtype).tensor
+
+    def offload_grads(self, sink: OffloadPipeline) -> None:
+        """ZeRO-Offload: the gradient slices move to host memory (a fresh, zeroed buffer: no
+        step is in progress when an optimizer is built) and every unit's reduced gradients
+        are landed there through ``sink``."""
+        if not self.grads_on_host:
+            self.grad_arena, self.local_grads = self._alloc_local(True)
+            self.local_grads.zero_()
+            self.grads_on_host = True
+        self.grad_sink = sink
+
+    def alloc(self, numel: int) -> tuple[torch.Tensor, Block | None]:
+        """A buffer of ``numel`` elements from the gather arena (its block), or, when the
+        arena is full, a plain tensor (block None) counted in ``overflow_bytes``."""
+        try:
+            blk = self.gather_arena.alloc(numel, self.dtype)
+            return blk.tensor, blk
+        except ArenaOutOfMemory:
+            # Unusual call orders can need more at once; allowed, and counted in the stats.
+            self.overflow_bytes += numel * torch.empty(0, dtype=self.dtype).element_size()
+            return torch.empty(numel, dtype=self.dtype, device=self.device), None
+
+    def check_usable(self) -> None:
+        """Raise once a collective timed out: it is still pending on this process group."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+
+    def wait(self, work: Any, unit: str, what: str) -> None:
+        """Wait for a unit's collective, at most ``wait_timeout`` seconds (gather_timeout.py)."""
+        try:
+            work.wait(timeout=self.wait_timeout)
+        except CollectiveTimeout as exc:
+            self.broken = told.message(self.comm.rank, self.comm.world_size, what, unit,
+                                       exc.waited, self.timeout_s)
+            raise CollectiveTimeout(self.broken, exc.waited) from exc
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of the slices and of the gather arena (its capacity, use and peak)."""
+        esz = self.local_params.element_size()
+        a = self.gather_arena.stats()
+        return {
+            "local_params": self.local_numel * esz,
+            "local_grads": self.local_numel * esz,
+            "local_params_on_host": int(self.copier is not None),
+            "local_grads_on_host": int(self.grads_on_host),
+            "gather_capacity": int(a["capacity"]),
+            "gather_in_use": int(a["in_use"]),
+            "gather_peak": int(a["peak_in_use"]),
+            "gather_overflow": self.overflow_bytes,
+            "peak_gathered_units": self.peak_units,
+        }
+
+    def finish_reduce(self) -> None:
+        """Complete the reduce-scatter in flight, if any (Unit.finish_reduce)."""
+        if self.inflight is not None:
+            self.inflight.finish_reduce()

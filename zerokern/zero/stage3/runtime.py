@@ -1,0 +1,342 @@
+"""Stage3Runtime: what drives the units of a sharded model (unit.py tells the whole story).
+
+It builds the units and their context, and turns module and autograd events into unit
+transitions: forward pre/post hooks (gather, prefetch in the previous step's order, release),
+hooks on a unit's output tensors (its backward begins), post-accumulate-grad hooks (a
+gradient arrived; the unit reduces when none is due), the end-of-backward callback, the
+no_sync flush and the step seam the optimizer side calls (prepare_step, new_step).
+shard.py, registry.py, rebind.py, the checkpoint functions and stages/stage3.py use it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ...comm import Comm
+from .. import gather_timeout as told
+from ..interop import active_ddp_module
+from ..layout import ALIGN_ELEMS
+from ..offload import OffloadPipeline
+from ..plan import plan_units
+from .adopt import adopt
+from .context import UnitContext, gather_arena_bytes
+from .order import ForwardOrder
+from .saved import SavedTensorHooks
+from .unit import GradPhase, Unit
+
+
+def _from_ctx(name: str) -> property:
+    return property(lambda self: getattr(self.ctx, name), doc=f"UnitContext.{name}.")
+
+
+class Stage3Runtime:
+    """The units of one model sharded by shard_model, and the hooks that move them."""
+
+    def __init__(
+        self,
+        root: torch.nn.Module,
+        units: list[tuple[str, torch.nn.Module, list[torch.nn.Parameter]]],
+        comm: Comm,
+        *,
+        prefetch: int,
+        reshard_after_forward: bool,
+        offload_params: bool = False,
+        gather_timeout: tuple[float, bool] = (told.DEFAULT_S, False),
+    ) -> None:
+        self.root, self.comm = root, comm
+        self.prefetch, self.reshard = prefetch, reshard_after_forward
+        self.offload_params = offload_params
+        p0 = next(p for _, _, ps in units for p in ps)
+        self.dtype, self.device = p0.dtype, p0.device
+        plans = plan_units([[p.numel() for p in ps] for _, _, ps in units], comm.world_size,
+                           ALIGN_ELEMS)
+        starts = [0]
+        for plan in plans:
+            starts.append(starts[-1] + plan.shard_numel)
+        self.local_numel = starts[-1]
+        is_root = [mod is root for _, mod, _ in units]
+        esz = torch.empty(0, dtype=self.dtype).element_size()
+        self.ctx = UnitContext(
+            comm, self.dtype, self.device, local_numel=self.local_numel,
+            gather_bytes=gather_arena_bytes(
+                [pl.padded_numel for pl, r in zip(plans, is_root) if r],
+                [pl.padded_numel for pl, r in zip(plans, is_root) if not r], prefetch, esz),
+            offload_params=offload_params, gather_timeout=gather_timeout)
+        self.units: list[Unit] = [
+            Unit(i, name, mod, ps, [p.shape for p in ps], plan, start, self.ctx, is_root=r)
+            for i, ((name, mod, ps), plan, start, r) in enumerate(zip(units, plans, starts,
+                                                                       is_root))]
+        self.got_grad: dict[int, bool] = {}
+        self.grad_events = 0  # gradients delivered by autograd hooks
+        # Run at the end of every synchronised backward, after the reduction (ZeroAdamW puts
+        # its GradGuards on the parameters' .grad).
+        self.backward_end_callbacks: list[Any] = []
+        self._ddp_checked: set[int] = set()
+        self._hooked: set[int] = set()
+        # The parameters of the optimizers built on this model (None: no optimizer yet, every
+        # gradient is reduced). The others are plain leaves, as in torch: their gradients stay
+        # on .grad and accumulate until zeroed, or until add_param_group makes them the
+        # optimizer's (its first step then reduces the sum, as DDP would have averaged it).
+        self._managed: set[int] | None = None
+        self.sync = True
+        self.order = ForwardOrder({u.index for u in self.units if u.is_root})
+        self._saved_hooks = SavedTensorHooks(self)
+        self._callback_task = -1  # the backward whose end-of-backward callback is queued
+        self._param_unit: dict[int, tuple[Unit, int]] = {
+            id(p): (u, j) for u in self.units for j, p in enumerate(u.params)}
+
+    # What the context holds, under the names the optimizer side, the checkpoint functions
+    # and the tests read (UnitContext documents them).
+    local_params = _from_ctx("local_params")
+    local_grads = _from_ctx("local_grads")
+    param_arena = _from_ctx("param_arena")
+    grad_arena = _from_ctx("grad_arena")
+    gather_arena = _from_ctx("gather_arena")
+    grads_on_host = _from_ctx("grads_on_host")
+    grad_sink = _from_ctx("grad_sink")
+    copier = _from_ctx("copier")
+    overflow_bytes = _from_ctx("overflow_bytes")
+    peak_units = _from_ctx("peak_units")
+    broken = _from_ctx("broken")
+
+    @property
+    def param_names(self) -> dict[int, str]:
+        """Parameter names by id, for error messages (set by shard_model)."""
+        return self.ctx.param_names
+
+    @param_names.setter
+    def param_names(self, names: dict[int, str]) -> None:
+        self.ctx.param_names = names
+
+    def offload_grads(self, sink: OffloadPipeline) -> None:
+        """ZeRO-Offload: gradients land in host memory through ``sink`` (UnitContext)."""
+        self.ctx.offload_grads(sink)
+
+    # -- setup -------------------------------------------------------------------------------
+    def shard_parameters(self) -> None:
+        """Copy (rank 0's) full parameters into this rank's slices and release them."""
+        with torch.no_grad():
+            for u in self.units:
+                full = torch.zeros(u.plan.padded_numel, dtype=self.dtype, device=self.device)
+                for p, off, n in zip(u.params, u.plan.param_offsets, u.plan.numels):
+                    full.narrow(0, off, n).copy_(p.detach().reshape(-1))
+                self.comm.broadcast(full, 0, f"initial parameters of unit {u.name}")
+                u.take_shard(full)
+        self.comm.reset_stats()
+
+    def local_shard(self, u: Unit, t: torch.Tensor) -> torch.Tensor:
+        """``u``'s part of a rank-local flat tensor (Unit.slice_of)."""
+        return u.slice_of(t)
+
+    def install_hooks(self) -> None:
+        """The forward hooks of every unit and the gradient hooks of its parameters."""
+        for u in self.units:
+            u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
+            u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+            if u.is_root:
+                # Runs even when the forward raised (after the hook above otherwise): then
+                # nothing stays gathered and the saved-tensor hooks are removed.
+                u.module.register_forward_hook(self._after_root_forward, always_call=True)
+        self._hook_grads([p for u in self.units for p in u.params if p.requires_grad])
+
+    def hook_params(self, params: list[torch.nn.Parameter]) -> None:
+        """An optimizer's parameters (at its construction, and those of its
+        add_param_group): their gradients are reduced into the slices from now on."""
+        self._hook_grads(params)
+        if self._managed is None:
+            self._managed = set()
+        self._managed.update(id(p) for p in params)
+
+    def _reduces(self, p: torch.nn.Parameter) -> bool:
+        return self._managed is None or id(p) in self._managed
+
+    def _hook_grads(self, params: list[torch.nn.Parameter]) -> None:
+        # Once each: a parameter frozen at shard_model time and added later comes here too.
+        for p in params:
+            if id(p) in self._hooked:
+                continue
+            u, j = self._param_unit[id(p)]
+            p.register_post_accumulate_grad_hook(lambda _p, u=u, j=j: self._on_grad(u, j))
+            self._hooked.add(id(p))
+
+    # -- the unit's verbs, for shard.py and the optimizer side ---------------------------------
+    def gather(self, u: Unit, *, wait: bool = True) -> None:
+        """Unit.gather."""
+        u.gather(wait=wait)
+
+    def release(self, u: Unit) -> None:
+        """Unit.release."""
+        u.release()
+
+    def finish_reduce(self) -> None:
+        """Complete the reduce-scatter in flight, if any (Unit.finish_reduce)."""
+        self.ctx.finish_reduce()
+
+    # -- forward -----------------------------------------------------------------------------
+    def _pre_forward(self, u: Unit) -> None:
+        if u.is_root:
+            self._check_not_in_ddp()
+        if u.is_root and not u.in_backward:
+            self.order.start()
+            if torch.is_grad_enabled():
+                self._saved_hooks.enter()
+        u.gather()
+        if not u.in_backward:
+            self.order.ran(u.index)
+            for i in self.order.forward_prefetch(self.prefetch):
+                nxt = self.units[i]
+                if not nxt.gathered and not nxt.is_root:
+                    nxt.gather(wait=False)
+
+    def _check_not_in_ddp(self) -> None:
+        ddp = active_ddp_module()
+        if ddp is None or id(ddp) in self._ddp_checked:
+            return
+        if any(m is self.root for m in ddp.module.modules()):
+            raise RuntimeError(
+                "shard_model: the sharded model runs inside torch DistributedDataParallel. "
+                "ZeroAdamW(stage=3) reduces its gradients itself; remove the DDP(...) wrapper")
+        self._ddp_checked.add(id(ddp))
+
+    def _post_forward(self, u: Unit, out: Any) -> Any:
+        grad_mode = torch.is_grad_enabled()
+        if grad_mode and not u.in_backward:
+            tensors = [t for t in tree_flatten(out)[0]
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(lambda g, u=u: self.pre_backward(u, g))
+        if u.is_root and not u.in_backward:
+            self._saved_hooks.exit()
+            for other in self.units:  # prefetched but never run this time
+                if other.gathered and not other.in_backward and other is not u:
+                    other.release()
+        if u.in_backward:
+            return out  # recompute under activation checkpointing: keep it for the backward
+        if self.reshard or not grad_mode or u.is_root:
+            u.release()
+        return out
+
+    def _after_root_forward(self, module: Any, args: Any, out: Any) -> None:
+        if not (out is None and sys.exc_info()[0] is not None):
+            return  # the forward returned: _post_forward has done everything
+        self._saved_hooks.exit()
+        for u in self.units:
+            if u.gathered and not u.in_backward:
+                u.release()
+        self.order.abort()
+
+    # -- backward ----------------------------------------------------------------------------
+    def pre_backward(self, u: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """A gradient of ``u``'s output (or a saved tensor of it) is needed: its backward
+        begins, it is gathered and the units before it are prefetched."""
+        task = torch._C._current_graph_task_id()
+        if task != self._callback_task:  # per backward: one that raised never ran its own
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_task = task
+        if not u.in_backward:
+            u.begin_backward(self._reduces)
+            u.gather()
+            for i in self.order.backward_prefetch(u.index, self.prefetch):
+                nxt = self.units[i]
+                if not nxt.gathered and not nxt.in_backward:
+                    nxt.gather(wait=False)
+        return grad
+
+    def _on_grad(self, u: Unit, j: int) -> None:
+        p = u.params[j]
+        if not self._reduces(p):
+            return  # in no optimizer: its .grad accumulates, as torch's does
+        self.grad_events += 1
+        if p.grad is not None and p.grad.layout != torch.strided:
+            raise TypeError(f"ZeroAdamW: parameter {self.param_names.get(id(p), j)} got a "
+                            f"{p.grad.layout} gradient; sparse gradients are not supported")
+        self.got_grad[id(p)] = True
+        if not self.sync:
+            return  # no_sync: gradients accumulate on the parameters until the last micro-batch
+        if not u.in_backward:  # its output hook did not fire (output not seen by autograd)
+            self.pre_backward(u, None)
+        if u.grad_arrived(j):
+            u.reduce(self._reduces)
+
+    def _end_of_backward(self) -> None:
+        """Units whose gradients did not all arrive (unused parameters) are reduced with zeros
+        in a fixed order, the same on every rank; everything still gathered is released."""
+        pending = [u for u in self.units if u.in_backward]
+        for u in sorted(pending, key=lambda x: -self.order.last_pos(x.index)):
+            if self.sync:
+                u.reduce(self._reduces)
+            else:
+                u.end_backward(reduced=False)
+        self.finish_reduce()
+        for u in self.units:
+            u.release()
+        if self.sync:
+            for cb in self.backward_end_callbacks:
+                cb()
+
+    def flush_no_sync(self) -> None:
+        """After a no_sync accumulation finished with a synced backward, nothing is left;
+        if the user steps right after no_sync backwards, reduce what the params hold."""
+        for u in self.units:
+            if any(p.grad is not None and self._reduces(p) for p in u.params):
+                for p in u.params:  # set by hand, or left by no_sync: used as torch does
+                    if p.grad is not None and self._reduces(p):
+                        self.got_grad[id(p)] = True
+                if not u.in_backward:  # else a backward that raised left it there
+                    u.begin_backward(self._reduces)
+                u.gather()
+                u.reduce(self._reduces)
+        self.finish_reduce()
+
+    # -- p.data = t ----------------------------------------------------------------------------
+    def adopt_assigned(self) -> None:
+        """adopt.py for every released unit (at a step: no gather since the assignment)."""
+        for u in self.units:
+            if not u.gathered:
+                adopt(u)
+
+    def take_adopted(self) -> list[torch.nn.Parameter]:
+        """The parameters adopted since the last call (their master takes the values)."""
+        out, self.ctx.adopted = self.ctx.adopted, []
+        return out
+
+    # -- the optimizer side's seam -------------------------------------------------------------
+    def shape_of(self, p: torch.nn.Parameter) -> torch.Size:
+        """The full shape of a sharded parameter."""
+        u, j = self._param_unit[id(p)]
+        return u.shapes[j]
+
+    def prepare_step(self) -> None:
+        """Before the optimizer step: gradients left by no_sync backwards are reduced now,
+        and slices of units that received nothing this step are zeroed (stale otherwise)."""
+        self.flush_no_sync()
+        if self.grad_sink is not None:
+            self.grad_sink.drain()  # every landed gradient is in local_grads
+        for u in self.units:
+            if u.phase is not GradPhase.REDUCED:
+                u.slice_of(self.local_grads).zero_()
+
+    def new_step(self) -> None:
+        """After the step (or zero_grad): nothing is reduced in the new step yet."""
+        for u in self.units:
+            u.new_step()
+        self.got_grad = {}
+
+    def local_pieces(self) -> list[tuple[torch.nn.Parameter, int, int, torch.Tensor]]:
+        """This rank's pieces of every parameter, frozen ones included: (parameter, first
+        element, numel, writable view of the stored slice)."""
+        out = []
+        for u in self.units:
+            for sp in u.plan.rank_pieces(self.comm.rank):
+                out.append((u.params[sp.param_index], sp.param_offset, sp.numel,
+                            self.local_params.narrow(0, u.shard_start + sp.local_offset,
+                                                     sp.numel)))
+        return out
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of the slices and of the gather arena (UnitContext.memory_stats)."""
+        return self.ctx.memory_stats()

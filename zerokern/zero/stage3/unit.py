@@ -1,0 +1,351 @@
+"""How ZeRO stage 3 works: one unit's lifecycle, and a training step through it.
+
+``shard_model(model, unit_classes=(Block,))`` cuts the model into units: every module of
+``unit_classes`` (outermost matches, typically the transformer blocks), plus the root, which
+keeps the parameters left over (tied ones included). A unit owns one padded flat space of its
+parameters (plan.py: aligned, divisible by the N ranks); this rank keeps the contiguous 1/N
+slice of every unit in ``local_params`` and the matching gradient slice in ``local_grads``
+(context.py). Outside its use a parameter keeps its shape, dtype and device but holds no
+memory: a zero-stride view of one NaN, so a read outside a forward is NaN and a write raises.
+
+A unit moves on two axes, each transition a named method of ``Unit`` below that refuses an
+illegal move (``IllegalTransition``)::
+
+    storage (UnitState)                      gradients of this step (GradPhase)
+    SHARDED --gather--> GATHERING --wait-->  IDLE ---begin_backward--> BACKWARD
+       ^  ^                 GATHERED         BACKWARD --end_backward--> REDUCED (no_sync: IDLE)
+       |  +---- release ---/   |             REDUCED --begin_backward--> BACKWARD_AGAIN
+       +-- finish_reduce -- REDUCING         BACKWARD_AGAIN --end_backward--> REDUCED
+                   (reduce, from any but REDUCING)   new_step: REDUCED -> IDLE, *_AGAIN -> BACKWARD
+
+One step (runtime.py drives it from module and autograd hooks):
+
+1. Forward. The root's pre-forward hook gathers the root (held through the whole forward) and
+   enters the saved-tensor hooks. Each unit's pre-forward hook gathers it: a buffer from the
+   gather arena, this rank's slice all-gathered into it, the parameters rebound as views of
+   it; then the next ``prefetch`` units of the previous step's forward order start their
+   gathers asynchronously (GATHERING), overlapping this unit's compute. Its post-forward hook
+   releases it (with ``reshard_after_forward``, and always under no_grad): the buffer returns
+   to the arena, the parameters become placeholders. It also hooks the unit's outputs, whose
+   gradients will start its backward. At the root's end every unit prefetched but not run is
+   released: at most ``prefetch`` + 1 units besides the root are gathered at any moment.
+2. Saved tensors. Autograd keeps views of gathered parameters (``weight.t()``) for backward,
+   but a released buffer is reused by the next unit. While the root's forward runs, such
+   views are packed as (unit, offset, shape, stride) and unpacked against wherever the unit
+   is gathered when backward needs them, gathering it if need be (saved.py).
+3. Backward. The first gradient of a unit's output begins its backward: it is gathered again
+   and the units before it in the forward order are prefetched. As each parameter's gradient
+   is accumulated (a post-accumulate-grad hook) it is marked arrived; once all have, the unit
+   reduces: its gradients are flattened into a gather-arena buffer and reduce-scattered
+   asynchronously into its slice of ``local_grads`` (REDUCING), the ``.grad`` freed, the
+   parameters released. One reduce-scatter is in flight at a time, overlapping the backward
+   of the units before; the next reduce (or the end of the backward) finishes it: averaged
+   (the one division by N of every stage) and, in a further backward of the same step
+   (BACKWARD_AGAIN), added to the slice instead of written.
+4. End of backward (a callback queued on autograd's engine). Units whose gradients did not all
+   arrive (unused parameters) are reduced too, in the same order on every rank, with zeros
+   for what did not come; everything still gathered is released; the optimizer's callbacks
+   run (its guards on ``.grad``). Under ``no_sync`` nothing is reduced: gradients accumulate
+   on the parameters until a synchronised backward, or the step, reduces them.
+5. Step (the optimizer side: stages/stage3.py, stages/offload3.py). ``prepare_step`` reduces
+   what no_sync left and zeroes the slices of units that received nothing; the fused AdamW
+   runs over this rank's slices only (fp32 master and moments; the new 16-bit values written
+   into ``local_params``), so nothing is gathered after the step: the next forward gathers
+   the new slices. ``new_step`` opens the next step's gradient phases.
+
+Offload. With ``offload_params`` ``local_params`` lives in host memory (pinned on CUDA):
+gather first copies this rank's slice into its part of the gather buffer (fenced before the
+in-place all-gather), and release waits for that copy, after which the step may write the host
+slice. With an offloading optimizer (``offload="cpu"``, which attaches its OffloadPipeline)
+``local_grads`` lives in host memory: reduce scatters in place into the gradient buffer, and
+finish_reduce lands the averaged slice on the host through the pipeline's staging slots
+(zero/offload.py), adding to it in BACKWARD_AGAIN.
+
+A wait in a unit's collective longer than ``gather_timeout`` breaks the context: the unit
+raises CollectiveTimeout naming itself and the likely cause, buffers a pending collective may
+still write never return to the arena, and every later gather refuses (gather_timeout.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from ... import ops
+from ...memory import Block
+from ..offload import Ticket
+from ..plan import UnitPlan
+from ..stages.base import average_
+from .adopt import adopt
+from .context import UnitContext
+
+# Appended to the label of a unit's gather: in an error (a peer died, or timed out because it
+# is not running this forward) it says the likely cause.
+_COLLECTIVE_HINT = (" (stage 3: every forward, model.state_dict() and full_state_dict() gather "
+                    "from all ranks; run them on every rank, not under `if rank == 0`)")
+
+
+class UnitState(enum.Enum):
+    """Where a unit's parameters are."""
+
+    SHARDED = "sharded"  # only this rank's slice holds values; the parameters are placeholders
+    GATHERING = "gathering"  # gather buffer taken, its all-gather in flight
+    GATHERED = "gathered"  # the buffer holds the full parameters; they are views of it
+    REDUCING = "reducing"  # released, and its gradients' reduce-scatter is in flight
+
+
+class GradPhase(enum.Enum):
+    """Where a unit is in the gradient side of the current step."""
+
+    IDLE = "idle"  # no backward reached it in this step
+    BACKWARD = "backward"  # its backward runs: gathered, gradients due
+    REDUCED = "reduced"  # its gradients were reduce-scattered into the shard
+    BACKWARD_AGAIN = "backward again"  # a further backward of the same step: adds to the shard
+
+
+class IllegalTransition(RuntimeError):
+    """A unit was asked for a transition its state does not allow: a bug in the caller."""
+
+
+class _Reduce(NamedTuple):
+    """A reduce-scatter in flight: its handle (None: already done), this unit's slice of
+    local_grads, where the sum lands, whether it adds to the slice, and its arena block."""
+
+    work: Any
+    shard: torch.Tensor
+    out: torch.Tensor
+    accumulate: bool
+    block: Block | None
+
+
+_HOLDS_BUFFER = (UnitState.GATHERING, UnitState.GATHERED)
+_IN_BACKWARD = (GradPhase.BACKWARD, GradPhase.BACKWARD_AGAIN)
+
+
+@dataclass(eq=False)
+class Unit:
+    """One unit of a sharded model: its parameters, their plan, this rank's place in the
+    slices, and its two states. Its verbs: gather / release / reduce / finish_reduce
+    (storage), begin_backward / grad_arrived / end_backward / new_step (gradients)."""
+
+    index: int
+    name: str
+    module: torch.nn.Module = field(repr=False)
+    params: list[torch.nn.Parameter] = field(repr=False)
+    shapes: list[torch.Size] = field(repr=False)
+    plan: UnitPlan = field(repr=False)
+    shard_start: int  # offset of this rank's slice in local_params / local_grads
+    ctx: UnitContext = field(repr=False)
+    is_root: bool = False
+    state: UnitState = UnitState.SHARDED
+    phase: GradPhase = GradPhase.IDLE
+    buf: torch.Tensor | None = field(default=None, repr=False)  # gathered full flat buffer
+    block: Block | None = field(default=None, repr=False)  # its gather-arena block
+    work: Any = field(default=None, repr=False)  # in-flight async all-gather
+    h2d: Ticket | None = field(default=None, repr=False)  # offload_params: slice -> device
+    rs: _Reduce | None = field(default=None, repr=False)  # its reduce-scatter in flight
+    waiting: set[int] = field(default_factory=set, repr=False)  # params whose grads are due
+
+    @property
+    def gathered(self) -> bool:
+        """Whether it holds a gather buffer (GATHERING or GATHERED)."""
+        return self.state in _HOLDS_BUFFER
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether its backward runs in this step (BACKWARD or BACKWARD_AGAIN)."""
+        return self.phase in _IN_BACKWARD
+
+    def slice_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This unit's part of a rank-local flat tensor (local_params, local_grads)."""
+        return flat.narrow(0, self.shard_start, self.plan.shard_numel)
+
+    # -- storage: SHARDED -> GATHERING -> GATHERED -> SHARDED | REDUCING -> SHARDED ----------
+    def take_shard(self, full: torch.Tensor) -> None:
+        """Setup: keep this rank's slice of the full flat values ``full`` and release the
+        parameters (they become placeholders: SHARDED)."""
+        if self.state is not UnitState.SHARDED:
+            raise self._illegal("take_shard", self.state, "SHARDED")
+        s = self.plan.shard_numel
+        self.slice_of(self.ctx.local_params).copy_(full.narrow(0, self.ctx.comm.rank * s, s))
+        self._placeholders()
+
+    def gather(self, *, wait: bool = True) -> None:
+        """SHARDED -> GATHERING (GATHERED when the gather completed at once), and with
+        ``wait`` on to GATHERED. A released unit first takes values assigned to its
+        placeholders (adopt.py); a REDUCING one first finishes its reduce-scatter."""
+        ctx = self.ctx
+        ctx.check_usable()
+        if self.state is UnitState.REDUCING:
+            ctx.finish_reduce()  # one buffer per unit at a time; the reduce is the one in flight
+        if self.state is UnitState.SHARDED:
+            adopt(self)
+            buf, blk = ctx.alloc(self.plan.padded_numel)
+            self.buf, self.block = buf, blk
+            src = self.slice_of(ctx.local_params)
+            if ctx.copier is not None:
+                # Offloaded slice: to the device, into this rank's part of the gather buffer,
+                # then gathered in place (the gather is ordered after the copy on the device).
+                s = self.plan.shard_numel
+                own = buf.narrow(0, ctx.comm.rank * s, s)
+                self.h2d = ctx.copier.to_device(own, src)
+                self.h2d.fence()
+                src = own
+            self.work = ctx.comm.all_gather(buf, src,
+                                            f"parameters of unit {self.name}{_COLLECTIVE_HINT}",
+                                            async_op=ctx.overlap)
+            for p, shape, off, n in zip(self.params, self.shapes, self.plan.param_offsets,
+                                        self.plan.numels):
+                p.data = buf.narrow(0, off, n).view(shape)
+            self._move(UnitState.GATHERING if self.work is not None else UnitState.GATHERED)
+        if wait and self.state is UnitState.GATHERING:
+            ctx.wait(self.work, self.name, "all-gather of the parameters")
+            self.work = None
+            self._move(UnitState.GATHERED)
+
+    def release(self) -> None:
+        """GATHERING | GATHERED -> SHARDED: the buffer returns to the arena and the parameters
+        become placeholders. Nothing to do when it holds no buffer (as FSDP2's reshard)."""
+        if not self.gathered:
+            return
+        ctx = self.ctx
+        if ctx.broken is not None and self.work is not None:
+            self._abandon()
+        if self.work is not None:
+            ctx.wait(self.work, self.name, "all-gather of the parameters")
+            self.work = None
+        if self.h2d is not None:  # the host slice may be written (by the step) from now on
+            self.h2d.wait()
+            self.h2d = None
+        # Use zerokern.full_state_dict(model) (or run the model) to see the values.
+        self._placeholders()
+        if self.block is not None:
+            ctx.gather_arena.free(self.block)
+        self.buf, self.block = None, None
+        self._move(UnitState.SHARDED)
+
+    def reduce(self, reduces: Callable[[torch.nn.Parameter], bool]) -> None:
+        """In its backward: -> REDUCING. The gradients of the parameters ``reduces`` accepts
+        (zeros for the others and the padding) are flattened and their reduce-scatter into
+        this unit's slice started; .grad is freed, the gradient phase ends (REDUCED) and the
+        parameters are released. The reduce-scatter in flight before finishes first."""
+        if not self.in_backward:
+            raise self._illegal("reduce", self.phase, "BACKWARD or BACKWARD_AGAIN")
+        ctx = self.ctx
+        # One reduce-scatter in flight at a time: it overlaps the backward of the units before
+        # this one, and the gather arena holds a single gradient buffer.
+        ctx.finish_reduce()
+        grads = [(p, off) for p, off in zip(self.params, self.plan.param_offsets)
+                 if p.grad is not None and reduces(p)]
+        buf, blk = ctx.alloc(self.plan.padded_numel)
+        if len(grads) < len(self.params) or self.plan.padding:
+            buf.zero_()  # params without a gradient on this rank, and the padding
+        if grads:
+            ops.flatten_into_([p.grad.detach().reshape(-1).contiguous() for p, _ in grads], buf,
+                              [off for _, off in grads])
+        shard = self.slice_of(ctx.local_grads)
+        accumulate = self.phase is GradPhase.BACKWARD_AGAIN
+        if ctx.grad_sink is not None:  # in place: the host shard is filled by the sink
+            s = self.plan.shard_numel
+            out = buf.narrow(0, ctx.comm.rank * s, s)
+        else:
+            out = torch.empty_like(shard) if accumulate else shard
+        work = ctx.comm.reduce_scatter(out, buf, f"gradients of unit {self.name}",
+                                       async_op=ctx.overlap)
+        self.rs, ctx.inflight = _Reduce(work, shard, out, accumulate, blk), self
+        for p, _ in grads:
+            p.grad = None
+        self.end_backward(reduced=True)
+        self.release()
+        self._move(UnitState.REDUCING)
+
+    def finish_reduce(self) -> None:
+        """REDUCING -> SHARDED: wait for its reduce-scatter, average it into the slice (or
+        land it on the host) and give the buffer back."""
+        rs = self.rs
+        if rs is None:
+            raise self._illegal("finish_reduce", self.state, "REDUCING")
+        ctx = self.ctx
+        self.rs, ctx.inflight = None, None
+        if self.state is UnitState.REDUCING:  # else its release in reduce() raised
+            self._move(UnitState.SHARDED)
+        if rs.work is not None:
+            if ctx.broken is not None:
+                return  # its buffer stays out of the arena: the collective is pending
+            ctx.wait(rs.work, self.name, "reduce-scatter of the gradients")
+        average_(rs.out, ctx.comm)
+        if ctx.grad_sink is not None:
+            # The gather buffer is reused once the copy out of it is done (device order).
+            ctx.grad_sink.land(self.index, rs.out, rs.shard, rs.accumulate).fence()
+        elif rs.accumulate:
+            rs.shard.add_(rs.out)
+        if rs.block is not None:
+            ctx.gather_arena.free(rs.block)
+
+    # -- gradients: IDLE -> BACKWARD -> REDUCED -> BACKWARD_AGAIN -> REDUCED ------------------
+    def begin_backward(self, reduces: Callable[[torch.nn.Parameter], bool]) -> None:
+        """IDLE -> BACKWARD, REDUCED -> BACKWARD_AGAIN: the gradients of its parameters that
+        require one and that ``reduces`` accepts are due."""
+        if self.phase is GradPhase.IDLE:
+            self.phase = GradPhase.BACKWARD
+        elif self.phase is GradPhase.REDUCED:
+            self.phase = GradPhase.BACKWARD_AGAIN
+        else:
+            raise self._illegal("begin_backward", self.phase, "IDLE or REDUCED")
+        self.waiting = {j for j, p in enumerate(self.params) if p.requires_grad and reduces(p)}
+
+    def grad_arrived(self, j: int) -> bool:
+        """Parameter ``j``'s gradient is accumulated; whether none is due any more."""
+        self.waiting.discard(j)
+        return not self.waiting and self.in_backward
+
+    def end_backward(self, reduced: bool) -> None:
+        """BACKWARD | BACKWARD_AGAIN -> REDUCED when its gradients were reduced; without a
+        reduction (no_sync: they stay on the parameters) BACKWARD -> IDLE and
+        BACKWARD_AGAIN -> REDUCED (the slice keeps what the earlier backward reduced)."""
+        if not self.in_backward:
+            raise self._illegal("end_backward", self.phase, "BACKWARD or BACKWARD_AGAIN")
+        if reduced or self.phase is GradPhase.BACKWARD_AGAIN:
+            self.phase = GradPhase.REDUCED
+        else:
+            self.phase = GradPhase.IDLE
+        self.waiting = set()
+
+    def new_step(self) -> None:
+        """The step boundary: nothing is reduced in the new step yet (REDUCED -> IDLE,
+        BACKWARD_AGAIN -> BACKWARD; a backward under way stays one)."""
+        if self.phase is GradPhase.REDUCED:
+            self.phase = GradPhase.IDLE
+        elif self.phase is GradPhase.BACKWARD_AGAIN:
+            self.phase = GradPhase.BACKWARD
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _move(self, state: UnitState) -> None:
+        """Set the storage state, counting the non-root units that hold a gather buffer."""
+        was = self.gathered
+        self.state = state
+        if self.is_root or was == self.gathered:
+            return
+        ctx = self.ctx
+        ctx.gathered_units += 1 if self.gathered else -1
+        ctx.peak_units = max(ctx.peak_units, ctx.gathered_units)
+
+    def _placeholders(self) -> None:
+        for p, shape in zip(self.params, self.shapes):
+            p.data = self.ctx.nan.expand(shape)
+
+    def _abandon(self) -> None:
+        """After a timeout: a pending gather may still write the buffer, so it never goes
+        back to the arena, and nothing waits on it again."""
+        if self.buf is not None:
+            self.ctx.abandoned.append(self.buf)
+        self.block, self.work = None, None
+
+    def _illegal(self, verb: str, now: enum.Enum, allowed: str) -> IllegalTransition:
+        return IllegalTransition(
+            f"stage 3 unit {self.name!r}: {verb} is not allowed in {type(now).__name__}."
+            f"{now.name} (only from {allowed})")
