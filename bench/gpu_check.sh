@@ -40,7 +40,7 @@ step quick_nccl 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_g
 # their gpu-marked tests come right after the quick subset.
 step offload_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_offload.py
 step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_kernels.py tests/test_gpu_zero.py
-step triton_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+step triton_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_*.py
 step bench_adam 150 python3 bench/bench_adam.py --device cuda --out "$TMP"
 step bench_memory 60 python3 bench/bench_memory.py --device cuda --quick --out "$TMP"
 step bench_zero 120 python3 bench/bench_zero.py --world-size 1 --steps 20 --out "$TMP"
