@@ -41,7 +41,7 @@ def _check_stage(stage: Any) -> None:
 
 
 def _check_offload_params_stage(offload_params: Any, stage: int) -> None:
-    if offload_params is not False and stage != 3:
+    if offload_params and stage != 3:
         raise ValueError(
             f"offload_params={offload_params!r}: parameter shards in host memory are stage 3's "
             f"(shard_model partitions the parameters); pass stage=3, or leave offload_params "
@@ -123,8 +123,11 @@ def shard_for(
 
     Raises:
         ValueError: a stage outside 0-3, ``offload_params`` at stages 0-2, or what
-            ``shard_model`` refuses (a model already sharded, unit classes that match no
-            module, arguments that differ across ranks), before the model is modified.
+            ``shard_model`` refuses (unit classes that match no module, arguments that
+            differ across ranks), before the model is modified.
+        TypeError: ``unit_classes`` entries that are neither classes nor names, or an
+            ``offload_params`` that is not a bool.
+        RuntimeError: the model is already sharded (``shard_model`` called before).
     """
     _check_stage(stage)
     _check_offload_params_stage(offload_params, stage)
@@ -193,11 +196,14 @@ def parallelize(
     Raises:
         ValueError: a stage outside 0-3; ``offload`` other than None or ``"cpu"``, or at
             stage 0; ``offload_params`` at stages 0-2 or without ``offload="cpu"``; a bad
-            ``lr``, ``betas``, ``eps`` or ``weight_decay``; what ``shard_model`` refuses (a
-            model already sharded, unit classes that match no module). These are checked
+            ``lr``, ``betas``, ``eps`` or ``weight_decay``; what ``shard_model`` refuses
+            (unit classes that match no module, a bad ``prefetch``). These are checked
             before the model is modified. ZeroAdamW's other checks (``bucket_numel``,
             ``max_grad_norm``, ...) run when it is built, after ``shard_model`` at stage 3.
-        TypeError: a keyword that ZeroAdamW does not take.
+        TypeError: a keyword that ZeroAdamW does not take, or bad ``unit_classes``
+            entries (before the model is modified).
+        RuntimeError: the model is already sharded (``shard_model`` or ``parallelize`` at
+            stage 3 called before), as ``shard_model`` refuses it.
     """
     _check_stage(stage)
     check_offload(offload, stage)
