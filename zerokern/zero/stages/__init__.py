@@ -1,4 +1,5 @@
-"""One engine per ZeRO stage (see base.py for the verbs they share). Each composes this
+"""One engine per ZeRO stage (see base.py for the verbs they share; stage 3's optimizer side
+is stage3/engine.py, beside the units it steps). Each composes this
 rank's optimizer state (shard_state.py), placed on the device or, with ZeRO-Offload, on the
 host; the stage owns only how gradients are reduced and how parameters come back.
 
@@ -12,13 +13,13 @@ from typing import Any
 import torch
 
 from ..layout import Layout
+from ..stage3.engine import Stage3
 from .accounting import planned_flat_memory
 from .base import Engine, Run
 from .flat import FlatEngine
 from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
-from .stage3 import Stage3
 
 ENGINES: dict[int, type[Engine]] = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
 

@@ -14,7 +14,7 @@ from ..shard_state import BufferSpec
 from .base import reserved_bytes
 
 if TYPE_CHECKING:
-    from ..stage3_runtime import Stage3Runtime
+    from ..stage3.runtime import Stage3Runtime
 
 
 def _esize(dtype: torch.dtype) -> int:

@@ -1,7 +1,7 @@
 """Stage 3, P_os+g+p: parameters partitioned as well ((2 + 2 + K) Psi / N); the optimizer side.
 
 The parameter side (gathering units just in time, reduce-scattering each unit's gradients as
-its backward finishes) is the runtime of ``shard_model`` (zero/stage3_runtime.py); it owns this
+its backward finishes) is the runtime of ``shard_model`` (unit.py, runtime.py); it owns this
 rank's parameter and gradient slices. This engine composes the state of those slices (fp32
 master for 16-bit parameters, both moments; shard_state.py) and steps it unit by unit; the new
 slice is all the next forward gathers, so nothing is gathered after the step.
@@ -23,11 +23,11 @@ import torch
 from ...comm import Comm
 from ..layout import Layout
 from ..shard_state import BufferSpec, ShardState
-from .accounting import stage3_memory, stage3_offload_memory
-from .base import Engine, Run
+from ..stages.accounting import stage3_memory, stage3_offload_memory
+from ..stages.base import Engine, Run
 
 if TYPE_CHECKING:
-    from ..stage3_runtime import Stage3Runtime
+    from .runtime import Stage3Runtime
 
 
 class Stage3(Engine):
