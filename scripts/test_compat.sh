@@ -47,8 +47,7 @@ sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__versi
 
 python -m pytest -q -p no:cacheprovider \
   tests/test_ops_adamw.py tests/test_ops_sq_norm.py tests/test_ops_flatten.py \
-  tests/test_arena.py tests/test_triton_adamw.py tests/test_triton_sq_norm.py \
-  tests/test_triton_flatten.py tests/test_triton_compile.py \
+  tests/test_arena.py tests/test_triton_*.py \
   "tests/test_zero_parity.py::test_fp32_matches_adamw[0-2]" \
   "tests/test_zero_parity.py::test_fp32_matches_adamw[1-2]" \
   "tests/test_zero_parity.py::test_fp32_matches_adamw[2-2]" \
