@@ -10,3 +10,23 @@ TRAIN_FP32 = (1e-5, 1e-5)
 SQ_NORM = (1e-5, 0.0)
 
 TOL = {torch.float32: ADAM_FP32}
+
+# Unit roundoffs: one round-to-nearest moves x by at most U * |x| (and by at most U times the
+# rounded value). fp32 keeps 24 significant bits, bf16 8 (7 stored + the implicit one).
+U_FP32 = 2.0**-24
+U_BF16 = 2.0**-8
+
+
+def adamw_step_bound(beta1: float, beta2: float, t: int) -> float:
+    """Largest |m_hat / (sqrt(v_hat) + eps)| AdamW's step t can take, whatever the gradients:
+    a parameter moves by at most lr times this (plus its weight decay) at step t.
+
+    m_hat = (1-b1)/(1-b1^t) * sum_k b1^(t-k) g_k and v_hat = (1-b2)/(1-b2^t) * sum_k
+    b2^(t-k) g_k^2; by Cauchy-Schwarz, |sum_k b1^(t-k) g_k| <= sqrt(sum_j (b1^2/b2)^j) *
+    sqrt(sum_k b2^(t-k) g_k^2), with equality for g_k proportional to (b1/b2)^(t-k). eps only
+    makes the step smaller. 1 at t = 1 (the step is sign(g)); for betas (0.9, 0.999) 1.0108
+    at t = 5 and 1.0431 at t = 10.
+    """
+    q = beta1 * beta1 / beta2
+    return ((1 - beta1) / (1 - beta1**t) * ((1 - beta2**t) / (1 - beta2)) ** 0.5
+            * sum(q**j for j in range(t)) ** 0.5)
