@@ -57,23 +57,24 @@ _DIVS = {aten.div_.Tensor, aten.div_.Scalar, aten._foreach_div_.Scalar,
 
 
 class GradGuard(torch.Tensor):
-    """Stands in ``p.grad`` for parameter ``index`` of a ZeroAdamW (see the module docstring).
-    ``zk_coef`` is the product of the scalars it was multiplied by since it was put there;
-    ``zk_held`` is what ``p.grad`` held before (stages 0-1: the bucket view; otherwise None).
-    (Prefixed names: a tensor already has ``real``, ``index_*``...)"""
+    """Stands in ``p.grad`` for parameter ``index`` of a ZeroAdamW (see the module docstring);
+    ``owner`` is the optimizer's GuardSet (guard_set.py), held weakly, whose ``norms()`` give
+    the global norms. ``zk_coef`` is the product of the scalars it was multiplied by since
+    it was put there; ``zk_held`` is what ``p.grad`` held before (stages 0-1: the bucket
+    view; otherwise None). (Prefixed names: a tensor already has ``real``, ``index_*``...)"""
 
     zk_index: int
     zk_coef: float
     zk_held: torch.Tensor | None
 
     @staticmethod
-    def __new__(cls, p: torch.Tensor, opt: Any, index: int) -> GradGuard:
+    def __new__(cls, p: torch.Tensor, owner: Any, index: int) -> GradGuard:
         g = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, p.shape, dtype=p.dtype, device=p.device, requires_grad=False)
         return g
 
-    def __init__(self, p: torch.Tensor, opt: Any, index: int) -> None:
-        self._opt = weakref.ref(opt)
+    def __init__(self, p: torch.Tensor, owner: Any, index: int) -> None:
+        self._owner = weakref.ref(owner)
         self.zk_index = index
         self.zk_coef = 1.0
         self.zk_held = None
@@ -106,12 +107,12 @@ def _guards(x: Any) -> list[GradGuard]:
     return [g for g in xs if isinstance(g, GradGuard)]
 
 
-def _opt_of(gs: list[GradGuard]) -> Any:
-    opts = {id(o): o for o in (g._opt() for g in gs)}
-    if len(opts) != 1 or None in opts.values():
+def _owner_of(gs: list[GradGuard]) -> Any:
+    owners = {id(o): o for o in (g._owner() for g in gs)}
+    if len(owners) != 1 or None in owners.values():
         raise RuntimeError("gradients of parameters of several (or deleted) ZeroAdamW "
                            "optimizers in one call: " + _HINT)
-    return next(iter(opts.values()))
+    return next(iter(owners.values()))
 
 
 def _norms(func: Any, args: Any, kwargs: Any) -> Any:
@@ -122,8 +123,7 @@ def _norms(func: Any, args: Any, kwargs: Any) -> Any:
                            f"2-norm of a whole gradient only. {_HINT}")
     xs = args[0] if func is aten._foreach_norm.Scalar else [args[0]]
     gs = _guards(xs)
-    opt = _opt_of(gs)
-    norms = opt._guard_norms()  # one collective per step, on every rank
+    norms = _owner_of(gs).norms()  # one collective per step, on every rank
 
     def one(x: Any) -> torch.Tensor:
         if isinstance(x, GradGuard):

@@ -5,7 +5,8 @@ gives it for FSDP): ``{"state": {i: {"step", "exp_avg", "exp_avg_sq"}}, "param_g
 
 Built one parameter at a time from the sharded state (``shards()``): every rank puts its
 ranges into a zeroed full-size buffer and one all-reduce sums them, so the peak extra memory
-is one parameter's state plus what is returned. A mixin of ZeroAdamW.
+is one parameter's state plus what is returned. Also the checks of torch.optim.AdamW's
+own flags, wherever a group written for it comes in.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import Any
 
 import torch
 
+from ..comm import Comm
+from .optimizer_state import StateAccess
+from .param_table import ParamTable
 from .validate import check_hparams
 
 _TORCH_KEYS = ("step", "exp_avg", "exp_avg_sq")
@@ -67,27 +71,26 @@ def strip_adamw_flags(group: dict[str, Any], where: str,
 
 
 def is_torch_format(sd: dict[str, Any]) -> bool:
+    """A torch.optim.AdamW-format state dict (not one of ZeroAdamW's per-rank ones)."""
     return "zerokern" not in sd and isinstance(sd.get("state"), dict) and \
         isinstance(sd.get("param_groups"), list)
 
 
-class InterchangeMixin:
-    """Needs the optimizer's _params, _shapes, _index, _steps, comm, stage, param_groups,
-    shards() and edit_shards()."""
+class TorchFormat:
+    """ZeroAdamW's state out in torch.optim.AdamW's format (``full_state_dict``) and in
+    (``load_state_dict`` of such a dict), through the sharded-state interface of ``access``."""
 
-    def full_state_dict(self, *, rank0_only: bool = True,
-                        cpu_offload: bool = True) -> dict[str, Any]:
-        """This optimizer's whole state in torch.optim.AdamW's format, on rank 0 (other ranks
-        get ``{}``) or, with ``rank0_only=False``, on every rank; tensors on the CPU with
-        ``cpu_offload``. A collective: call it on every rank. The moments are fp32 whatever
-        the parameters' dtype (what AdamW holds for fp32 parameters; the fp32 master of
-        16-bit parameters is not part of torch's format). For interchange and small models;
-        at scale use save_checkpoint, where each rank writes its own part."""
+    def __init__(self, table: ParamTable, access: StateAccess, comm: Comm, stage: int) -> None:
+        self.table, self.access, self.comm, self.stage = table, access, comm, stage
+
+    def save(self, param_groups: list[dict[str, Any]], *, rank0_only: bool,
+             cpu_offload: bool) -> dict[str, Any]:
+        """ZeroAdamW.full_state_dict()."""
         keep = not rank0_only or self.comm.rank == 0
-        torch_index, groups = self._torch_numbering()
+        torch_index, groups = self._torch_numbering(param_groups)
         state: dict[int, dict[str, Any]] = {}
         with torch.no_grad():
-            for sh in self.shards():
+            for sh in self.access.shards(param_groups):
                 if sh.step == 0:
                     continue  # torch's AdamW has no state for a parameter never stepped
                 full = {}
@@ -108,17 +111,18 @@ class InterchangeMixin:
             return {}
         return {"state": state, "param_groups": groups}
 
-    def _torch_numbering(self) -> tuple[dict[int, int], list[dict[str, Any]]]:
+    def _torch_numbering(self, param_groups: list[dict[str, Any]],
+                         ) -> tuple[dict[int, int], list[dict[str, Any]]]:
         """Managed index -> torch's index (every parameter of every group, in order), and the
         groups in torch's format with AdamW's default keys filled in."""
         defaults = _adamw_defaults()
         torch_index: dict[int, int] = {}
         groups = []
         k = 0
-        for g in self.param_groups:
+        for g in param_groups:
             ids = []
             for p in g["params"]:
-                i = self._index.get(id(p))
+                i = self.table.index.get(id(p))
                 if i is not None:
                     torch_index[i] = k
                 ids.append(k)
@@ -129,21 +133,21 @@ class InterchangeMixin:
             groups.append(out)
         return torch_index, groups
 
-    def _load_torch_format(self, sd: dict[str, Any]) -> None:
+    def load(self, sd: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
         """Each rank keeps its part of a full torch.optim.AdamW state dict (every rank passes
         the same dict; from any world size, or a single-process AdamW run). The fp32 master
         of 16-bit parameters is taken from the current parameters."""
-        torch_index, _ = self._torch_numbering()
+        torch_index, _ = self._torch_numbering(param_groups)
         groups = sd["param_groups"]
-        if len(groups) != len(self.param_groups):
+        if len(groups) != len(param_groups):
             raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer has "
-                             f"{len(self.param_groups)}")
-        for gi, (g, sg) in enumerate(zip(self.param_groups, groups)):
+                             f"{len(param_groups)}")
+        for gi, (g, sg) in enumerate(zip(param_groups, groups)):
             if len(sg.get("params", [])) != len(g["params"]):
                 raise ValueError(f"state_dict: param group {gi} has {len(sg['params'])} "
                                  f"parameters there and {len(g['params'])} here")
         state = sd["state"]
-        for i, shape in enumerate(self._shapes):
+        for i, shape in enumerate(self.table.shapes):
             st = state.get(torch_index[i], state.get(str(torch_index[i])))
             if not st:
                 continue
@@ -160,14 +164,14 @@ class InterchangeMixin:
             if step < 0 or step != int(step):
                 raise ValueError(f"state_dict: step of parameter {torch_index[i]} is {step}")
         for gi, sg in enumerate(groups):
-            hp = {k: sg.get(k, g[k]) for g in [self.param_groups[gi]] for k in _HPARAMS}
+            hp = {k: sg.get(k, g[k]) for g in [param_groups[gi]] for k in _HPARAMS}
             check_hparams(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"],
                           f" (state_dict param group {gi})")
             check_adamw_flags({**sg, **hp}, f" (state_dict param group {gi})")
-        with torch.no_grad(), self.edit_shards() as shards:
+        with torch.no_grad(), self.access.edit(param_groups) as shards:
             # torch's format has no fp32 master: the 16-bit parameters' master is taken from
             # the current parameters (load the model first), as a fresh optimizer's is.
-            self._engine.init_master()
+            self.access.slot.engine.init_master()
             for sh in shards:
                 st = state.get(torch_index[sh.index], state.get(str(torch_index[sh.index])))
                 sh.step = int(float(st["step"])) if st else 0
@@ -179,7 +183,7 @@ class InterchangeMixin:
                             dst.zero_()
                         else:
                             dst.copy_(flat[r.start:r.start + r.numel])
-        for gi, (g, sg) in enumerate(zip(self.param_groups, groups)):
+        for gi, (g, sg) in enumerate(zip(param_groups, groups)):
             # As torch's load_state_dict: the saved group replaces this one, params aside (and
             # param_names, and ZeroAdamW's hyperparameters, when it lacks them); so initial_lr
             # and the other schedulers' keys come along and StepLR(..., last_epoch=k) resumes.

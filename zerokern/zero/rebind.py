@@ -17,11 +17,16 @@ written for torch replaces a parameter's tensor in two ways:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..memory.alias import own_storage
+
+if TYPE_CHECKING:  # type names only: stage3/adopt.py imports this file (no cycle)
+    from .layout import Layout
+    from .param_table import ParamTable
+    from .stages import Engine
 
 
 def changed_error(who: str, what: str, now: torch.Tensor, dtype: torch.dtype,
@@ -40,28 +45,29 @@ def changed_error(who: str, what: str, now: torch.Tensor, dtype: torch.dtype,
         f"training build ZeroAdamW on the 16-bit model: it keeps the fp32 master itself")
 
 
-def check_grad_param(opt: Any, index: int) -> None:
+def check_grad_param(table: ParamTable, index: int, dtype: torch.dtype,
+                     device: torch.device) -> None:
     """Stages 0-2, in the gradient hook: the gradient of a cast or moved parameter cannot go
     into the flat buckets (torch raised a TypeError deep in the bucket copy)."""
-    p = opt._params[index]
-    if p.dtype != opt.dtype or p.device != opt.device or p.shape != opt._shapes[index]:
-        raise changed_error("ZeroAdamW", f"parameter {index}", p, opt.dtype, opt.device,
-                            opt._shapes[index], "ZeroAdamW's first step()")
+    p, shape = table.params[index], table.shapes[index]
+    if p.dtype != dtype or p.device != device or p.shape != shape:
+        raise changed_error("ZeroAdamW", f"parameter {index}", p, dtype, device, shape,
+                            "ZeroAdamW's first step()")
 
 
-def adopt_flat(opt: Any) -> None:
+def adopt_flat(table: ParamTable, eng: Engine, layout: Layout, dtype: torch.dtype,
+               device: torch.device) -> None:
     """Stages 0-2: every parameter still a view of the flat buffer, or adopted into it."""
-    eng, layout = opt._engine, opt.layout
     flat = eng.flat_param
     base, esz = flat.data_ptr(), flat.element_size()
     adopted: set[int] = set()
-    for i, p in enumerate(opt._params):
+    for i, p in enumerate(table.params):
         off = layout.param_flat_offset[i]
-        if p.data_ptr() == base + off * esz or opt._shapes[i].numel() == 0:
+        if p.data_ptr() == base + off * esz or table.shapes[i].numel() == 0:
             continue
-        if p.dtype != opt.dtype or p.device != opt.device or p.shape != opt._shapes[i]:
-            raise changed_error("ZeroAdamW", f"parameter {i}", p, opt.dtype, opt.device,
-                                opt._shapes[i], "ZeroAdamW's first step()")
+        if p.dtype != dtype or p.device != device or p.shape != table.shapes[i]:
+            raise changed_error("ZeroAdamW", f"parameter {i}", p, dtype, device,
+                                table.shapes[i], "ZeroAdamW's first step()")
         view = flat.narrow(0, off, p.numel())
         view.copy_(p.detach().reshape(-1))
         p.data = own_storage(view).view_as(p)  # bound as the stage binds it (stages/flat.py)
@@ -74,16 +80,15 @@ def adopt_flat(opt: Any) -> None:
                 eng.values(pc.local_start, pc.numel).copy_(src)
 
 
-def adopt_stage3(opt: Any) -> None:
+def adopt_stage3(rt: Any, table: ParamTable, eng: Engine, layout: Layout) -> None:
     """Stage 3: released parameters given new values are adopted by the runtime (at the next
     gather, or here); the fp32 master of those parameters takes them."""
-    rt, eng = opt._rt, opt._engine
     rt.adopt_assigned()
-    adopted = {opt._index.get(id(p)) for p in rt.take_adopted()}
+    adopted = {table.index.get(id(p)) for p in rt.take_adopted()}
     adopted.discard(None)
     if not adopted or eng.master is None:
         return
-    for pc in opt.layout.pieces:
+    for pc in layout.pieces:
         if pc.param in adopted:
             eng.values(pc.local_start, pc.numel).copy_(
                 rt.local_params.narrow(0, pc.local_start, pc.numel))

@@ -1,15 +1,22 @@
 """The public sharded-state interface of ZeroAdamW: which elements of each parameter this rank
 holds, with writable views of their optimizer state (checkpoints, state interchange and
-offload are written against this, never against the engine's buffers)."""
+offload are written against this, never against the engine's buffers).
+
+A little over 300 lines: ``opt.state`` accepts the writes torch's AdamW state accepts, each
+checked before any applies, and the view and its entry type read best side by side."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # type names only: the public types here import nothing of the optimizer
+    from .engine_slot import EngineSlot
+    from .param_table import ParamTable
 
 
 @dataclass(frozen=True)
@@ -72,20 +79,22 @@ class ShardedStateView(Mapping):
 
     Anything else (other keys, a state of another shape) is refused with an error."""
 
-    def __init__(self, opt: Any) -> None:
-        self._opt = opt
+    def __init__(self, table: ParamTable, slot: EngineSlot,
+                 shards: Callable[[], list[ParamShard]]) -> None:
+        # The optimizer's parts this view reads and writes: the step counts (table), the
+        # engine's buffers (slot) and ZeroAdamW.shards() (a bound method).
+        self._table, self._slot, self._source = table, slot, shards
         self._cache: tuple[Any, dict[int, ParamShard]] | None = None
         # Managed index -> the step tensor handed out, and its _version when it last held
         # the step count: a newer version means it was written in place.
         self._step_t: dict[int, tuple[torch.Tensor, int]] = {}
 
     def _shards(self) -> dict[int, ParamShard]:
-        opt = self._opt
-        eng = opt._engine  # noqa: SLF001 - the view belongs to the optimizer
+        eng = self._slot.engine
         if eng is None:
             return {}
         if self._cache is None or self._cache[0] is not eng:
-            self._cache = (eng, {id(sh.param): sh for sh in opt.shards()})
+            self._cache = (eng, {id(sh.param): sh for sh in self._source()})
         return self._cache[1]
 
     # -- step counts handed out as tensors -------------------------------------------------
@@ -98,7 +107,7 @@ class ShardedStateView(Mapping):
         """Step tensors written in place since step() last set them: their values become the
         parameters' step counts (before anything of a step is done with the old ones).
         ``only``: that parameter's alone (reading one entry stays O(1))."""
-        steps = self._opt._steps  # noqa: SLF001
+        steps = self._table.steps
         for i, (t, version) in self._handed(only):
             if t._version != version:
                 steps[i] = _step_count(t, i)
@@ -107,7 +116,7 @@ class ShardedStateView(Mapping):
     def refresh_steps(self, only: int | None = None) -> None:
         """The handed-out step tensors take the step counts (after a step, a load, a reset),
         as torch's AdamW increments ``state[p]["step"]`` in place."""
-        steps = self._opt._steps  # noqa: SLF001
+        steps = self._table.steps
         with torch.no_grad():
             for i, (t, _) in self._handed(only):
                 if i < len(steps) and t.item() != steps[i]:
@@ -116,7 +125,7 @@ class ShardedStateView(Mapping):
 
     def _step_tensor(self, i: int) -> torch.Tensor:
         if i not in self._step_t:
-            t = torch.tensor(float(self._opt.shards_step(i)))
+            t = torch.tensor(float(self._table.steps[i]))
             self._step_t[i] = (t, t._version)
         return self._step_t[i][0]
 
@@ -124,7 +133,7 @@ class ShardedStateView(Mapping):
     def _moment(self, sh: ParamShard, key: str) -> torch.Tensor:
         parts = [getattr(r, key) for r in sh.ranges]
         if not parts:
-            return getattr(self._opt._engine, key).narrow(0, 0, 0)  # noqa: SLF001
+            return getattr(self._slot.engine, key).narrow(0, 0, 0)
         for a, b in zip(parts, parts[1:]):
             if b.storage_offset() != a.storage_offset() + a.numel():
                 # Buckets are packed without gaps, so a parameter's pieces on one rank are
@@ -136,7 +145,7 @@ class ShardedStateView(Mapping):
     def _entry(self, sh: ParamShard) -> _StateEntry:
         self.adopt_step_writes(sh.index)
         self.refresh_steps(sh.index)
-        if self._opt.shards_step(sh.index) == 0:
+        if self._table.steps[sh.index] == 0:
             return _StateEntry(self, sh, {})
         return _StateEntry(self, sh, {
             "step": self._step_tensor(sh.index),
@@ -150,18 +159,18 @@ class ShardedStateView(Mapping):
 
     def __contains__(self, p: object) -> bool:
         sh = self._shards().get(id(p))
-        return sh is not None and self._opt.shards_step(sh.index) > 0
+        return sh is not None and self._table.steps[sh.index] > 0
 
     def __iter__(self) -> Iterator[torch.nn.Parameter]:
         return (sh.param for sh in self._shards().values()
-                if self._opt.shards_step(sh.index) > 0)
+                if self._table.steps[sh.index] > 0)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
     # -- writing ----------------------------------------------------------------------------
     def _managed(self, p: Any) -> ParamShard:
-        if self._opt._engine is None and self._opt._index.get(id(p)) is not None:  # noqa: SLF001
+        if self._slot.engine is None and self._table.index.get(id(p)) is not None:
             raise RuntimeError("ZeroAdamW: no optimizer state exists before the first "
                                "step(); write opt.state after it")
         sh = self._shards().get(id(p))
@@ -201,7 +210,7 @@ class ShardedStateView(Mapping):
                        "outside the optimizer)")
 
     def _set_step(self, i: int, n: int, value: Any) -> None:
-        self._opt._steps[i] = n  # noqa: SLF001
+        self._table.steps[i] = n
         t = value if torch.is_tensor(value) and value.numel() == 1 else None
         if t is None:
             t = self._step_t[i][0] if i in self._step_t else torch.tensor(float(n))
@@ -243,6 +252,12 @@ class ShardedStateView(Mapping):
     def clear(self) -> None:
         for sh in self._shards().values():
             self.reset(sh)
+
+    def __reduce__(self) -> Any:
+        # copy.deepcopy / pickle (torch.optim.Optimizer.__getstate__ pickles opt.state): a
+        # plain dict of the entries, a snapshot apart from the optimizer (its parts hold the
+        # engine's arenas, which do not pickle).
+        return (dict, (dict(self),))
 
     def replace(self, value: Any) -> None:
         """``opt.state = ...``: the reset idiom (an empty dict) resets every parameter's

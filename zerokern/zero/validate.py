@@ -39,6 +39,18 @@ def finite_ge0(x: Any) -> bool:
     return math.isfinite(v) and v >= 0
 
 
+def check_zero_args(stage: Any, offload: Any, bucket_numel: Any, max_grad_norm: Any) -> None:
+    """ZeroAdamW's own arguments (beyond torch's AdamW ones)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    check_offload(offload, stage)
+    if bucket_numel is not None and (isinstance(bucket_numel, bool)
+                                     or not isinstance(bucket_numel, int)
+                                     or bucket_numel < 1):
+        raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
+    if max_grad_norm is not None and not float(max_grad_norm) > 0:
+        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+
 
 def check_offload(offload: Any, stage: int) -> None:
     """ZeroAdamW(offload=...): None, or "cpu" at stages 1-3 (the host holds this rank's
