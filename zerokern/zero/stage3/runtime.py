@@ -1,11 +1,15 @@
-"""Stage3Runtime: what drives the units of a sharded model (unit.py tells the whole story).
+"""Stage3Runtime: the hooks that move a sharded model's units (unit.py tells the whole story).
 
 It builds the units and their context, and turns module and autograd events into unit
-transitions: forward pre/post hooks (gather, prefetch in the previous step's order, release),
-hooks on a unit's output tensors (its backward begins), post-accumulate-grad hooks (a
-gradient arrived; the unit reduces when none is due), the end-of-backward callback, the
-no_sync flush and the step seam the optimizer side calls (prepare_step, new_step).
-shard.py, registry.py, rebind.py, the checkpoint functions and stages/stage3.py use it.
+transitions, as FSDP2's FSDPState hooks drive its FSDPParamGroup: forward pre/post hooks
+(gather, prefetch in the previous forward's order, release), hooks on a unit's output tensors
+(its backward begins: pre_backward), post-accumulate-grad hooks (a gradient arrived; the unit
+reduces when none is due), the end-of-backward callback, the no_sync flush, ``p.data = t``
+adoption, and the step seam the optimizer side calls (prepare_step, new_step). shard.py,
+registry.py, rebind.py, the checkpoint functions and engine.py (the optimizer side) use it.
+
+One class a little over ~300 lines: its hooks share one per-step state (forward order, sync,
+the optimizers' parameters, the queued callback) that would be spread over files if split.
 """
 
 from __future__ import annotations

@@ -1,69 +1,71 @@
 """How ZeRO stage 3 works: one unit's lifecycle, and a training step through it.
 
-``shard_model(model, unit_classes=(Block,))`` cuts the model into units: every module of
-``unit_classes`` (outermost matches, typically the transformer blocks), plus the root, which
+``shard_model(model, unit_classes=(Block,))`` cuts the model into units: each module of
+``unit_classes`` (outermost matches, typically the transformer blocks), and the root, which
 keeps the parameters left over (tied ones included). A unit owns one padded flat space of its
-parameters (plan.py: aligned, divisible by the N ranks); this rank keeps the contiguous 1/N
-slice of every unit in ``local_params`` and the matching gradient slice in ``local_grads``
-(context.py). Outside its use a parameter keeps its shape, dtype and device but holds no
-memory: a zero-stride view of one NaN, so a read outside a forward is NaN and a write raises.
+parameters (plan.py); this rank keeps the contiguous 1/N slice of every unit in
+``local_params`` and the matching gradient slice in ``local_grads`` (context.py). Outside its
+use a parameter keeps its shape, dtype and device but holds no memory: a zero-stride view of
+one NaN, so a read outside a forward is NaN and a write raises.
 
-A unit moves on two axes, each transition a named method of ``Unit`` below that refuses an
-illegal move (``IllegalTransition``)::
+A unit moves along two axes; each move is a named method of ``Unit`` (below) that refuses an
+illegal one with IllegalTransition. Storage (``UnitState``, where the parameters are)::
 
-    storage (UnitState)                      gradients of this step (GradPhase)
-    SHARDED --gather--> GATHERING --wait-->  IDLE ---begin_backward--> BACKWARD
-       ^  ^                 GATHERED         BACKWARD --end_backward--> REDUCED (no_sync: IDLE)
-       |  +---- release ---/   |             REDUCED --begin_backward--> BACKWARD_AGAIN
-       +-- finish_reduce -- REDUCING         BACKWARD_AGAIN --end_backward--> REDUCED
-                   (reduce, from any but REDUCING)   new_step: REDUCED -> IDLE, *_AGAIN -> BACKWARD
+    SHARDED --gather--> GATHERING --wait--> GATHERED --release--> SHARDED
+    GATHERED --reduce--> REDUCING --finish_reduce--> SHARDED
+
+Gradients of this step (``GradPhase``)::
+
+    IDLE --begin_backward--> BACKWARD --end_backward--> REDUCED (no_sync: back to IDLE)
+    REDUCED --begin_backward--> BACKWARD_AGAIN --end_backward--> REDUCED
+    new_step: REDUCED -> IDLE, BACKWARD_AGAIN -> BACKWARD
 
 One step (runtime.py drives it from module and autograd hooks):
 
-1. Forward. The root's pre-forward hook gathers the root (held through the whole forward) and
-   enters the saved-tensor hooks. Each unit's pre-forward hook gathers it: a buffer from the
-   gather arena, this rank's slice all-gathered into it, the parameters rebound as views of
-   it; then the next ``prefetch`` units of the previous step's forward order start their
-   gathers asynchronously (GATHERING), overlapping this unit's compute. Its post-forward hook
-   releases it (with ``reshard_after_forward``, and always under no_grad): the buffer returns
-   to the arena, the parameters become placeholders. It also hooks the unit's outputs, whose
-   gradients will start its backward. At the root's end every unit prefetched but not run is
-   released: at most ``prefetch`` + 1 units besides the root are gathered at any moment.
+1. Forward. The root's pre-forward hook gathers the root (held through the whole forward)
+   and enters the saved-tensor hooks. Each unit's pre-forward hook gathers it: a buffer from
+   the gather arena, this rank's slice all-gathered into it, the parameters rebound as views
+   of it; the next ``prefetch`` units of the previous forward's order start their gathers
+   (GATHERING: overlapping this unit's compute; order.py). Its post-forward hook hooks its
+   outputs (their gradients will begin its backward) and releases it (with
+   ``reshard_after_forward``, and under no_grad): the buffer returns to the arena, the
+   parameters become placeholders. At the root's end whatever was prefetched but not run is
+   released: at most ``prefetch`` + 1 units besides the root are ever gathered.
 2. Saved tensors. Autograd keeps views of gathered parameters (``weight.t()``) for backward,
-   but a released buffer is reused by the next unit. While the root's forward runs, such
-   views are packed as (unit, offset, shape, stride) and unpacked against wherever the unit
-   is gathered when backward needs them, gathering it if need be (saved.py).
+   but a released buffer is reused by the next unit: while the root's forward runs they are
+   packed as (unit, offset, shape, stride) and unpacked against wherever the unit is gathered
+   when backward needs them, gathering it if need be (saved.py).
 3. Backward. The first gradient of a unit's output begins its backward: it is gathered again
-   and the units before it in the forward order are prefetched. As each parameter's gradient
-   is accumulated (a post-accumulate-grad hook) it is marked arrived; once all have, the unit
-   reduces: its gradients are flattened into a gather-arena buffer and reduce-scattered
-   asynchronously into its slice of ``local_grads`` (REDUCING), the ``.grad`` freed, the
-   parameters released. One reduce-scatter is in flight at a time, overlapping the backward
-   of the units before; the next reduce (or the end of the backward) finishes it: averaged
-   (the one division by N of every stage) and, in a further backward of the same step
-   (BACKWARD_AGAIN), added to the slice instead of written.
-4. End of backward (a callback queued on autograd's engine). Units whose gradients did not all
-   arrive (unused parameters) are reduced too, in the same order on every rank, with zeros
-   for what did not come; everything still gathered is released; the optimizer's callbacks
-   run (its guards on ``.grad``). Under ``no_sync`` nothing is reduced: gradients accumulate
-   on the parameters until a synchronised backward, or the step, reduces them.
-5. Step (the optimizer side: stages/stage3.py, stages/offload3.py). ``prepare_step`` reduces
-   what no_sync left and zeroes the slices of units that received nothing; the fused AdamW
-   runs over this rank's slices only (fp32 master and moments; the new 16-bit values written
-   into ``local_params``), so nothing is gathered after the step: the next forward gathers
-   the new slices. ``new_step`` opens the next step's gradient phases.
+   and the units before it in the forward order are prefetched. Each parameter's gradient is
+   marked arrived once accumulated; when none is due the unit reduces: its gradients are
+   flattened into an arena buffer and reduce-scattered asynchronously into its slice of
+   ``local_grads`` (REDUCING), ``.grad`` is freed, the parameters released. One reduce is in
+   flight at a time, overlapping the backward of the units before; the next reduce (or the
+   end of the backward) finishes it: averaged (the one division by N of every stage) and, in
+   a further backward of the same step (BACKWARD_AGAIN), added to the slice.
+4. End of backward (a callback queued on autograd's engine). Units whose gradients did not
+   all arrive (unused parameters) reduce too, in the same order on every rank, with zeros for
+   what did not come; everything still gathered is released; the optimizer's callbacks run.
+   Under ``no_sync`` nothing is reduced: gradients accumulate on the parameters until a
+   synchronised backward, or the step, reduces them.
+5. Step (the optimizer side, engine.py). ``prepare_step`` reduces what no_sync left and
+   zeroes the slices of units that received nothing; the fused AdamW runs over this rank's
+   slices only (fp32 master and moments; the new 16-bit values written into ``local_params``),
+   so nothing is gathered after the step: the next forward gathers the new slices.
+   ``new_step`` opens the next step's gradient phases.
 
-Offload. With ``offload_params`` ``local_params`` lives in host memory (pinned on CUDA):
-gather first copies this rank's slice into its part of the gather buffer (fenced before the
-in-place all-gather), and release waits for that copy, after which the step may write the host
-slice. With an offloading optimizer (``offload="cpu"``, which attaches its OffloadPipeline)
-``local_grads`` lives in host memory: reduce scatters in place into the gradient buffer, and
-finish_reduce lands the averaged slice on the host through the pipeline's staging slots
-(zero/offload.py), adding to it in BACKWARD_AGAIN.
+Offload. With ``offload_params`` ``local_params`` lives in host memory (pinned on CUDA): gather
+first copies this rank's slice into its part of the buffer (ordered before the in-place
+all-gather), release waits for that copy (the step may then write the host slice). With an
+offloading optimizer (``offload="cpu"``, which attaches its OffloadPipeline) ``local_grads``
+lives in host memory: reduce scatters in place in the gradient buffer, and finish_reduce lands
+the averaged slice on the host through the pipeline's staging slots (zero/offload.py).
 
-A wait in a unit's collective longer than ``gather_timeout`` breaks the context: the unit
-raises CollectiveTimeout naming itself and the likely cause, buffers a pending collective may
-still write never return to the arena, and every later gather refuses (gather_timeout.py).
+A wait in a unit's collective beyond ``gather_timeout`` breaks the context: CollectiveTimeout
+names the unit and the likely cause, buffers a pending collective may still write never return
+to the arena, and every later gather refuses (gather_timeout.py).
+
+(Over the ~300 lines of the design guide by this docstring: the story stays with its class.)
 """
 
 from __future__ import annotations
@@ -229,10 +231,10 @@ class Unit:
         self._move(UnitState.SHARDED)
 
     def reduce(self, reduces: Callable[[torch.nn.Parameter], bool]) -> None:
-        """In its backward: -> REDUCING. The gradients of the parameters ``reduces`` accepts
-        (zeros for the others and the padding) are flattened and their reduce-scatter into
-        this unit's slice started; .grad is freed, the gradient phase ends (REDUCED) and the
-        parameters are released. The reduce-scatter in flight before finishes first."""
+        """In its backward, gathered or not: -> REDUCING. The reduce-scatter in flight
+        finishes first; then the gradients of the parameters ``reduces`` accepts (zeros for
+        the others and the padding) are flattened and their reduce-scatter into this unit's
+        slice started, .grad is freed, the phase ends (REDUCED), the parameters released."""
         if not self.in_backward:
             raise self._illegal("reduce", self.phase, "BACKWARD or BACKWARD_AGAIN")
         ctx = self.ctx
