@@ -14,19 +14,19 @@ shard) in the dtype of the row:
                       first makes an fp32 copy of x
   torch_foreach_norm  torch._foreach_norm([x], 2, dtype=torch.float32)[0] ** 2: the multi-tensor
                       kernel of torch.nn.utils.clip_grad_norm_
-Each provider's result is checked against a float64 sum once, outside the timing. GB/s counts
-the bytes read (n x element size); "% bw" is relative to a device copy measured in the same run.
-The providers are timed in interleaved rounds (_harness.time_interleaved: every provider once
-per round, so that a drift of a shared machine hits all alike); "x_vs_base" is the median over
-rounds of the baseline's time over the row's in the same round (> 1: faster than torch), with
-its spread (min-max over rounds). On a small shared CPU box run with OMP_NUM_THREADS=1 as well
-(bench/README.md, bench_memory.py: 2-thread OpenMP regions stall when a thread is descheduled).
+Each provider's result is compared with a float64 sum once, outside the timing ("rel_err";
+more than 1e-2 off fails the run). GB/s counts the bytes read (n x element size); "% bw" is
+relative to a device copy measured in the same run. The providers are timed in interleaved
+rounds (_harness.time_interleaved: every provider once per round, so that a drift of a shared
+machine hits all alike); "x_vs_base" is the median over rounds of the baseline's time over the
+row's in the same round (> 1: faster than torch), with its spread (min-max over rounds). On a
+small shared CPU box run with OMP_NUM_THREADS=1 as well (bench/README.md, bench_memory.py:
+2-thread OpenMP regions stall when a thread is descheduled).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -55,13 +55,16 @@ def providers(x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     return out
 
 
-def check(name: str, got: torch.Tensor, x: torch.Tensor) -> None:
-    """Same quantity as a float64 sum. Not a numerics test (tests/test_ops_sq_norm.py is): the
-    bound only has to hold for any fp32 accumulation of n positive terms, blocked or pairwise,
-    whose relative error stays far below 1e-3 at these sizes; a wrong kernel is off by O(1)."""
-    want = x.double().square().sum().item()
+def rel_err(name: str, got: torch.Tensor, want: float) -> float:
+    """|got - want| / want against a float64 sum, checked to be under 1e-2: the same quantity
+    (not the norm, not a partial sum). Not a numerics test (tests/test_ops_sq_norm.py is):
+    fp32 accumulators of n positive terms drift by up to about (n / lanes) * 2^-24 relative, and
+    torch's own vector_norm(dtype=float32) is 1.3e-3 off at 2^24 elements on one CPU thread;
+    the CSV records each provider's error."""
     assert got.dtype == torch.float32 and got.dim() == 0, f"{name}: {got.dtype} {got.shape}"
-    assert math.isclose(got.item(), want, rel_tol=1e-3), f"{name}: {got.item()} vs {want}"
+    err = abs(got.item() - want) / want
+    assert err < 1e-2, f"{name}: {got.item()} vs {want} (float64)"
+    return err
 
 
 def bench(device: torch.device, sizes: list[int], dtypes: list[str], rounds: int, bw: float,
@@ -74,14 +77,14 @@ def bench(device: torch.device, sizes: list[int], dtypes: list[str], rounds: int
             n = 1 << lg
             x = torch.randn(n, device=device, generator=gen).to(dtype)
             provs = providers(x)
-            for name, fn in provs.items():
-                check(name, fn(), x)
+            want = x.double().square().sum().item()
+            errs = {name: rel_err(name, fn(), want) for name, fn in provs.items()}
             times = H.compare_interleaved(provs, device, BASE, rounds=rounds)
             for name, t in times.items():
                 gbs = n * x.element_size() / (t["ms"] * 1e-3) / 1e9
                 rows.append({"dtype": dname, "log2_n": lg, "provider": name, **t, "gb_s": gbs,
-                             "pct_bw": 100 * gbs / bw, "baseline": BASE, "copy_bw_gbs": bw,
-                             **meta})
+                             "pct_bw": 100 * gbs / bw, "rel_err": errs[name], "baseline": BASE,
+                             "copy_bw_gbs": bw, **meta})
             del x, provs
     return rows
 
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{bw:.1f} GB/s (read+write) | {rounds} interleaved rounds")
     rows = bench(device, sizes, args.dtypes, rounds, bw, meta)
     H.print_table(rows, ["dtype", "log2_n", "provider", "ms", "ms_min", "ms_max", "gb_s",
-                         "x_vs_base", "x_vs_base_min", "x_vs_base_max"])
+                         "x_vs_base", "x_vs_base_min", "x_vs_base_max", "rel_err"])
     name = f"bench_sq_norm_{device.type}_{meta['date']}"
     name += (f"_{args.tag}" if args.tag else "") + ("_quick" if args.quick else "")
     print(f"# wrote {H.write_csv(rows, name + '.csv', args.out)}")
