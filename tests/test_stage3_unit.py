@@ -20,7 +20,7 @@ from models import Block, TinyGPT, batch
 from torch import nn
 
 import zerokern
-from zerokern.comm import CollectiveTimeout, Comm
+from zerokern.comm import CollectiveError, CollectiveTimeout, Comm
 from zerokern.zero.offload import Ticket
 from zerokern.zero.registry import runtime_of_module
 from zerokern.zero.stage3 import GradPhase, IllegalTransition, Stage3Runtime, UnitState
@@ -191,6 +191,21 @@ def test_gather_timeout_breaks_the_context_and_abandons_the_buffer():
     with pytest.raises(RuntimeError, match="did not join"):
         b.gather()
     assert b.state is SHARDED
+
+
+def test_failed_gather_gives_its_buffer_back_on_release():
+    class PeerDied(Comm):
+        def all_gather(self, out, inp, label="shard", async_op=False, *, count=True):
+            raise CollectiveError("fake: a peer died")
+
+    rt, _ = _runtime(PeerDied())
+    a = rt.units[0]
+    with pytest.raises(CollectiveError, match="peer died"):
+        a.gather()
+    assert a.state is GATHERING and rt.gather_arena.stats()["in_use"] > 0
+    a.release()
+    assert a.state is SHARDED and rt.gather_arena.stats()["in_use"] == 0
+    assert all(_is_placeholder(rt, p, s) for p, s in zip(a.params, a.shapes))
 
 
 def test_offload_params_gathers_from_the_host_slice():

@@ -188,6 +188,7 @@ class Unit:
             adopt(self)
             buf, blk = ctx.alloc(self.plan.padded_numel)
             self.buf, self.block = buf, blk
+            self._move(UnitState.GATHERING)  # from here a release gives the buffer back
             src = self.slice_of(ctx.local_params)
             if ctx.copier is not None:
                 # Offloaded slice: to the device, into this rank's part of the gather buffer,
@@ -203,10 +204,12 @@ class Unit:
             for p, shape, off, n in zip(self.params, self.shapes, self.plan.param_offsets,
                                         self.plan.numels):
                 p.data = buf.narrow(0, off, n).view(shape)
-            self._move(UnitState.GATHERING if self.work is not None else UnitState.GATHERED)
+            if self.work is None:  # done at once (world size 1, or a synchronous group)
+                self._move(UnitState.GATHERED)
         if wait and self.state is UnitState.GATHERING:
-            ctx.wait(self.work, self.name, "all-gather of the parameters")
-            self.work = None
+            if self.work is not None:
+                ctx.wait(self.work, self.name, "all-gather of the parameters")
+                self.work = None
             self._move(UnitState.GATHERED)
 
     def release(self) -> None:
