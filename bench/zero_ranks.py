@@ -88,6 +88,7 @@ def run_rank(rank: int, job: Job) -> dict[str, Any]:
         device_id=device if cuda else None,
     )
     try:
+        _parallelize_for_older_trees()
         if ds:
             # Finding torch's group formed, DeepSpeed adopts it instead of forming its own
             # (which would want a launcher's MASTER_ADDR/MASTER_PORT, or MPI).
@@ -100,6 +101,29 @@ def run_rank(rank: int, job: Job) -> dict[str, Any]:
         return res
     finally:
         dist.destroy_process_group()
+
+
+def _parallelize_for_older_trees() -> None:
+    """zero_policies builds zerokern's rows with ``zerokern.parallelize``. A --tree checkout
+    older than it (zerokern/compose.py) gets, in this rank only, the two calls parallelize is
+    documented to equal bitwise, as the bench wrote them before: ``shard_model`` in place at
+    stage 3 (its default units), then ``ZeroAdamW`` on the model's parameters. Only the
+    arguments the bench passes are taken, so a policy that wants more fails loudly."""
+    import zerokern
+
+    if hasattr(zerokern, "parallelize"):
+        return
+
+    def parallelize(model: torch.nn.Module, *, stage: int, offload: str | None = None,
+                    offload_params: bool = False, **adamw_kwargs: Any) -> Any:
+        if stage == 3:
+            zerokern.shard_model(model, offload_params=offload_params)
+        elif offload_params:
+            raise ValueError("offload_params needs stage 3")
+        return zerokern.ZeroAdamW(model.parameters(), stage=stage, offload=offload,
+                                  **adamw_kwargs)
+
+    zerokern.parallelize = parallelize
 
 
 def train(rank: int, job: Job, device: torch.device, s: Setup) -> dict[str, Any]:
