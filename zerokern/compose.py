@@ -30,7 +30,14 @@ from typing import Any
 from torch import nn
 
 from .zero import ZeroAdamW, shard_model
-from .zero.validate import check_hparams, check_offload, check_offload_params
+from .zero.interchange import check_adamw_flags
+from .zero.scaler import LossScaler
+from .zero.validate import (
+    check_hparams,
+    check_offload,
+    check_offload_params,
+    check_zero_args,
+)
 
 __all__ = ["parallelize", "resolve_units", "shard_for"]
 
@@ -196,10 +203,11 @@ def parallelize(
     Raises:
         ValueError: a stage outside 0-3; ``offload`` other than None or ``"cpu"``, or at
             stage 0; ``offload_params`` at stages 0-2 or without ``offload="cpu"``; a bad
-            ``lr``, ``betas``, ``eps`` or ``weight_decay``; what ``shard_model`` refuses
-            (unit classes that match no module, a bad ``prefetch``). These are checked
-            before the model is modified. ZeroAdamW's other checks (``bucket_numel``,
-            ``max_grad_norm``, ...) run when it is built, after ``shard_model`` at stage 3.
+            ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bucket_numel``,
+            ``max_grad_norm`` or ``loss_scale``; a torch AdamW flag ZeroAdamW refuses
+            (``amsgrad``, ``maximize``, ``differentiable``); what ``shard_model`` refuses
+            (unit classes that match no module, a bad ``prefetch``). All of these are
+            checked before the model is modified.
         TypeError: a keyword that ZeroAdamW does not take, or bad ``unit_classes``
             entries (before the model is modified).
         RuntimeError: the model is already sharded (``shard_model`` or ``parallelize`` at
@@ -219,6 +227,12 @@ def parallelize(
     bound.apply_defaults()
     a = bound.arguments
     check_hparams(a["lr"], a["betas"], a["eps"], a["weight_decay"])
+    # ZeroAdamW's own checks, run here too so that nothing it would refuse reaches
+    # shard_model (which changes the model).
+    check_zero_args(stage, offload, a["bucket_numel"], a["max_grad_norm"])
+    check_adamw_flags(dict(amsgrad=a["amsgrad"], maximize=a["maximize"],
+                           differentiable=a["differentiable"]), "")
+    LossScaler.from_arg(a["loss_scale"])
     shard_for(model, stage=stage, unit_classes=unit_classes, prefetch=prefetch,
               reshard_after_forward=reshard_after_forward, offload_params=offload_params,
               gather_timeout=gather_timeout, process_group=process_group)
