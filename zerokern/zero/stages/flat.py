@@ -42,6 +42,7 @@ class FlatEngine(Engine):
                 # the model, its state_dict() or a parameter writes each tensor's bytes, not
                 # the arena (memory/alias.py).
                 p.data = own_storage(view).view_as(p)
+            self.pool_blocks: list[Any] = []  # stage 2's bucket pool (alloc_grads)
             self.alloc_grads()
             master, own_grads = self.state_options(dtype, offload)
             # With offload the host keeps an fp32 master for fp32 parameters too: the kernel
@@ -51,7 +52,6 @@ class FlatEngine(Engine):
                                          slot_numel=slot_numel(layout))
             self.init_master()
         self.overflow_bucket_bytes = 0
-        self.pool_blocks: list[Any] = []
         self._reducing: dict[int, tuple[torch.Tensor, bool]] = {}
         self.reducer = GradReducer(layout, params, self, overlap=self.overlap, backend=backend,
                                    max_inflight=self.max_inflight())

@@ -40,8 +40,14 @@ class Stage2(FlatEngine):
     def alloc_grads(self) -> None:
         self.flat_grad = None
         self.buffers: dict[int, torch.Tensor] = {}
-        self.pool: list[torch.Tensor] = []
-        self.allocated = 0
+        # The pool's blocks are taken now, as planned: the arena reserves them anyway, and
+        # memory_stats() then says the same before and after the first step whether one
+        # slot or both get used (one, when every reduction completes at once: world size 1,
+        # overlap_comm=False).
+        numel = max((b.numel for b in self.layout.buckets), default=0)
+        self.pool_blocks = [self.arena.alloc(numel, self.dtype) for _ in range(self.pool_size)]
+        self.pool: list[torch.Tensor] = [blk.tensor for blk in reversed(self.pool_blocks)]
+        self.allocated = self.pool_size
 
     @property
     def grad_shard(self) -> torch.Tensor | None:
@@ -73,10 +79,6 @@ class Stage2(FlatEngine):
 
     def _new_bucket(self) -> torch.Tensor:
         numel = max(b.numel for b in self.layout.buckets)
-        if len(self.pool_blocks) < self.pool_size:
-            blk = self.arena.alloc(numel, self.dtype)
-            self.pool_blocks.append(blk)
-            return blk.tensor
         t = torch.empty(numel, dtype=self.dtype, device=self.device)
         self.overflow_bucket_bytes += t.numel() * t.element_size()
         return t
