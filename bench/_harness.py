@@ -190,6 +190,27 @@ def machine(device: torch.device) -> dict[str, str]:
     }
 
 
+def op_bench_header(device: torch.device, rounds: int, quick: bool) -> tuple[dict[str, str],
+                                                                           float]:
+    """What a per-op bench prints first (machine, torch, date, the copy bandwidth its GB/s
+    are read against, the rounds): returns the machine metadata and that bandwidth."""
+    meta = machine(device)
+    bw = copy_bandwidth_gbs(device, nbytes=1 << (22 if quick else 28))
+    print(f"# {meta['device']} | torch {meta['torch']} | {meta['date']} | copy bandwidth "
+          f"{bw:.1f} GB/s (read+write) | {rounds} interleaved rounds")
+    return meta, bw
+
+
+def op_bench_finish(rows: Sequence[dict[str, object]], cols: Sequence[str], op: str,
+                    device: torch.device, meta: dict[str, str], tag: str, quick: bool,
+                    out: str | None) -> None:
+    """A per-op bench's table and CSV (bench_<op>_<device>_<date>[_tag][_quick].csv)."""
+    print_table(rows, cols)
+    name = f"bench_{op}_{device.type}_{meta['date']}"
+    name += (f"_{tag}" if tag else "") + ("_quick" if quick else "")
+    print(f"# wrote {write_csv(rows, name + '.csv', out)}")
+
+
 def write_csv(
     rows: Sequence[dict[str, object]], name: str, out_dir: str | Path | None = None
 ) -> Path:

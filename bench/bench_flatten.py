@@ -145,16 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     table = QUICK_CASES if args.quick else CASES
     cases = {k: v for k, v in table.items() if not args.cases or k in args.cases}
     rounds = args.rounds or (3 if args.quick else 15)
-    meta = H.machine(device)
-    bw = H.copy_bandwidth_gbs(device, nbytes=1 << (22 if args.quick else 28))
-    print(f"# {meta['device']} | torch {meta['torch']} | {meta['date']} | copy bandwidth "
-          f"{bw:.1f} GB/s (read+write) | {rounds} interleaved rounds")
+    meta, bw = H.op_bench_header(device, rounds, args.quick)
     rows = bench(device, cases, args.dtypes, rounds, bw, meta)
-    H.print_table(rows, ["direction", "case", "dtype", "provider", "ms", "ms_min", "ms_max",
-                         "gb_s", "x_vs_base", "x_vs_base_min", "x_vs_base_max"])
-    name = f"bench_flatten_{device.type}_{meta['date']}"
-    name += (f"_{args.tag}" if args.tag else "") + ("_quick" if args.quick else "")
-    print(f"# wrote {H.write_csv(rows, name + '.csv', args.out)}")
+    cols = [
+        "direction", "case", "dtype", "provider", "ms", "ms_min", "ms_max", "gb_s",
+        "x_vs_base", "x_vs_base_min", "x_vs_base_max",
+    ]
+    H.op_bench_finish(rows, cols, "flatten", device, meta, args.tag, args.quick, args.out)
     return 0
 
 

@@ -104,16 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     top = 29 if device.type == "cuda" else 25
     sizes = args.sizes or ([10, 14] if args.quick else list(range(16, top, 2)))
     rounds = args.rounds or (3 if args.quick else 15)
-    meta = H.machine(device)
-    bw = H.copy_bandwidth_gbs(device, nbytes=1 << (22 if args.quick else 28))
-    print(f"# {meta['device']} | torch {meta['torch']} | {meta['date']} | copy bandwidth "
-          f"{bw:.1f} GB/s (read+write) | {rounds} interleaved rounds")
+    meta, bw = H.op_bench_header(device, rounds, args.quick)
     rows = bench(device, sizes, args.dtypes, rounds, bw, meta)
-    H.print_table(rows, ["dtype", "log2_n", "provider", "ms", "ms_min", "ms_max", "gb_s",
-                         "x_vs_base", "x_vs_base_min", "x_vs_base_max", "rel_err"])
-    name = f"bench_sq_norm_{device.type}_{meta['date']}"
-    name += (f"_{args.tag}" if args.tag else "") + ("_quick" if args.quick else "")
-    print(f"# wrote {H.write_csv(rows, name + '.csv', args.out)}")
+    cols = [
+        "dtype", "log2_n", "provider", "ms", "ms_min", "ms_max", "gb_s",
+        "x_vs_base", "x_vs_base_min", "x_vs_base_max", "rel_err",
+    ]
+    H.op_bench_finish(rows, cols, "sq_norm", device, meta, args.tag, args.quick, args.out)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _tol import ADAM_FP32
+from references import reference64
 
 from zerokern import ops
 from zerokern.ops._backend import available_backends
@@ -14,16 +15,6 @@ SIZES = [1, 7, 4099, 65539]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def reference64(p, g, m, v, *, lr, b1, b2, eps, wd, step, grad_scale):
-    """The issue's formula in float64 on the same fp32 inputs."""
-    p, m, v = p.double(), m.double(), v.double()
-    g = g.double() / grad_scale
-    p = p * (1 - lr * wd)
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
-    denom = v.sqrt() / (1 - b2**step) ** 0.5 + eps
-    p = p - lr / (1 - b1**step) * m / denom
-    return p, m, v
 
 
 def make(n, gdtype, seed=0, device="cpu"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import triton_common
+from references import reference64
 from test_triton_adamw_fma import _fma32
 from triton_common import Group, assert_group
 from triton_common import bits as _bits
@@ -25,16 +26,6 @@ from triton_common import start_scripts as start_scripts  # conftest starts the 
 
 
 
-def _reference64(p, g, m, v, *, lr, b1, b2, eps, wd, step, grad_scale):
-    """The kernels.h formula in float64 on the same fp32 inputs."""
-    p, m, v = p.double(), m.double(), v.double()
-    g = g.double() / grad_scale
-    p = p * (1 - lr * wd)
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
-    denom = v.sqrt() / (1 - b2**step) ** 0.5 + eps
-    p = p - lr / (1 - b1**step) * m / denom
-    return p, m, v
 
 
 def _emulate_fp32(p, g, m, v, k, fused=True):
@@ -123,7 +114,7 @@ def _interp_adamw(out):
         s = adam_scalars(
             lr=1e-3, beta1=b1, beta2=0.999, eps=1e-8, weight_decay=wd, step=step, grad_scale=gs
         )
-        rp, rm, rv = _reference64(p, g, m, v, **hp)
+        rp, rm, rv = reference64(p, g, m, v, **hp)
         ep, em, ev = _emulate_fp32(p, g, m, v, ka.kernel_scalars(s))
         up, um, uv = _emulate_fp32(p, g, m, v, ka.kernel_scalars(s), fused=False)
         unfused_diffs += sum(int((x != y).sum()) for x, y in ((ep, up), (em, um), (ev, uv)))
