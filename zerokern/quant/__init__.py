@@ -1,0 +1,9 @@
+"""Compressed optimizer state (issue 27): the pure-PyTorch oracles the kernels must equal.
+
+Nothing here is exported from ``zerokern``; the optimizer imports the parts it needs.
+
+- ``philox``: Philox4x32-10 on int64 tensors (Random123's generator, as Triton's
+  ``tl.randint4x`` and cuRAND use it) and ``sr_bits(seed, step, index)``, the random bits of
+  ``master="none"`` keyed by the element's index in its parameter.
+- ``rounding``: ``stochastic_round_bf16(x, bits)``, fp32 -> bf16 stochastic rounding.
+"""
