@@ -6,4 +6,7 @@ Nothing here is exported from ``zerokern``; the optimizer imports the parts it n
   ``tl.randint4x`` and cuRAND use it) and ``sr_bits(seed, step, index)``, the random bits of
   ``master="none"`` keyed by the element's index in its parameter.
 - ``rounding``: ``stochastic_round_bf16(x, bits)``, fp32 -> bf16 stochastic rounding.
+- ``maps``: the dynamic-exponent 8-bit code maps of the Adam moments (signed for ``exp_avg``,
+  unsigned for ``exp_avg_sq``, each with a stable id that checkpoints store) and block-wise
+  ``quantize_blockwise`` / ``dequantize_blockwise`` (blocks of 256, one fp32 absmax each).
 """
