@@ -1,9 +1,16 @@
 // pybind11 surface of zerokern._C. The only file that sees at::Tensor: it turns tensors into
 // raw pointers and picks the CPU or CUDA launcher. Argument validation with clear,
 // argument-naming errors happens in Python (zerokern/ops) before anything is written; the
-// checks here are a last line of defence for direct callers.
+// checks here are a last line of defence for direct callers. copy_flat is the exception: a
+// per-tensor check costs ~1 us in Python, so for the many small tensors of a bucket it runs
+// the flatten checks itself, with the Python wording.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "arena.h"
@@ -24,6 +31,9 @@ zk::DType to_dtype(const at::Tensor& t, const char* name) {
     default: TORCH_CHECK_TYPE(false, name, ": unsupported dtype ", t.scalar_type());
   }
 }
+
+// A device as Python prints a torch.device ("cpu", "cuda:0").
+std::string dev_str(const at::Device& d) { return d.str(); }
 
 void check_flat(const at::Tensor& t, const char* name, int64_t n, const at::Device& dev) {
   TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), name, " must be 1-D and contiguous");
@@ -94,6 +104,34 @@ at::Tensor sq_norm(const at::Tensor& x) {
 #endif
 }
 
+// Runs the byte copies `segs` (all on `dev`) in one pass: OpenMP on the CPU, one kernel launch
+// on CUDA. `what` names the caller in errors.
+void run_segments(const std::vector<zk::CopySegment>& segs, const at::Device& dev,
+                  const char* what) {
+  if (dev.is_cpu()) {
+    zk::copy_segments_cpu(segs.data(), int64_t(segs.size()));
+    return;
+  }
+#ifdef ZK_WITH_CUDA
+  TORCH_CHECK(dev.is_cuda(), what, ": unsupported device ", dev);
+  c10::cuda::CUDAGuard guard(dev);
+  // Chunk table: built on the host, shipped with one pinned async copy, read by one launch.
+  std::vector<zk::CopySegment> chunks;
+  for (const auto& sg : segs)
+    for (int64_t off = 0; off < sg.bytes; off += zk::kCopyChunkBytes)
+      chunks.push_back({sg.src + off, sg.dst + off, std::min(zk::kCopyChunkBytes, sg.bytes - off)});
+  if (chunks.empty()) return;
+  const int64_t table_bytes = int64_t(chunks.size() * sizeof(zk::CopySegment));
+  at::Tensor host = at::empty({table_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), chunks.data(), size_t(table_bytes));
+  at::Tensor table = host.to(dev, /*non_blocking=*/true);
+  zk::copy_chunks_cuda(static_cast<const zk::CopySegment*>(table.data_ptr()),
+                       int64_t(chunks.size()), c10::cuda::getCurrentCUDAStream().stream());
+#else
+  TORCH_CHECK(false, what, ": zerokern._C was built without CUDA kernels");
+#endif
+}
+
 // dsts[i] receives srcs[i]; each pair has the same number of bytes and both are contiguous.
 void copy_segments(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& dsts) {
   TORCH_CHECK(srcs.size() == dsts.size(), "copy_segments: srcs and dsts differ in length");
@@ -113,28 +151,125 @@ void copy_segments(const std::vector<at::Tensor>& srcs, const std::vector<at::Te
     segs.push_back({static_cast<const char*>(s.data_ptr()), static_cast<char*>(d.data_ptr()),
                     int64_t(s.nbytes())});
   }
-  if (dev.is_cpu()) {
-    zk::copy_segments_cpu(segs.data(), int64_t(segs.size()));
-    return;
+  run_segments(segs, dev, "copy_segments");
+}
+
+std::string str_of(const py::handle& h) { return py::str(h).cast<std::string>(); }
+
+// flatten_into_ / unflatten_from_ without a Python view per tensor: piece i is elements
+// [starts[i], starts[i] + lengths[i]) of tensors[i] (default: all of it), slot i is
+// [offsets[i], offsets[i] + lengths[i]) of `flat` (default: packed from 0); to_flat copies the
+// pieces into the slots, else the slots into the pieces. Every check of
+// zerokern/ops/flatten.py's _plan runs here first, in the same order and with the same
+// TypeError / ValueError text (tests compare both), so nothing is written when one fails.
+// `flat` itself (a 1-D contiguous tensor) was checked by the caller. Bumps the version of
+// what it writes, as the custom op's ADInplaceOrView kernel does.
+void copy_flat(const py::list& tensors, const at::Tensor& flat, const std::string& flat_name,
+               std::optional<std::vector<int64_t>> offsets,
+               std::optional<std::vector<int64_t>> starts,
+               std::optional<std::vector<int64_t>> lengths, bool to_flat) {
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), flat_name, " must be 1-D and contiguous");
+  TORCH_CHECK(starts.has_value() == lengths.has_value(), "copy_flat: starts without lengths");
+  const int64_t nt = int64_t(py::len(tensors));
+  std::vector<const at::Tensor*> ts(size_t(nt), nullptr);
+  for (int64_t i = 0; i < nt; ++i) {
+    PyObject* o = PyList_GET_ITEM(tensors.ptr(), i);
+    if (!THPVariable_Check(o))
+      throw py::type_error("tensors[" + std::to_string(i) + "] must be a torch.Tensor, got " +
+                           str_of(py::handle(reinterpret_cast<PyObject*>(Py_TYPE(o))).attr("__name__")));
+    ts[size_t(i)] = &THPVariable_Unpack(o);
   }
-#ifdef ZK_WITH_CUDA
-  TORCH_CHECK(dev.is_cuda(), "copy_segments: unsupported device ", dev);
-  c10::cuda::CUDAGuard guard(dev);
-  // Chunk table: built on the host, shipped with one pinned async copy, read by one launch.
-  std::vector<zk::CopySegment> chunks;
-  for (const auto& sg : segs)
-    for (int64_t off = 0; off < sg.bytes; off += zk::kCopyChunkBytes)
-      chunks.push_back({sg.src + off, sg.dst + off, std::min(zk::kCopyChunkBytes, sg.bytes - off)});
-  if (chunks.empty()) return;
-  const int64_t table_bytes = int64_t(chunks.size() * sizeof(zk::CopySegment));
-  at::Tensor host = at::empty({table_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), chunks.data(), size_t(table_bytes));
-  at::Tensor table = host.to(dev, /*non_blocking=*/true);
-  zk::copy_chunks_cuda(static_cast<const zk::CopySegment*>(table.data_ptr()),
-                       int64_t(chunks.size()), c10::cuda::getCurrentCUDAStream().stream());
-#else
-  TORCH_CHECK(false, "copy_segments: zerokern._C was built without CUDA kernels");
-#endif
+  const auto dt = flat.scalar_type();
+  const auto dev = flat.device();
+  for (int64_t i = 0; i < nt; ++i) {
+    const at::Tensor& t = *ts[size_t(i)];
+    if (t.scalar_type() != dt)
+      throw py::type_error("tensors[" + std::to_string(i) + "] has dtype " +
+                           str_of(py::cast(t.scalar_type())) + ", " + flat_name + " has " +
+                           str_of(py::cast(dt)));
+    if (t.device() != dev)
+      throw py::value_error("tensors[" + std::to_string(i) + "] is on " + dev_str(t.device()) +
+                            ", " + flat_name + " is on " + dev_str(dev));
+    if (!t.is_contiguous())
+      throw py::value_error("tensors[" + std::to_string(i) + "] must be contiguous");
+  }
+  std::vector<int64_t> st, len;
+  if (starts.has_value()) {
+    st = std::move(*starts);
+    len = std::move(*lengths);
+    TORCH_CHECK(st.size() == len.size(), "copy_flat: starts and lengths differ in length");
+    if (int64_t(st.size()) != nt)
+      throw py::value_error("ranges has " + std::to_string(st.size()) + " entries for " +
+                            std::to_string(nt) + " tensors");
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t s = st[size_t(i)], n = len[size_t(i)], numel = ts[size_t(i)]->numel();
+      if (s < 0 || n < 0 || s > numel - n)
+        throw py::value_error("ranges[" + std::to_string(i) + "] = (" + std::to_string(s) + ", " +
+                              std::to_string(n) + ") is outside tensors[" + std::to_string(i) +
+                              "] (" + std::to_string(numel) + " elements)");
+    }
+  } else {
+    st.assign(size_t(nt), 0);
+    len.resize(size_t(nt));
+    for (int64_t i = 0; i < nt; ++i) len[size_t(i)] = ts[size_t(i)]->numel();
+  }
+  std::vector<int64_t> off;
+  const bool packed = !offsets.has_value();
+  if (packed) {
+    off.resize(size_t(nt));
+    int64_t pos = 0;
+    for (int64_t i = 0; i < nt; ++i) {
+      off[size_t(i)] = pos;
+      pos += len[size_t(i)];
+    }
+  } else {
+    off = std::move(*offsets);
+    if (int64_t(off.size()) != nt)
+      throw py::value_error("offsets has " + std::to_string(off.size()) + " entries for " +
+                            std::to_string(nt) + " tensors");
+  }
+  const int64_t flat_numel = flat.numel();
+  for (int64_t i = 0; i < nt; ++i) {
+    const int64_t o = off[size_t(i)], n = len[size_t(i)];
+    if (o < 0 || o > flat_numel - n)
+      throw py::value_error("offsets[" + std::to_string(i) + "] = " + std::to_string(o) +
+                            " with " + std::to_string(n) + " elements does not fit in " +
+                            flat_name + " (" + std::to_string(flat_numel) + " elements)");
+  }
+  // Slots written in parallel must not overlap. Packed slots never do; otherwise the first
+  // overlapping neighbours in (offset, end, index) order are named, as _plan names them.
+  if (!packed) {
+    std::vector<std::array<int64_t, 3>> spans;
+    spans.reserve(size_t(nt));
+    for (int64_t i = 0; i < nt; ++i)
+      if (len[size_t(i)]) spans.push_back({off[size_t(i)], off[size_t(i)] + len[size_t(i)], i});
+    if (!std::is_sorted(spans.begin(), spans.end())) std::sort(spans.begin(), spans.end());
+    for (size_t k = 1; k < spans.size(); ++k)
+      if (spans[k][0] < spans[k - 1][1])
+        throw py::value_error("offsets overlap in " + flat_name + ": tensors[" +
+                              std::to_string(spans[k - 1][2]) + "] and tensors[" +
+                              std::to_string(spans[k][2]) + "]");
+  }
+  if (nt == 0) return;
+  const int64_t item = int64_t(flat.element_size());
+  char* fbase = static_cast<char*>(flat.data_ptr());
+  std::vector<zk::CopySegment> segs;
+  segs.reserve(size_t(nt));
+  for (int64_t i = 0; i < nt; ++i) {
+    const int64_t n = len[size_t(i)];
+    if (n == 0) continue;
+    char* piece = static_cast<char*>(ts[size_t(i)]->data_ptr()) + st[size_t(i)] * item;
+    char* slot = fbase + off[size_t(i)] * item;
+    segs.push_back(to_flat ? zk::CopySegment{piece, slot, n * item}
+                           : zk::CopySegment{slot, piece, n * item});
+  }
+  run_segments(segs, dev, "copy_flat");
+  if (to_flat) {
+    if (!flat.is_inference()) torch::autograd::impl::bump_version(flat);
+  } else {
+    for (const at::Tensor* t : ts)
+      if (!t->is_inference()) torch::autograd::impl::bump_version(*t);
+  }
 }
 
 }  // namespace
@@ -154,5 +289,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sq_norm", &sq_norm, "sum of squares as a 0-dim float32 tensor", py::arg("t"));
   m.def("copy_segments", &copy_segments, "dsts[i].copy_(srcs[i]) for all i in one pass",
         py::arg("srcs"), py::arg("dsts"));
+  m.def("copy_flat", &copy_flat,
+        "flatten_into_ (to_flat) / unflatten_from_ on base tensors: checks, then one pass",
+        py::arg("tensors"), py::arg("flat"), py::arg("flat_name"), py::arg("offsets"),
+        py::arg("starts"), py::arg("lengths"), py::arg("to_flat"));
   zk::bind_arena(m);
 }
