@@ -32,7 +32,9 @@ How the generators that kernels can call map onto ``philox4x32``:
 
 The optimizer's key (``sr_bits``): the element's bits for (seed, step, index) are the first
 word of ``philox4x32(index, step, 0, 0, seed_lo, seed_hi)``, i.e. ``tl.randint(seed,
-(step << 32) | index)`` with a 64-bit offset. The index is the element's position in its
+(step.to(tl.int64) << 32) | index)`` with a 64-bit offset (cast both to int64 first: a 32-bit
+offset would leave counter word 1 at 0; steps >= 2**31 wrap to negative offsets, which
+Triton splits back into the same two words). The index is the element's position in its
 whole parameter (not in a shard), so the bits do not depend on world size, stage or layout.
 With ``0 <= index < 2**32``, ``0 <= step < 2**32`` and ``0 <= seed < 2**64`` every triple has
 its own (counter, key) pair: under one seed the counters differ, and Philox is a bijection of
@@ -64,16 +66,18 @@ def _mulhilo(m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
+def _word(name: str, w: Word) -> torch.Tensor:
+    """w as an int64 tensor, checked to hold 32-bit unsigned values."""
+    t = torch.as_tensor(w)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be integer, got {t.dtype}")
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) > MASK32):
+        raise ValueError(f"{name} must lie in [0, 2**32)")
+    return t.to(torch.int64)
+
+
 def _as_words(*words: Word) -> list[torch.Tensor]:
-    ts = []
-    for w in words:
-        t = torch.as_tensor(w)
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"Philox words must be integers, got {t.dtype}")
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) > MASK32):
-            raise ValueError("Philox words must lie in [0, 2**32)")
-        ts.append(t.to(torch.int64))
-    return list(torch.broadcast_tensors(*ts))
+    return list(torch.broadcast_tensors(*(_word("a Philox word", w) for w in words)))
 
 
 def philox4x32(c0: Word, c1: Word, c2: Word, c3: Word, k0: Word, k1: Word
@@ -156,11 +160,4 @@ def sr_bits(seed: int, step: int | torch.Tensor, index: torch.Tensor) -> torch.T
     if not isinstance(seed, int) or not 0 <= seed < 1 << 64:
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     k0, k1 = _seed_words(seed)
-    index = torch.as_tensor(index)
-    step = torch.as_tensor(step)
-    for name, t in (("index", index), ("step", step)):
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"{name} must be integer, got {t.dtype}")
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) > MASK32):
-            raise ValueError(f"{name} must lie in [0, 2**32)")
-    return philox4x32(index.to(torch.int64), step.to(torch.int64), 0, 0, k0, k1)[0]
+    return philox4x32(_word("index", index), _word("step", step), 0, 0, k0, k1)[0]
