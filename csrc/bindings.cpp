@@ -163,8 +163,11 @@ std::string str_of(const py::handle& h) { return py::str(h).cast<std::string>();
 // zerokern/ops/flatten.py's _plan runs here first, in the same order and with the same
 // TypeError / ValueError text (tests compare both), so nothing is written when one fails.
 // `flat` itself (a 1-D contiguous tensor) was checked by the caller. Bumps the version of
-// what it writes, as the custom op's ADInplaceOrView kernel does.
-void copy_flat(const py::list& tensors, const at::Tensor& flat, const std::string& flat_name,
+// what it writes, as the custom op's ADInplaceOrView kernel does. Returns false, having
+// checked and written nothing more, when a tensor is not a plain one with its own storage (a
+// __torch_dispatch__ subclass such as FakeTensor or DTensor, a functorch wrapper): those
+// must see the custom op, so the caller takes that path.
+bool copy_flat(const py::list& tensors, const at::Tensor& flat, const std::string& flat_name,
                std::optional<std::vector<int64_t>> offsets,
                std::optional<std::vector<int64_t>> starts,
                std::optional<std::vector<int64_t>> lengths, bool to_flat) {
@@ -179,6 +182,12 @@ void copy_flat(const py::list& tensors, const at::Tensor& flat, const std::strin
                            str_of(py::handle(reinterpret_cast<PyObject*>(Py_TYPE(o))).attr("__name__")));
     ts[size_t(i)] = &THPVariable_Unpack(o);
   }
+  const auto plain = [](const at::Tensor& t) {
+    return t.has_storage() && !t.unsafeGetTensorImpl()->is_python_dispatch();
+  };
+  if (!plain(flat)) return false;
+  for (const at::Tensor* t : ts)
+    if (!plain(*t)) return false;
   const auto dt = flat.scalar_type();
   const auto dev = flat.device();
   for (int64_t i = 0; i < nt; ++i) {
@@ -250,7 +259,7 @@ void copy_flat(const py::list& tensors, const at::Tensor& flat, const std::strin
                               std::to_string(spans[k - 1][2]) + "] and tensors[" +
                               std::to_string(spans[k][2]) + "]");
   }
-  if (nt == 0) return;
+  if (nt == 0) return true;
   const int64_t item = int64_t(flat.element_size());
   char* fbase = static_cast<char*>(flat.data_ptr());
   std::vector<zk::CopySegment> segs;
@@ -270,6 +279,7 @@ void copy_flat(const py::list& tensors, const at::Tensor& flat, const std::strin
     for (const at::Tensor* t : ts)
       if (!t->is_inference()) torch::autograd::impl::bump_version(*t);
   }
+  return true;
 }
 
 }  // namespace

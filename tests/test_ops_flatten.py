@@ -264,3 +264,30 @@ def test_torch_compile_traces_the_custom_ops():
 
     assert torch.equal(torch.compile(g, backend="aot_eager", fullgraph=True)(ref, back), ts[0] + 1)
     assert torch.equal(back[0], ts[0]) and torch.equal(back[1], ts[1])
+
+
+def test_dispatch_modes_and_fake_tensors_see_the_custom_op():
+    # The direct native call would bypass them: a mode on the stack or a tensor subclass
+    # (FakeTensor here) takes the custom-op path instead.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ts, out = [torch.randn(3), torch.randn(2)], torch.zeros(5)
+    with Seen() as mode:
+        ops.flatten_into_(ts, out)
+    assert any("zerokern.flatten_into_" in name for name in mode.ops), mode.ops
+    assert torch.equal(out, torch.cat(ts))
+    with FakeTensorMode() as fake_mode:
+        fts, fout = [torch.empty(3), torch.empty(2)], torch.empty(5)
+    ops.flatten_into_(fts, fout, backend="cpu")  # fake tensors, no mode: the subclass check
+    ops.unflatten_from_(fout, fts, backend="cpu")
+    assert fake_mode is not None

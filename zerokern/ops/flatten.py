@@ -56,8 +56,9 @@ def _flatten_op(
     lengths: list[int],
     backend: str,
 ) -> None:
-    if backend in _NATIVE:
-        _native.require(backend).copy_flat(tensors, out, "out", offsets, starts, lengths, True)
+    if backend in _NATIVE and _native.require(backend).copy_flat(
+        tensors, out, "out", offsets, starts, lengths, True
+    ):
         return
     pieces, slots = _views(tensors, out, offsets, starts, lengths)
     _copy(pieces, slots, backend)
@@ -77,8 +78,9 @@ def _unflatten_op(
     lengths: list[int],
     backend: str,
 ) -> None:
-    if backend in _NATIVE:
-        _native.require(backend).copy_flat(tensors, flat, "flat", offsets, starts, lengths, False)
+    if backend in _NATIVE and _native.require(backend).copy_flat(
+        tensors, flat, "flat", offsets, starts, lengths, False
+    ):
         return
     pieces, slots = _views(tensors, flat, offsets, starts, lengths)
     _copy(slots, pieces, backend)
@@ -105,19 +107,21 @@ def _native_call(
     to_flat: bool,
 ) -> tuple[list[torch.Tensor], str | None]:
     """The native path: (tensors as a list, None) once the copy is done in C++, or
-    (tensors, the backend) for the custom op when the backend is not native or torch.compile
-    is tracing (the op is what it sees)."""
+    (tensors, the backend) for the custom op when the backend is not native, torch.compile is
+    tracing, a dispatch mode is active or a tensor is a subclass (the op is what they see)."""
     _check_head(tensors, flat, flat_name)
     b = resolve_backend(backend, flat.device)
     ts = list(tensors)
-    if b not in _NATIVE or torch.compiler.is_compiling():
+    # A tracer or a dispatch mode (FakeTensorMode, FlopCounterMode) must see the op itself.
+    if b not in _NATIVE or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return ts, b
     starts = lengths = None
     if ranges is not None:
         starts, lengths = [int(r[0]) for r in ranges], [int(r[1]) for r in ranges]
     offs = None if offsets is None else list(map(int, offsets))
-    _native.require(b).copy_flat(ts, flat, flat_name, offs, starts, lengths, to_flat)
-    return ts, None
+    if _native.require(b).copy_flat(ts, flat, flat_name, offs, starts, lengths, to_flat):
+        return ts, None
+    return ts, b  # a tensor subclass: the custom op dispatches it
 
 
 def _plan(
