@@ -20,7 +20,6 @@ from models import Block, OddNet, TinyGPT, batch
 
 import zerokern
 from zerokern.zero.offload import ShardPhase
-from zerokern.zero.shard import runtime_of
 
 HP = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.05)
 
@@ -115,74 +114,6 @@ def test_offload_params_bitwise_equal_to_no_offload(world, tmp_path):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_fp16_loss_scaling_skips_with_no_offload(stage, tmp_path):
     run_ranks(2, bitwise_case, stage, "float16", "fp16", tmp_path=tmp_path)
-
-
-# -- memory_stats -----------------------------------------------------------------------------
-def memory_case(rank, world, stage, offload_params):
-    dtype = torch.bfloat16
-    model, opt = _build(stage, dtype, True, offload_params=offload_params, bucket_numel=97)
-    planned = opt.memory_stats() if stage < 3 else None
-    for step in (0, 2):  # every used parameter in use (none holds its bucket back)
-        _train_step(model, opt, stage, step, rank, 1)
-    ms = opt.memory_stats()
-    L = opt.layout
-    local_real = sum(pc.numel for pc in L.pieces if pc.param >= 0)
-    held = sum(pc.numel for pc in L.pieces)
-    # Host: master + exp_avg + exp_avg_sq = 12Ψ/N, the 16-bit gradient shard 2Ψ/N, and two
-    # staging slots.
-    assert ms["host_master"] == ms["host_exp_avg"] == ms["host_exp_avg_sq"] == 4 * local_real
-    assert sum(ms[f"host_{k}"] for k in ("master", "exp_avg", "exp_avg_sq")) == 12 * local_real
-    assert ms["master"] == ms["exp_avg"] == ms["exp_avg_sq"] == 0  # none on the device
-    if stage < 3:
-        psi = sum(p.numel() for p in opt.managed_params)
-        slot = max(b.shard_numel for b in L.buckets)
-        assert ms["host_grads"] == 2 * local_real
-        assert ms["host_staging"] == 2 * slot * 2
-        cap = max(b.numel for b in L.buckets)
-        pad = (L.flat_numel - psi) * 2
-        if stage == 2:  # device: 2Ψ of 16-bit params + the two buckets, nothing else
-            assert ms["params"] == 2 * psi and ms["grads"] == 0 and ms["padding"] == pad
-            nbuf = ms["buckets"] // (2 * cap)  # one when every reduction ran synchronously
-            assert ms["buckets"] == nbuf * 2 * cap and nbuf in (1, 2)
-            assert ms["total"] == _r256(2 * L.flat_numel) + nbuf * _r256(2 * cap) \
-                + ms["comm_scratch"]
-        else:  # stage 1: 2Ψ params + the full-size 2Ψ gradient
-            assert ms["params"] == ms["grads"] == 2 * psi and ms["buckets"] == 0
-            assert ms["padding"] == 2 * pad
-            assert ms["total"] == 2 * _r256(2 * L.flat_numel) + ms["comm_scratch"]
-        for k in ("params", "grads", "host_master", "host_grads", "host_staging", "host_total",
-                  "arena_capacity"):
-            assert planned[k] == ms[k], (k, planned[k], ms[k])
-    else:
-        rt = runtime_of(model)
-        assert ms["host_grads"] == 2 * held
-        assert ms["host_staging"] == 2 * 2 * max(u.plan.shard_numel for u in rt.units)
-        if offload_params:  # nothing of the model state on the device but gathered units
-            assert ms["params"] == 0 and ms["total"] == 0
-            assert ms["host_params"] == 2 * held
-            assert rt.local_params.device.type == "cpu" and rt.param_arena.device.type == "cpu"
-        else:
-            assert ms["params"] == 2 * held and ms["host_params"] == 0
-            assert ms["total"] == 2 * rt.local_numel
-        assert ms["gather_peak"] > 0
-    parts = sum(ms[f"host_{k}"] for k in ("master", "exp_avg", "exp_avg_sq", "grads",
-                                          "params", "staging", "padding"))
-    assert parts <= ms["host_total"] <= parts + 16 * 256
-    assert ms["device_total"] == ms["total"]
-
-
-@pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_offload_memory_stats_match_formulas(world, stage, tmp_path):
-    run_ranks(world, memory_case, stage, False, tmp_path=tmp_path)
-
-
-def test_offload_params_memory_stats(tmp_path):
-    run_ranks(2, memory_case, 3, True, tmp_path=tmp_path)
-
-
-def _r256(nbytes):
-    return -(-nbytes // 256) * 256
 
 
 # -- the pipeline -----------------------------------------------------------------------------

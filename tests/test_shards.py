@@ -153,23 +153,3 @@ def shards_case(rank, world, stage):
 def test_shards_hold_torch_adamw_state_and_edit_shards_sets_it(stage, world, tmp_path):
     run_ranks(world, shards_case, stage, tmp_path=tmp_path)
 
-
-def bad_step_case(rank, world, stage):
-    ours, opt, _, _ = _build(stage, world)
-    _step(ours, opt, 0, rank, world)
-    before = [p.detach().clone() for p in opt.managed_params]
-    steps = [sh.step for sh in opt.shards()]
-    assert 1 in steps
-    with pytest.raises(ValueError, match="step of parameter 0"):
-        with opt.edit_shards() as shards:
-            for sh in shards:
-                sh.step = 7
-            shards[0].step = -1
-    assert [sh.step for sh in opt.shards()] == steps
-    for a, p in zip(before, opt.managed_params):
-        assert torch.equal(a, p.detach())
-
-
-@pytest.mark.parametrize("stage", [0, 2])
-def test_edit_shards_refuses_a_bad_step(stage, tmp_path):
-    run_ranks(2, bad_step_case, stage, tmp_path=tmp_path)
