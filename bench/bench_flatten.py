@@ -19,7 +19,8 @@ and unflatten (the flat buffer back into the tensors):
   torch_copy           t.view(-1).copy_(slice) one by one. The baseline.
   torch_foreach_copy   torch._foreach_copy_(tensors, slices)
 The zerokern rows are the public op: its argument checks (in C++ for the cpu and cuda
-backends, in Python for torch and triton) are part of what is timed. Every provider's result is checked once, outside the timing. GB/s counts the
+backends, in Python for torch and triton) are part of what is timed. Every provider's result
+is checked once, outside the timing. GB/s counts the
 bytes read + written (2 x total); "% bw" is relative to a device copy measured in the same
 run. The providers are timed in interleaved rounds (_harness.time_interleaved); "x_vs_base" is
 the median over rounds of the baseline's time over the row's in the same round (> 1: faster
