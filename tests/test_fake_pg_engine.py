@@ -22,6 +22,7 @@ from test_offload import _build as _offload_build
 from test_offload import _train_step
 from test_shards import _build as _shards_build
 from test_shards import _step as _shards_step
+from test_zero_features import _train
 
 import zerokern
 from zerokern.zero.registry import runtime_of_module
@@ -33,13 +34,6 @@ WORLDS = (1, 2, 3, 4, 8)
 WORLDS_ODDNET = (1, 2, 3, 4, 5, 8)
 
 
-def _train(model, opt, steps, rank, start=0):
-    for step in range(start, start + steps):
-        x, y = batch(step, rank)
-        loss = F.cross_entropy(model(x).float(), y)
-        opt.scale_loss(loss).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 # -- stages 0-2 (from test_zero_features) ------------------------------------------------------
