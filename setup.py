@@ -80,6 +80,7 @@ def _extensions():
     cpu_sources = [
         f"{CSRC}/bindings.cpp",
         f"{CSRC}/adam_cpu.cpp",
+        f"{CSRC}/adam_compressed_cpu.cpp",
         f"{CSRC}/sq_norm_cpu.cpp",
         f"{CSRC}/flatten_cpu.cpp",
         f"{CSRC}/arena.cpp",
@@ -91,7 +92,8 @@ def _extensions():
         ext = CUDAExtension(
             "zerokern._C",
             cpu_sources
-            + [f"{CSRC}/adam_cuda.cu", f"{CSRC}/sq_norm_cuda.cu", f"{CSRC}/flatten_cuda.cu"],
+            + [f"{CSRC}/adam_cuda.cu", f"{CSRC}/adam_compressed_cuda.cu", f"{CSRC}/sq_norm_cuda.cu",
+               f"{CSRC}/flatten_cuda.cu"],
             define_macros=[("ZK_WITH_CUDA", "1")],
             extra_compile_args={
                 "cxx": cxx,

@@ -51,7 +51,37 @@ void copy_segments_cpu(const CopySegment* segs, int64_t nseg);
 // Longest piece a single worker (OpenMP iteration or CUDA block) copies.
 constexpr int64_t kCopyChunkBytes = int64_t(1) << 16;
 
+// -- Compressed optimizer state (issue 27) ----------------------------------------------------
+// One in-place AdamW pass over a flat range of n elements whose state is compressed: the
+// range contract of zerokern/ops/adamw_compressed.py, whose torch backend is the oracle every
+// native kernel equals bit for bit. Blocks are kQuantBlock consecutive elements counted from
+// the range's first element (the last one partial).
+enum class MomentFmt : int { F32 = 0, BF16 = 1, U8 = 2 };
+constexpr int64_t kQuantBlock = 256;
+struct CompressedArgs {
+  void* param;                 // pdt F32: the master (param_lp optional); BF16: updated with SR
+  DType pdt;
+  const void* grad;            // gdt F32 / BF16 / F16
+  DType gdt;
+  void* exp_avg;               // mfmt: both moments fp32, bf16, or uint8 codes
+  void* exp_avg_sq;
+  MomentFmt mfmt;
+  float* exp_avg_absmax;       // U8 only: ceil(n / 256) fp32 each, else null
+  float* exp_avg_sq_absmax;
+  void* param_lp;              // F32 param only, may be null; lpdt BF16 or F16
+  DType lpdt;
+  const int64_t* sr_index;     // BF16 param only: element i's SR index = sr_index[i/256] + i%256
+  uint64_t seed;               // SR key (Philox4x32-10 key = (seed lo, seed hi))
+  uint32_t step;               // SR counter word 1 (the 1-based Adam step); word 0 = index
+  const float* tables;         // 1024 fp32: signed map | 255 thresholds, +inf | unsigned map |
+                               // 255 thresholds, +inf (zerokern.quant.maps.kernel_tables)
+  int64_t n;
+};
+void adamw_compressed_cpu(const CompressedArgs& a, const AdamScalars& s);
+
 #ifdef ZK_WITH_CUDA
+// All pointers of `a` on the device (tables included); enqueued on `stream`.
+void adamw_compressed_cuda(const CompressedArgs& a, const AdamScalars& s, void* stream);
 // Same contracts on device pointers, enqueued on `stream` (a cudaStream_t).
 void adamw_cuda(float* param, const void* grad, DType gdt, float* exp_avg, float* exp_avg_sq,
                 void* param_lp, DType lpdt, int64_t n, const AdamScalars& s, void* stream);

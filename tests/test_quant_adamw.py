@@ -1,7 +1,8 @@
 """The compressed AdamW step oracle (zerokern.quant.adamw).
 
-References: torch.optim.AdamW and today's torch backend (``adamw_torch_``) for the fp32 path,
-hand compositions of ``maps`` + ``adamw_torch_`` + ``sr_bits`` / ``stochastic_round_bf16``
+References: the fused kernels' fp32 update spelled exactly (``quant.contract.adamw_contract_``,
+itself checked against the cpu kernel) and torch.optim.AdamW (closely) for the fp32 path,
+hand compositions of ``maps`` + ``adamw_contract_`` + ``sr_bits`` / ``stochastic_round_bf16``
 for the compressed paths, and an fp32 run of the same quadratic for int8 training.
 """
 
@@ -11,7 +12,6 @@ import pytest
 import torch
 
 from zerokern.kernel_contract import adam_scalars
-from zerokern.ops._reference import adamw_torch_
 from zerokern.quant.adamw import (
     MIN_COMPRESSED_NUMEL,
     CompressedMoments,
@@ -20,6 +20,7 @@ from zerokern.quant.adamw import (
     effective_moments_format,
     init_compressed_moments,
 )
+from zerokern.quant.contract import adamw_contract_
 from zerokern.quant.maps import (
     BLOCK,
     SIGNED_MAP_ID,
@@ -86,7 +87,7 @@ def _warm_state(moments: str, n: int = N) -> CompressedMoments:
     return state
 
 
-def test_fp32_fp32_is_todays_torch_backend_and_torch_adamw():
+def test_fp32_fp32_is_the_kernel_contract_and_close_to_torch_adamw():
     n = 1000
     p0 = torch.randn(n, generator=torch.Generator().manual_seed(1))
     ours, ref = p0.clone(), p0.clone()
@@ -99,18 +100,19 @@ def test_fp32_fp32_is_todays_torch_backend_and_torch_adamw():
     for t, g in enumerate(_grads(n, 5), start=1):
         adamw_compressed_step_reference_(ours, g, state, _scalars(t), moments="fp32",
                                          master="fp32", total_numel=n, param_lp=lp_ours)
-        adamw_torch_(ref, g, m, v, lp_ref, _scalars(t))
+        adamw_contract_(ref, g, m, v, lp_ref, _scalars(t))
         torch_p.grad = g.clone()
         opt.step()
         _same(ours, ref)
         _same(lp_ours, lp_ref)
         _same(state.exp_avg, m)
         _same(state.exp_avg_sq, v)
-        _same(ours, torch_p.detach())
+        # torch's CPU sqrt is not always correctly rounded: close, not bitwise
+        torch.testing.assert_close(ours, torch_p.detach(), rtol=1e-6, atol=1e-7)
     # grad scaling goes through adam_scalars as today
     adamw_compressed_step_reference_(ours, g * 1024, state, _scalars(6, 1024.0),
                                      moments="fp32", master="fp32", total_numel=n)
-    adamw_torch_(ref, g * 1024, m, v, None, _scalars(6, 1024.0))
+    adamw_contract_(ref, g * 1024, m, v, None, _scalars(6, 1024.0))
     _same(ours, ref)
 
 
@@ -132,7 +134,7 @@ def test_compressed_step_is_dequant_fp32_update_requant(moments, master):
     else:
         m, v = state.exp_avg.float(), state.exp_avg_sq.float()
     p_ref = p.float().clone()
-    adamw_torch_(p_ref, g, m, v, None, s)
+    adamw_contract_(p_ref, g, m, v, None, s)
     if master == "none":
         p_ref = stochastic_round_bf16(p_ref, sr_bits(SEED, 4, torch.arange(N)))
 
@@ -255,7 +257,7 @@ def test_small_parameters_keep_fp32_moments():
         g = _grads(small, 1)[0]
         adamw_compressed_step_reference_(p, g, st, _scalars(1), moments=fmt, master="fp32",
                                          total_numel=small)
-        adamw_torch_(ref, g, m, v, None, _scalars(1))
+        adamw_contract_(ref, g, m, v, None, _scalars(1))
         _same(p, ref)
         _same(st.exp_avg, m)
     # a small SHARD of a large parameter is still compressed: decided on the total

@@ -6,10 +6,11 @@ bit for bit. It steps the local elements ``[start, start + n)`` of ONE parameter
 (global) element space has ``total_numel`` elements, so a shard's step equals the same
 elements' step in the whole parameter (the tests check it).
 
-**The update** is always today's fp32 AdamW, ``zerokern.ops._reference.adamw_torch_`` with
-the scalars of ``zerokern.kernel_contract.adam_scalars``: it is called, not re-spelled, so
-``moments="fp32", master="fp32"`` is today's torch backend bit for bit. Only what goes in and
-out of it changes:
+**The update** is always the fused kernels' fp32 AdamW (the rounding contract of
+csrc/kernels.h, spelled exactly in ``zerokern.quant.contract``) with the scalars of
+``zerokern.kernel_contract.adam_scalars``, so ``moments="fp32", master="fp32"`` is today's
+``cpu`` kernel bit for bit. Only what goes in and out of it changes (the range oracle
+``zerokern.ops.adamw_compressed`` does the work; this function is one parameter's view):
 
 * ``moments="fp32"``: the moments are updated in place, as today.
 * ``moments="bf16"``: both moments are widened to fp32 (exact), updated, and stored back
@@ -49,17 +50,13 @@ from dataclasses import dataclass
 import torch
 
 from ..kernel_contract import AdamScalars
-from ..ops._reference import adamw_torch_
 from .maps import (
     BLOCK,
     SIGNED_MAP_ID,
     UNSIGNED_MAP_ID,
     code_map,
     dequantize_blockwise,
-    quantize_blockwise,
 )
-from .philox import sr_bits
-from .rounding import stochastic_round_bf16
 
 MOMENT_FORMATS = ("fp32", "bf16", "int8")
 """The accepted ``moments=`` names."""
@@ -262,6 +259,7 @@ def adamw_compressed_step_reference_(
             raise ValueError(f"param must be the fp32 master with master='fp32', got {p.dtype}")
         lp = None if param_lp is None else _flat("param_lp", param_lp, n)
     else:
+        lp = None
         if p.dtype != torch.bfloat16:
             raise ValueError(f"master='none' needs a bf16 param, got {p.dtype}")
         if param_lp is not None:
@@ -269,29 +267,15 @@ def adamw_compressed_step_reference_(
         if seed is None or step is None:
             raise ValueError("master='none' needs seed and step (the stochastic rounding key)")
 
-    if fmt == "fp32":
-        exp_avg, exp_avg_sq = state.exp_avg.view(-1), state.exp_avg_sq.view(-1)
-    else:
-        exp_avg, exp_avg_sq = dequantize_moments(state)
+    # The range oracle steps it: the shard's blocks are the parameter's own (start is on a
+    # block boundary for int8), and element i's index in the parameter is start + i.
+    from ..ops.adamw_compressed import adamw_compressed_torch_
 
-    if master == "fp32":
-        adamw_torch_(p, g, exp_avg, exp_avg_sq, lp, scalars)
-    else:
-        p32 = p.float()  # a new tensor (bf16 -> fp32 is exact)
-        adamw_torch_(p32, g, exp_avg, exp_avg_sq, None, scalars)
-        index = torch.arange(start, start + n, dtype=torch.int64, device=p.device)
+    sr_index = None
+    if master == "none":
         assert seed is not None and step is not None
-        p.copy_(stochastic_round_bf16(p32, sr_bits(seed, step, index)))
-
-    if fmt == "bf16":
-        state.exp_avg.view(-1).copy_(exp_avg)  # round to nearest even
-        state.exp_avg_sq.view(-1).copy_(exp_avg_sq)
-    elif fmt == "int8":
-        assert state.exp_avg_absmax is not None and state.exp_avg_sq_absmax is not None
-        codes, absmax = quantize_blockwise(exp_avg, code_map(SIGNED_MAP_ID, exp_avg.device))
-        state.exp_avg.view(-1).copy_(codes)
-        state.exp_avg_absmax.copy_(absmax)
-        codes, absmax = quantize_blockwise(exp_avg_sq,
-                                           code_map(UNSIGNED_MAP_ID, exp_avg_sq.device))
-        state.exp_avg_sq.view(-1).copy_(codes)
-        state.exp_avg_sq_absmax.copy_(absmax)
+        sr_index = start + BLOCK * torch.arange(_blocks(n), dtype=torch.int64, device=p.device)
+    adamw_compressed_torch_(
+        p, g, state.exp_avg.view(-1), state.exp_avg_sq.view(-1), state.exp_avg_absmax,
+        state.exp_avg_sq_absmax, lp, sr_index, 0 if seed is None else seed,
+        0 if step is None else step, scalars)

@@ -179,6 +179,32 @@ def decision_thresholds(code: torch.Tensor) -> torch.Tensor:
     return ((wide[:-1] + wide[1:]) / 2).to(torch.float32).to(code.device)
 
 
+@cache
+def _tables_cpu() -> torch.Tensor:
+    inf = torch.tensor([float("inf")])
+    parts = []
+    for map_id in (SIGNED_MAP_ID, UNSIGNED_MAP_ID):
+        code = code_map(map_id)
+        parts += [code, decision_thresholds(code), inf]
+    return torch.cat(parts)
+
+
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def kernel_tables(device: torch.device | str) -> torch.Tensor:
+    """The maps as the fused kernels read them: one fp32 tensor of 1024 values on ``device``,
+    ``[signed map (256) | its 255 thresholds, +inf | unsigned map (256) | its 255
+    thresholds, +inf]``. The +inf pads each threshold table to 256 entries, so a kernel can
+    count ``t_k < n`` over 256 entries (``+inf < n`` is never true) with a branch-free
+    binary search. Cached per device; do not modify the result."""
+    dev = torch.device(device)
+    t = _TABLES.get(dev)
+    if t is None:
+        t = _TABLES[dev] = _tables_cpu().to(dev)
+    return t
+
+
 def _check_block(block: int) -> None:
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
@@ -217,7 +243,8 @@ def quantize_blockwise(
     blocks = torch.nn.functional.pad(flat, (0, nblocks * block - numel)).view(nblocks, block)
     absmax = blocks.abs().amax(dim=1) if numel else flat.new_empty(0)
     divisor = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
-    normed = (blocks / divisor[:, None]).contiguous()
+    # Through float64: correctly rounded whatever fp32 division kernel torch would pick.
+    normed = (blocks.double() / divisor.double()[:, None]).float().contiguous()
     below = torch.searchsorted(thresholds, normed, right=False)  # #{t_k < n}
     at_or_below = torch.searchsorted(thresholds, normed, right=True)  # #{t_k <= n}
     index = torch.where(normed < 0, at_or_below, below)  # ties toward zero

@@ -1,0 +1,261 @@
+"""fused_adamw_compressed_: one in-place AdamW pass over a flat range whose optimizer state is
+compressed (issue 27): moments in fp32, bf16 or 8-bit block-wise codes, and either an fp32
+master (the 16-bit copy written in the same pass) or none (the bf16 parameter updated with
+stochastic rounding).
+
+**The range contract** every backend implements (the ``torch`` backend below is the oracle;
+the others equal it bit for bit):
+
+* ``n`` elements; blocks are 256 consecutive elements counted from the range's first element,
+  the last one partial. The caller lays the range out so that no block mixes two parameters
+  (zerokern pads the layout so each compressed parameter starts on a block).
+* Moments, by ``exp_avg``'s dtype: fp32 (updated in place), bf16 (widened, updated, stored
+  rounded to nearest even) or uint8 codes (``exp_avg`` on the signed map, ``exp_avg_sq`` on
+  the unsigned one, one fp32 absmax per block in ``exp_avg_absmax`` / ``exp_avg_sq_absmax``;
+  dequantized, updated, requantized with the new block absmax: ``zerokern.quant.maps``).
+* The parameter, by ``param``'s dtype: fp32 is the master (``param_lp`` optionally receives
+  it rounded to nearest even); bf16 is updated directly and written with
+  ``stochastic_round_bf16(p, sr_bits(seed, step, index))`` where element ``i``'s index in its
+  parameter is ``sr_index[i // 256] + i % 256``.
+* The fp32 update between is the kernels' rounding contract (csrc/kernels.h),
+  ``zerokern.quant.contract.adamw_contract_``.
+
+Native backends receive the code maps and decision thresholds as one fp32 table of 1024
+values (:func:`zerokern.quant.maps.kernel_tables`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _native
+from ..kernel_contract import AdamScalars, adam_scalars
+from ..quant.contract import adamw_contract_
+from ..quant.maps import (
+    BLOCK,
+    SIGNED_MAP_ID,
+    UNSIGNED_MAP_ID,
+    code_map,
+    dequantize_blockwise,
+    kernel_tables,
+    quantize_blockwise,
+)
+from ..quant.philox import sr_bits
+from ..quant.rounding import stochastic_round_bf16
+from ._backend import resolve_backend
+from ._validate import FLOAT_DTYPES, LOW_DTYPES, check_flat, check_real
+
+__all__ = ["fused_adamw_compressed_", "moments_format"]
+
+MOMENT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.uint8: "int8"}
+
+
+def moments_format(exp_avg: torch.Tensor) -> str:
+    """``"fp32"``, ``"bf16"`` or ``"int8"``: the format ``exp_avg``'s dtype stores."""
+    return MOMENT_DTYPES[exp_avg.dtype]
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def sr_indices(sr_index: torch.Tensor, n: int) -> torch.Tensor:
+    """Each element's index in its parameter: ``sr_index[i // 256] + i % 256`` (int64)."""
+    i = torch.arange(n, dtype=torch.int64, device=sr_index.device)
+    return sr_index.repeat_interleave(BLOCK)[:n] + i % BLOCK
+
+
+def adamw_compressed_torch_(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    exp_avg_absmax: torch.Tensor | None, exp_avg_sq_absmax: torch.Tensor | None,
+    param_lp: torch.Tensor | None, sr_index: torch.Tensor | None, seed: int, step: int,
+    s: AdamScalars,
+) -> None:
+    """The oracle of the range contract (module docstring), in pure PyTorch."""
+    n = param.numel()
+    fmt = moments_format(exp_avg)
+    if fmt == "int8":
+        assert exp_avg_absmax is not None and exp_avg_sq_absmax is not None
+        dev = exp_avg.device
+        m = dequantize_blockwise(exp_avg, exp_avg_absmax, code_map(SIGNED_MAP_ID, dev))
+        v = dequantize_blockwise(exp_avg_sq, exp_avg_sq_absmax, code_map(UNSIGNED_MAP_ID, dev))
+    elif fmt == "bf16":
+        m, v = exp_avg.float(), exp_avg_sq.float()  # new tensors (bf16 -> fp32 is exact)
+    else:
+        m, v = exp_avg, exp_avg_sq
+    p = param if param.dtype == torch.float32 else param.float()
+    adamw_contract_(p, grad, m, v, None, s)
+    if fmt == "bf16":
+        exp_avg.copy_(m)  # round to nearest even
+        exp_avg_sq.copy_(v)
+    elif fmt == "int8":
+        assert exp_avg_absmax is not None and exp_avg_sq_absmax is not None
+        codes, absmax = quantize_blockwise(m, code_map(SIGNED_MAP_ID, m.device))
+        exp_avg.copy_(codes)
+        exp_avg_absmax.copy_(absmax)
+        codes, absmax = quantize_blockwise(v, code_map(UNSIGNED_MAP_ID, v.device))
+        exp_avg_sq.copy_(codes)
+        exp_avg_sq_absmax.copy_(absmax)
+    if param.dtype == torch.bfloat16:
+        assert sr_index is not None
+        param.copy_(stochastic_round_bf16(p, sr_bits(seed, step, sr_indices(sr_index, n))))
+    elif param_lp is not None:
+        param_lp.copy_(p)
+
+
+def _run(backend: str, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+         exp_avg_sq: torch.Tensor, exp_avg_absmax: torch.Tensor | None,
+         exp_avg_sq_absmax: torch.Tensor | None, param_lp: torch.Tensor | None,
+         sr_index: torch.Tensor | None, seed: int, step: int, s: AdamScalars) -> None:
+    if param.numel() == 0:
+        return
+    args = (param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax, param_lp,
+            sr_index, seed, step)
+    if backend == "torch":
+        adamw_compressed_torch_(*args, s)
+    elif backend == "triton":
+        from ..kernels.triton.adamw_compressed import adamw_compressed_triton_
+
+        adamw_compressed_triton_(*args, kernel_tables(param.device), s)
+    else:  # cpu and cuda share one native entry point that dispatches on the device
+        _native.require(backend).adamw_compressed(*args, kernel_tables(param.device), *s)
+
+
+@torch.library.custom_op(
+    "zerokern::fused_adamw_compressed_",
+    mutates_args=("param", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax",
+                  "param_lp"),
+)
+def _op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor, exp_avg_absmax: torch.Tensor | None,
+        exp_avg_sq_absmax: torch.Tensor | None, param_lp: torch.Tensor | None,
+        sr_index: torch.Tensor | None, seed: int, lr: float, beta1: float, beta2: float,
+        eps: float, weight_decay: float, step: int, grad_scale: float, backend: str) -> None:
+    s = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                     step=step, grad_scale=grad_scale)
+    seed %= 2**64  # the schema's int is int64: seeds >= 2**63 travel as negatives
+    _run(backend, param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax,
+         param_lp, sr_index, seed, step, s)
+
+
+@_op.register_fake
+def _(param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax, param_lp, sr_index,
+      seed, lr, beta1, beta2, eps, weight_decay, step, grad_scale, backend) -> None:
+    return None
+
+
+def _int64(seed: int) -> int:
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+def validate_compressed_args(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    *, exp_avg_absmax: torch.Tensor | None, exp_avg_sq_absmax: torch.Tensor | None,
+    param_lp: torch.Tensor | None, sr_index: torch.Tensor | None, seed: int | None,
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+    grad_scale: float,
+) -> None:
+    """Raise TypeError/ValueError naming the first bad argument; touches nothing."""
+    p = check_flat(param, "param", dtypes=(torch.float32, torch.bfloat16))
+    n, dev = p.numel(), p.device
+    check_flat(grad, "grad", dtypes=FLOAT_DTYPES, numel=n, device=dev)
+    m = check_flat(exp_avg, "exp_avg", dtypes=tuple(MOMENT_DTYPES), numel=n, device=dev)
+    check_flat(exp_avg_sq, "exp_avg_sq", dtypes=(m.dtype,), numel=n, device=dev)
+    nb = _blocks(n)
+    for name, a in (("exp_avg_absmax", exp_avg_absmax),
+                    ("exp_avg_sq_absmax", exp_avg_sq_absmax)):
+        if m.dtype == torch.uint8:
+            if a is None:
+                raise ValueError(f"{name} is required with uint8 (int8) moments")
+            check_flat(a, name, dtypes=(torch.float32,), device=dev)
+            if a.numel() != nb:
+                raise ValueError(f"{name} has {a.numel()} values, expected {nb} "
+                                 f"(one per {BLOCK}-element block)")
+        elif a is not None:
+            raise ValueError(f"{name} must be None unless the moments are uint8 codes")
+    if p.dtype == torch.bfloat16:
+        if param_lp is not None:
+            raise ValueError("param_lp must be None with a bf16 param (master-free mode: "
+                             "the param itself is updated with stochastic rounding)")
+        if sr_index is None or seed is None:
+            raise ValueError("sr_index and seed are required with a bf16 param (the "
+                             "stochastic rounding key)")
+        check_flat(sr_index, "sr_index", dtypes=(torch.int64,), device=dev)
+        if sr_index.numel() != nb:
+            raise ValueError(f"sr_index has {sr_index.numel()} values, expected {nb}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    else:
+        if sr_index is not None:
+            raise ValueError("sr_index is only used with a bf16 param (master-free mode)")
+        if param_lp is not None:
+            check_flat(param_lp, "param_lp", dtypes=LOW_DTYPES, numel=n, device=dev)
+    check_real(lr, "lr", lo=0.0, finite=True)
+    check_real(beta1, "beta1", lo=0.0, hi=1.0, hi_open=True)
+    check_real(beta2, "beta2", lo=0.0, hi=1.0, hi_open=True)
+    check_real(eps, "eps", lo=0.0, finite=True)
+    check_real(weight_decay, "weight_decay", lo=0.0, finite=True)
+    check_real(grad_scale, "grad_scale", lo=0.0, lo_open=True)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int (1-based), got {type(step).__name__}")
+    if not 1 <= step < 2**32:
+        raise ValueError(f"step must be in [1, 2**32) (1-based AdamW step), got {step}")
+    named = {"param": p, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    for k, t in (("exp_avg_absmax", exp_avg_absmax), ("exp_avg_sq_absmax", exp_avg_sq_absmax),
+                 ("param_lp", param_lp)):
+        if t is not None:
+            named[k] = t
+    spans = [(k, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for k, t in named.items()]
+    for i, (a, lo_a, hi_a) in enumerate(spans):
+        for b, lo_b, hi_b in spans[:i]:
+            if n and lo_a < hi_b and lo_b < hi_a:
+                raise ValueError(f"{a} overlaps the memory of {b}")
+
+
+def fused_adamw_compressed_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_scale: float = 1.0,
+    exp_avg_absmax: torch.Tensor | None = None,
+    exp_avg_sq_absmax: torch.Tensor | None = None,
+    param_lp: torch.Tensor | None = None,
+    sr_index: torch.Tensor | None = None,
+    seed: int | None = None,
+    backend: str | None = None,
+) -> None:
+    """One AdamW step over a flat range with compressed state, in place (module docstring).
+
+    Args:
+        param: fp32 master, or the bf16 parameter itself (no master: stochastic rounding).
+        grad: fp32, bf16 or fp16 gradient (``grad_scale`` divides it).
+        exp_avg, exp_avg_sq: both fp32, both bf16, or both uint8 codes.
+        lr, beta1, beta2, eps, weight_decay, step: AdamW's hyperparameters and 1-based step.
+        exp_avg_absmax, exp_avg_sq_absmax: uint8 moments only: fp32, one per 256-block.
+        param_lp: fp32 param only: the 16-bit copy written in the same pass.
+        sr_index: bf16 param only: int64, each block's first element's index in its
+            parameter.
+        seed: bf16 param only: the stochastic rounding seed, in [0, 2**64).
+        backend: "cuda", "triton", "cpu", "torch" or None (fastest for the device).
+
+    Raises:
+        TypeError, ValueError: naming the first bad argument, with nothing modified.
+    """
+    validate_compressed_args(
+        param, grad, exp_avg, exp_avg_sq, exp_avg_absmax=exp_avg_absmax,
+        exp_avg_sq_absmax=exp_avg_sq_absmax, param_lp=param_lp, sr_index=sr_index, seed=seed,
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+        grad_scale=grad_scale)
+    chosen = resolve_backend(backend, param.device)
+    _op(param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax, param_lp,
+        sr_index, _int64(seed or 0), float(lr), float(beta1), float(beta2), float(eps),
+        float(weight_decay), int(step), float(grad_scale), chosen)
