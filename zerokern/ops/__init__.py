@@ -3,6 +3,7 @@ backends "cuda", "triton", "cpu" and "torch" (the pure-PyTorch reference)."""
 
 from ._backend import available_backends, resolve_backend
 from .adamw import fused_adamw_
+from .adamw_compressed import fused_adamw_compressed_
 from .flatten import flatten_into_, unflatten_from_
 from .sq_norm import sq_norm
 
@@ -10,6 +11,7 @@ __all__ = [
     "available_backends",
     "flatten_into_",
     "fused_adamw_",
+    "fused_adamw_compressed_",
     "resolve_backend",
     "sq_norm",
     "unflatten_from_",

@@ -23,10 +23,11 @@ import torch
 
 from ..comm import Comm
 from . import rebind
-from .layout import Layout, build_layout, build_stage3_layout
+from .layout import ALIGN_ELEMS, Layout, build_layout, build_stage3_layout
 from .param_table import ParamTable
 from .stages import Engine, make_engine, planned_memory
-from .validate import common_dtype_device
+from .state_format import StateFormat
+from .validate import check_master_dtype, common_dtype_device
 
 
 class EngineSlot:
@@ -41,8 +42,10 @@ class EngineSlot:
 
     def __init__(self, table: ParamTable, comm: Comm, *, stage: int, offload: str | None,
                  runtime: Any, bucket_numel: int | None, overlap: bool, backend: str | None,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, fmt: StateFormat | None = None,
+                 seed: int = 0) -> None:
         self.table, self.comm, self.rt = table, comm, runtime
+        self.fmt, self.seed = fmt or StateFormat(), seed
         self.stage, self.offload, self.backend = stage, offload, backend
         self.bucket_numel, self.overlap = bucket_numel, overlap
         self.dtype, self.device = dtype, device
@@ -68,13 +71,12 @@ class EngineSlot:
             # Accelerate's prepare does, and the HF Trainer with optimizers=) trains there,
             # as torch's AdamW would; nothing was allocated for the old place.
             self.dtype, self.device = common_dtype_device(params)
-            layout = build_layout(
-                self.table.group_sizes, stage=self.stage, world_size=self.comm.world_size,
-                rank=self.comm.rank, bucket_numel=self.bucket_numel, ready_order=ready_order,
-            )
+            check_master_dtype(self.fmt, self.dtype)
+            layout = self._flat_layout(ready_order)
         self.engine = make_engine(
             self.stage, self.offload, layout, params, self.comm, dtype=self.dtype,
-            device=self.device, overlap=self.overlap, backend=self.backend, runtime=self.rt)
+            device=self.device, overlap=self.overlap, backend=self.backend, runtime=self.rt,
+            fmt=self.fmt, seed=self.seed, param_numels=self.param_numels)
         self.engine.set_sync(self.sync)
         self.layout = layout
         self.mark_params()
@@ -104,10 +106,13 @@ class EngineSlot:
         eng = self.engine
         with torch.no_grad():
             n = old.layout.local_numel
-            for key in ("exp_avg", "exp_avg_sq", "master"):
-                src = getattr(old, key)
+            for key in ("exp_avg", "exp_avg_sq", "master", "exp_avg_absmax",
+                        "exp_avg_sq_absmax", "exp_avg_side", "exp_avg_sq_side"):
+                # The old local space (blocks, side buffers) is a prefix of the new one.
+                src = getattr(old.state, key)
                 if src is not None:
-                    getattr(eng, key).narrow(0, 0, n).copy_(src)
+                    getattr(eng.state, key).narrow(0, 0, src.numel()).copy_(src)
+            assert old.layout.local_numel == n
         if zero_kept:
             eng.zero_grad(set_to_none=False)
 
@@ -116,10 +121,22 @@ class EngineSlot:
         reverse registration order (nothing is fixed by asking)."""
         if self.engine is not None:
             return self.engine.memory_stats()
-        L = build_layout(self.table.group_sizes, stage=self.stage,
-                         world_size=self.comm.world_size, rank=self.comm.rank,
-                         bucket_numel=self.bucket_numel)
-        return planned_memory(self.stage, self.offload, L, self.dtype)
+        L = self._flat_layout(None)
+        return planned_memory(self.stage, self.offload, L, self.dtype, self.fmt,
+                              self.param_numels)
+
+    @property
+    def param_numels(self) -> list[int]:
+        """Every trained parameter's full element count (stage 3's are released)."""
+        return [int(torch.Size(s).numel()) for s in self.table.shapes]
+
+    def _flat_layout(self, ready_order: list[int] | None) -> Layout:
+        """Stages 0-2's layout; int8 moments start each quantized parameter on a block."""
+        return build_layout(
+            self.table.group_sizes, stage=self.stage, world_size=self.comm.world_size,
+            rank=self.comm.rank, bucket_numel=self.bucket_numel, ready_order=ready_order,
+            alignment=self.fmt.layout_alignment(ALIGN_ELEMS),
+            param_align=self.fmt.param_align(self.param_numels))
 
     # -- gradients in -----------------------------------------------------------------------
     def set_sync(self, value: bool) -> None:

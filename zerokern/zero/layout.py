@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .plan import BucketPlan, plan_buckets, round_bucket_numel
+from .plan import BucketPlan, _prefix, plan_buckets, round_bucket_numel
 
 # Shard boundaries fall on multiples of this many elements: 64 bytes of bf16, 128 of fp32,
 # so every shard starts aligned for 16-byte vector loads and on a cache line.
@@ -80,9 +80,14 @@ def build_layout(
     bucket_numel: int | None,
     alignment: int = ALIGN_ELEMS,
     ready_order: Sequence[int] | None = None,
+    param_align: Sequence[int] | None = None,
 ) -> Layout:
     """group_param_numels[g][j]: numel of the j-th managed param of group g (registration
     order). Global param index = running position over groups in that order.
+
+    param_align[i] (by global param index; default all 1): param i starts on a multiple of
+    that many elements of the flat space (compressed state: its quantization blocks are the
+    layout's). ``alignment`` must then be a multiple of each, so shards start on them too.
 
     ready_order: global param indices in the order their gradients became ready (observed on
     a first backward); parameters it omits go last. Default: reverse registration order."""
@@ -99,7 +104,8 @@ def build_layout(
             # back every bucket behind them until step()).
             order = tuple(sorted(order, key=lambda i: (rank_of.get(i, len(rank_of)), -i)))
         ready = [numels[i - first] for i in order]
-        total = sum(ready)
+        aligns = None if param_align is None else tuple(param_align[i] for i in order)
+        total = _prefix(tuple(ready), aligns)[1]
         unit = world_size * alignment
         cap = round_bucket_numel(bucket_numel or DEFAULT_BUCKET_NUMEL, world_size, alignment)
         # As many buckets as the requested capacity needs, then the smallest equal capacity
@@ -107,7 +113,7 @@ def build_layout(
         # up to a whole bucket (13.8M parameters in 2^23 buckets: 0.0% instead of 21%).
         nb = max(1, _ceil_div(total, cap))
         cap = min(cap, max(unit, _ceil_div(_ceil_div(total, nb), unit) * unit))
-        plan = plan_buckets(ready, world_size, cap, alignment)
+        plan = plan_buckets(ready, world_size, cap, alignment, aligns)
         plans.append(plan)
         orders.append(order)
         fstarts.append(flat)

@@ -245,23 +245,36 @@ class OffloadPipeline:
         staging slot in the same pass, fp32 ones straight from the updated master. ``dst``
         None: the parameters live on the host; ``lp_host`` is their 16-bit copy, written by
         the kernel directly (None: ``master`` is the fp32 parameter itself)."""
-        n = master.numel()
+        def kernel(lp: torch.Tensor | None) -> None:
+            ops.fused_adamw_(
+                master, grad, exp_avg, exp_avg_sq, lr=float(grp["lr"]),
+                beta1=float(grp["betas"][0]), beta2=float(grp["betas"][1]),
+                eps=float(grp["eps"]), weight_decay=float(grp["weight_decay"]), step=step,
+                grad_scale=grad_scale, param_lp=lp, backend=self.backend)
+
+        self.update_with(c, master, dst, kernel, lp_host=lp_host)
+
+    def update_with(self, c: int, values: torch.Tensor, dst: torch.Tensor | None,
+                    kernel: Callable[[torch.Tensor | None], None], *,
+                    lp_host: torch.Tensor | None = None) -> None:
+        """``kernel(lp)`` updates host range ``values`` (writing the new parameters into
+        ``lp`` when not None), then they are copied to ``dst`` on the device: through a
+        staging slot the kernel writes when ``dst``'s dtype differs from ``values``' (the
+        fp32 master of 16-bit parameters), else straight from ``values``. ``dst`` None: the
+        parameters live on the host (``lp_host``: their 16-bit copy, or None)."""
+        n = values.numel()
         lp = lp_host
-        if dst is not None and dst.dtype != torch.float32:
+        if dst is not None and dst.dtype != values.dtype:
             if n > self.staging.numel:
                 raise AssertionError("a returned range is larger than a staging slot")
             k, slot = self.staging.take()
             lp = slot.narrow(0, 0, n)
-        ops.fused_adamw_(
-            master, grad, exp_avg, exp_avg_sq, lr=float(grp["lr"]),
-            beta1=float(grp["betas"][0]), beta2=float(grp["betas"][1]), eps=float(grp["eps"]),
-            weight_decay=float(grp["weight_decay"]), step=step, grad_scale=grad_scale,
-            param_lp=lp, backend=self.backend)
+        kernel(lp)
         if self.phase[c] is not ShardPhase.UPDATED:
             self._set(c, ShardPhase.UPDATED)
         if dst is None:
             return
-        ticket = self.copier.to_device(dst, lp if lp is not None else master)
+        ticket = self.copier.to_device(dst, lp if lp is not None else values)
         if lp is not None:
             self.staging.park(k, ticket)
         self._returns.append(ticket)

@@ -45,10 +45,13 @@ from .reduction import GradReduction, Reduced, grad_scale
 from .scaler import LossScaler
 from .shards import ParamShard
 from .stages import Engine
+from .state_format import StateFormat
 from .validate import (
     check_hparams,
+    check_master_dtype,
     check_offload_params,
     check_same_on_all_ranks,
+    check_seed,
     check_zero_args,
     common_dtype_device,
     finite_ge0,
@@ -97,6 +100,18 @@ class ZeroAdamW(torch.optim.Optimizer):
             None for the fastest available (``$ZEROKERN_BACKEND`` also sets it).
         offload: ``"cpu"`` for ZeRO-Offload (stages 1-3), None to keep the state on the
             parameters' device.
+        moments: how ``exp_avg`` and ``exp_avg_sq`` are stored: ``"fp32"`` (default, exact
+            AdamW), ``"bf16"``, or ``"int8"`` (8-bit block-wise codes: blocks of 256
+            elements of one parameter, each with an fp32 absmax, a dynamic-exponent map,
+            signed for ``exp_avg`` and unsigned for ``exp_avg_sq``). A parameter with fewer
+            than 4,096 elements keeps fp32 moments, decided on the whole parameter, so the
+            format never depends on the world size or the stage.
+        master: ``"fp32"`` (default: an fp32 master copy of 16-bit parameters) or
+            ``"none"`` (bf16 parameters only: no master; the update is written into the
+            bf16 parameters with stochastic rounding keyed by (``seed``, step, the element's
+            index in its parameter), the same bits on every backend, world size and stage).
+        seed: the stochastic rounding key of ``master="none"``, in [0, 2**63); saved with
+            the state.
 
     Attributes:
         stage: the ZeRO stage.
@@ -134,8 +149,13 @@ class ZeroAdamW(torch.optim.Optimizer):
         overlap_comm: bool = True,
         backend: str | None = None,
         offload: str | None = None,
+        moments: str = "fp32",
+        master: str = "fp32",
+        seed: int = 0,
     ) -> None:
         check_hparams(lr, betas, eps, weight_decay)
+        fmt = StateFormat(moments, master)  # ValueError naming moments or master
+        check_seed(seed)
         # torch.optim.AdamW's signature, so that a script's AdamW(...) call works unchanged:
         # the flags that change the update are refused unless at AdamW's values; foreach,
         # fused and capturable choose torch's kernels, and ZeroAdamW has its own.
@@ -162,6 +182,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._table = ParamTable(managed, frozen, self._rt)
         params = self._table.params
         dtype, device = common_dtype_device(params)
+        check_master_dtype(fmt, dtype)
         check_same_on_all_ranks(self.comm, stage, bucket_numel, self._table.group_counts(),
                                 self._table.shapes, params, offload)
         if self._rt is None:
@@ -169,7 +190,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._slot = EngineSlot(self._table, self.comm, stage=stage, offload=offload,
                                 runtime=self._rt, bucket_numel=bucket_numel,
                                 overlap=overlap_comm, backend=backend, dtype=dtype,
-                                device=device)
+                                device=device, fmt=fmt, seed=int(seed))
         self._reduction = GradReduction(self.comm, self._rt)
         self._guards = GuardSet(params, self._guard_measure)
         self._access = StateAccess(self._table, self._slot, self.comm, stage=stage,
@@ -194,6 +215,16 @@ class ZeroAdamW(torch.optim.Optimizer):
         """The flat layout of the parameters, fixed at the first ``step()`` (stages 0-2) or at
         construction (stage 3); None until then."""
         return self._slot.layout
+
+    @property
+    def state_format(self) -> StateFormat:
+        """How the state is stored: ``moments`` and ``master`` as given at construction."""
+        return self._slot.fmt
+
+    @property
+    def seed(self) -> int:
+        """The stochastic rounding key of ``master="none"``."""
+        return self._slot.seed
 
     @property
     def dtype(self) -> torch.dtype:

@@ -61,10 +61,32 @@ def _numels(numels: Sequence[int], name: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _prefix(numels: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-    """Start offset of each parameter in the packed flat space, and the total."""
-    ends = tuple(accumulate(numels, initial=0))
-    return ends[:-1], ends[-1]
+def _prefix(numels: tuple[int, ...],
+            starts_at: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], int]:
+    """Start offset of each parameter in the packed flat space, and where the last ends.
+
+    ``starts_at[i]``: parameter i starts on a multiple of this many elements (1: packed
+    tightly); the gap before it is padding. Compressed optimizer state needs its parameters'
+    256-element quantization blocks to start where the layout's blocks do.
+    """
+    if starts_at is None or all(a == 1 for a in starts_at):
+        ends = tuple(accumulate(numels, initial=0))
+        return ends[:-1], ends[-1]
+    offsets, pos = [], 0
+    for n, a in zip(numels, starts_at, strict=True):
+        pos = -(-pos // a) * a
+        offsets.append(pos)
+        pos += n
+    return tuple(offsets), pos
+
+
+def _aligns(param_align: Sequence[int] | None, n: int, name: str) -> tuple[int, ...] | None:
+    if param_align is None:
+        return None
+    out = tuple(_positive(a, f"{name}[{i}]") for i, a in enumerate(param_align))
+    if len(out) != n:
+        raise ValueError(f"{name} must have one entry per parameter ({n}), got {len(out)}")
+    return out
 
 
 def _check_rank(rank: object, world_size: int) -> int:
@@ -144,15 +166,18 @@ class BucketPlan:
     num_buckets: int
     param_offsets: tuple[int, ...]
     fragments: tuple[Fragment, ...]
+    span: int = -1  # where the last parameter ends (gaps included); -1: total_numel
 
     def __post_init__(self) -> None:
+        if self.span < 0:
+            object.__setattr__(self, "span", self.total_numel)
         # Cheap O(1) consistency checks; the O(n) derivation lives in plan_buckets.
         if self.bucket_numel < 1 or self.bucket_numel % (self.world_size * self.alignment):
             raise ValueError("bucket_numel must be a positive multiple of world_size*alignment")
         if len(self.param_offsets) != len(self.numels):
             raise ValueError("param_offsets must have one entry per parameter")
-        if self.num_buckets != -(-self.total_numel // self.bucket_numel):
-            raise ValueError("num_buckets must be ceil(total_numel / bucket_numel)")
+        if self.num_buckets != -(-self.span // self.bucket_numel):
+            raise ValueError("num_buckets must be ceil(span / bucket_numel)")
 
     @property
     def total_numel(self) -> int:
@@ -164,8 +189,14 @@ class BucketPlan:
 
     @property
     def padding(self) -> int:
-        """Padding elements, all at the end of the last bucket."""
+        """Padding elements: the gaps before aligned parameters and the end of the last
+        bucket."""
         return self.padded_numel - self.total_numel
+
+    @property
+    def tail_padding(self) -> int:
+        """Padding elements at the end of the last bucket."""
+        return self.padded_numel - self.span
 
     @property
     def shard_numel(self) -> int:
@@ -240,14 +271,16 @@ def round_bucket_numel(requested: int, world_size: int, alignment: int = 1) -> i
 
 
 def plan_buckets(
-    numels: Sequence[int], world_size: int, bucket_numel: int, alignment: int = 1
+    numels: Sequence[int], world_size: int, bucket_numel: int, alignment: int = 1,
+    param_align: Sequence[int] | None = None,
 ) -> BucketPlan:
     """Plan the flat, bucketed layout of one param group.
 
     ``numels`` must be in gradient-ready order so buckets fill (and can be reduced)
     as backward progresses.  ``bucket_numel`` must be a positive multiple of
     ``world_size * alignment`` so every shard is equal and aligned; use
-    ``round_bucket_numel`` to get one.
+    ``round_bucket_numel`` to get one. ``param_align[i]`` (default all 1): parameter i
+    starts on a multiple of that many elements of the flat space.
     """
     sizes = _numels(numels, "numels")
     world = _positive(world_size, "world_size")
@@ -258,7 +291,7 @@ def plan_buckets(
             f"bucket_numel must be a positive multiple of world_size*alignment "
             f"({world}*{align}={world * align}), got {c}"
         )
-    offsets, total = _prefix(sizes)
+    offsets, total = _prefix(sizes, _aligns(param_align, len(sizes), "param_align"))
     frags: list[Fragment] = []
     for i, (start, n) in enumerate(zip(offsets, sizes, strict=True)):
         pos, end = start, start + n
@@ -275,6 +308,7 @@ def plan_buckets(
         num_buckets=-(-total // c),
         param_offsets=offsets,
         fragments=tuple(frags),
+        span=total,
     )
 
 
@@ -314,9 +348,12 @@ class UnitPlan:
 
 
 def plan_units(
-    unit_numels: Sequence[Sequence[int]], world_size: int, alignment: int = 1
+    unit_numels: Sequence[Sequence[int]], world_size: int, alignment: int = 1,
+    param_align: Sequence[Sequence[int]] | None = None,
 ) -> tuple[UnitPlan, ...]:
-    """Plan each stage-3 unit; padding to world_size*alignment keeps shards equal and aligned."""
+    """Plan each stage-3 unit; padding to world_size*alignment keeps shards equal and aligned.
+    ``param_align[u][i]``: parameter i of unit u starts on a multiple of that many elements
+    of the unit's flat space (default 1)."""
     world = _positive(world_size, "world_size")
     align = _positive(alignment, "alignment")
     unit = world * align
@@ -327,6 +364,8 @@ def plan_units(
     plans = []
     for u, numels in enumerate(units):
         sizes = _numels(numels, f"unit_numels[{u}]")
-        offsets, total = _prefix(sizes)
+        aligns = None if param_align is None else _aligns(param_align[u], len(sizes),
+                                                           f"param_align[{u}]")
+        offsets, total = _prefix(sizes, aligns)
         plans.append(UnitPlan(sizes, world, align, offsets, -(-total // unit) * unit))
     return tuple(plans)

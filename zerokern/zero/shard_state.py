@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 from .. import ops
+from ..quant.maps import BLOCK
 from .offload import HostArena, OffloadPipeline, Ticket
+from .state_format import RunPlan, StateFormat, StateRun
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,18 @@ class OnDevice:
     def __init__(self, alloc: Callable[[str, int, torch.dtype], torch.Tensor],
                  backend: str | None) -> None:
         self.alloc, self.backend = alloc, backend
+        self.kernel_backend = backend
 
     def update(self, chunk: int, grp: dict[str, Any], values: torch.Tensor, grad: torch.Tensor,
                m: torch.Tensor, v: torch.Tensor, step: int, grad_scale: float,
                new: torch.Tensor | None) -> None:
         _adamw(values, grad, m, v, grp, step, grad_scale, new, self.backend)
+
+    def update_compressed(self, chunk: int, values: torch.Tensor, dst: torch.Tensor | None,
+                          kernel: Callable[[torch.Tensor | None], None]) -> None:
+        # values: the fp32 master (dst its 16-bit parameters, written by the kernel) or the
+        # parameters themselves (dst None).
+        kernel(dst)
 
     def reduce_target(self, target: torch.Tensor, own: torch.Tensor,
                       accumulate: bool) -> tuple[torch.Tensor, bool]:
@@ -103,6 +112,7 @@ class OnHost:
         self.host = HostArena([(s.kind, s.numel, s.dtype) for s in specs], device)
         self.pipe = OffloadPipeline(self.host, device, chunks, slot_numel, dtype, backend)
         self.params_on_host = params_on_host
+        self.kernel_backend = self.pipe.backend
 
     def alloc(self, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.host.alloc(kind, numel, dtype)
@@ -117,6 +127,13 @@ class OnHost:
                              lp_host=new)
         else:
             self.pipe.update(chunk, grp, values, grad, m, v, step, grad_scale, new)
+
+    def update_compressed(self, chunk: int, values: torch.Tensor, dst: torch.Tensor | None,
+                          kernel: Callable[[torch.Tensor | None], None]) -> None:
+        if self.params_on_host and dst is not None and dst.data_ptr() == values.data_ptr():
+            dst = None  # the host parameters updated in place (master="none")
+        self.pipe.update_with(chunk, values, dst, kernel,
+                              lp_host=dst if self.params_on_host else None)
 
     def reduce_target(self, target: torch.Tensor, own: torch.Tensor,
                       accumulate: bool) -> tuple[torch.Tensor, bool]:
@@ -149,28 +166,79 @@ class OnHost:
 Placement = OnDevice | OnHost
 
 
+def _adamw_compressed(grp: dict[str, Any], values: torch.Tensor, grad: torch.Tensor,
+                      m: torch.Tensor, v: torch.Tensor, am: torch.Tensor | None,
+                      avm: torch.Tensor | None, lp: torch.Tensor | None,
+                      sr_index: torch.Tensor | None, seed: int, step: int, grad_scale: float,
+                      backend: str | None) -> None:
+    ops.fused_adamw_compressed_(
+        values, grad, m, v, lr=float(grp["lr"]), beta1=float(grp["betas"][0]),
+        beta2=float(grp["betas"][1]), eps=float(grp["eps"]),
+        weight_decay=float(grp["weight_decay"]), step=step, grad_scale=grad_scale,
+        exp_avg_absmax=am, exp_avg_sq_absmax=avm, param_lp=lp,
+        sr_index=sr_index if values.dtype == torch.bfloat16 else None,
+        seed=seed if values.dtype == torch.bfloat16 else None, backend=backend)
+
+
+_MOMENT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
 class ShardState:
     """The optimizer state of ``numel`` local elements: ``master`` (fp32, or None when the
     parameters are updated in place), ``exp_avg``, ``exp_avg_sq`` and, when ``own_grads``,
     ``grads`` (the reduced gradient shard, in the parameters' dtype), allocated from the
-    placement in that order."""
+    placement in that order.
+
+    A compressed ``fmt`` (state_format.py) stores the moments as bf16 or uint8 codes (with
+    one fp32 absmax per 256-element block, ``exp_avg_absmax`` / ``exp_avg_sq_absmax``), the
+    moments of parameters too small to compress in fp32 side buffers (``exp_avg_side`` /
+    ``exp_avg_sq_side``), and with ``master="none"`` no master on the device (on the host,
+    ZeRO-Offload keeps a bf16 copy of the parameters in its place). ``runs`` says which local
+    ranges are stepped in which format; ``seed`` keys the stochastic rounding."""
 
     def __init__(self, numel: int, grad_dtype: torch.dtype, placement: Placement, *,
-                 master: bool, own_grads: bool) -> None:
+                 master: bool, own_grads: bool, fmt: StateFormat | None = None,
+                 runs: RunPlan | None = None, seed: int = 0) -> None:
         self.numel, self.placement = numel, placement
+        self.fmt = fmt or StateFormat()
+        self.runs, self.seed = runs, seed
+        if not self.fmt.is_default and runs is None:
+            raise ValueError("a compressed state needs its run plan")
+        self._sr: dict[tuple[int, int], torch.Tensor] = {}
         alloc = placement.alloc
-        self.master = alloc("master", numel, torch.float32) if master else None
-        self.exp_avg = alloc("exp_avg", numel, torch.float32)
-        self.exp_avg_sq = alloc("exp_avg_sq", numel, torch.float32)
-        self.grads = alloc("grads", numel, grad_dtype) if own_grads else None
+        for spec in self.specs(numel, grad_dtype, master=master, own_grads=own_grads,
+                               fmt=self.fmt, side_numel=self.side_numel):
+            setattr(self, spec.kind if spec.kind != "grads" else "grads",
+                    alloc(spec.kind, spec.numel, spec.dtype))
+        for name in ("master", "exp_avg_absmax", "exp_avg_sq_absmax", "exp_avg_side",
+                     "exp_avg_sq_side", "grads"):
+            if not hasattr(self, name):
+                setattr(self, name, None)
+
+    @property
+    def side_numel(self) -> int:
+        return 0 if self.runs is None else self.runs.side_numel
 
     @staticmethod
-    def specs(numel: int, grad_dtype: torch.dtype, *, master: bool,
-              own_grads: bool) -> list[BufferSpec]:
+    def specs(numel: int, grad_dtype: torch.dtype, *, master: bool, own_grads: bool,
+              fmt: StateFormat | None = None, side_numel: int = 0) -> list[BufferSpec]:
         """The blocks a state of these options takes (pure)."""
-        out = [BufferSpec("master", numel, torch.float32)] if master else []
-        out += [BufferSpec("exp_avg", numel, torch.float32),
-                BufferSpec("exp_avg_sq", numel, torch.float32)]
+        fmt = fmt or StateFormat()
+        mdt = _MOMENT_DTYPE[fmt.moments]
+        # master="none" with a host state: the host keeps the bf16 parameters themselves.
+        out = ([BufferSpec("master", numel, torch.bfloat16 if fmt.master == "none"
+                           else torch.float32)] if master else [])
+        out += [BufferSpec("exp_avg", numel, mdt), BufferSpec("exp_avg_sq", numel, mdt)]
+        if fmt.moments == "int8":
+            out += [BufferSpec("exp_avg_absmax", _blocks(numel), torch.float32),
+                    BufferSpec("exp_avg_sq_absmax", _blocks(numel), torch.float32)]
+        if fmt.moments != "fp32" and side_numel:
+            out += [BufferSpec("exp_avg_side", side_numel, torch.float32),
+                    BufferSpec("exp_avg_sq_side", side_numel, torch.float32)]
         if own_grads:
             out.append(BufferSpec("grads", numel, grad_dtype))
         return out
@@ -188,6 +256,9 @@ class ShardState:
         parameters' own elements; 16-bit ones in the kernel's pass); without a master
         ``param`` itself is updated in place. ``chunk``: the bucket or unit (the host
         pipeline's bookkeeping)."""
+        if not self.fmt.is_default:
+            self._step_runs(chunk, grp, start, numel, step, grad_scale, grad, param, lp)
+            return
         m = self.exp_avg.narrow(0, start, numel)
         v = self.exp_avg_sq.narrow(0, start, numel)
         if self.master is None:
@@ -196,6 +267,82 @@ class ShardState:
         else:
             self.placement.update(chunk, grp, self.master.narrow(0, start, numel), grad, m,
                                   v, step, grad_scale, lp if lp is not None else param)
+
+    def runs_in(self, start: int, stop: int) -> list[tuple[StateRun, int, int]]:
+        """(run, offset, numel): the parts of the runs inside local range [start, stop). A
+        stage's range holds whole pieces, and pieces join a run only on chunk boundaries, so
+        a part starts on a 256-element chunk of its run."""
+        assert self.runs is not None
+        from bisect import bisect_right
+
+        out = []
+        runs = self.runs.runs
+        i = max(0, bisect_right(self.runs.starts, start) - 1)
+        while i < len(runs) and runs[i].local_start < stop:
+            r = runs[i]
+            a, b = max(start, r.local_start), min(stop, r.stop)
+            if a < b:
+                assert (a - r.local_start) % BLOCK == 0, "a step range cuts a chunk"
+                out.append((r, a - r.local_start, b - a))
+            i += 1
+        return out
+
+    def moments_of(self, r: StateRun, o: int = 0, n: int | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                              torch.Tensor | None]:
+        """The stored moments of elements [o, o + n) of run ``r`` (default all):
+        (exp_avg, exp_avg_sq, their absmax or None)."""
+        n = r.numel - o if n is None else n
+        if r.side_start >= 0:
+            assert self.exp_avg_side is not None and self.exp_avg_sq_side is not None
+            return (self.exp_avg_side.narrow(0, r.side_start + o, n),
+                    self.exp_avg_sq_side.narrow(0, r.side_start + o, n), None, None)
+        ls = r.local_start + o
+        m = self.exp_avg.narrow(0, ls, n)
+        v = self.exp_avg_sq.narrow(0, ls, n)
+        if r.fmt != "int8":
+            return m, v, None, None
+        assert self.exp_avg_absmax is not None and self.exp_avg_sq_absmax is not None
+        b0, nb = ls // BLOCK, _blocks(n)
+        return m, v, self.exp_avg_absmax.narrow(0, b0, nb), self.exp_avg_sq_absmax.narrow(
+            0, b0, nb)
+
+    def sr_index(self, r: StateRun, o: int, n: int, device: torch.device) -> torch.Tensor:
+        """Each chunk's index in its parameter, for elements [o, o + n) of run ``r``."""
+        key = (r.local_start + o, n)
+        t = self._sr.get(key)
+        if t is None or t.device != device:
+            c = o // BLOCK
+            t = self._sr[key] = torch.tensor(r.sr_index[c:c + _blocks(n)], dtype=torch.int64,
+                                             device=device)
+        return t
+
+    def _step_runs(self, chunk: int, grp: dict[str, Any], start: int, numel: int, step: int,
+                   grad_scale: float, grad: torch.Tensor, param: torch.Tensor | None,
+                   lp: torch.Tensor | None) -> None:
+        backend = getattr(self.placement, "kernel_backend", None)
+        out = lp if lp is not None else param
+        for r, o, n in self.runs_in(start, start + numel):
+            at = r.local_start + o - start  # in the caller's range
+            g = grad.narrow(0, at, n)
+            m, v, am, avm = self.moments_of(r, o, n)
+            dst = None if out is None else out.narrow(0, at, n)
+            if self.master is not None:
+                values = self.master.narrow(0, r.local_start + o, n)
+            else:
+                assert dst is not None
+                values, dst = dst, None  # the parameters themselves, in place
+            sr = (self.sr_index(r, o, n, values.device) if values.dtype == torch.bfloat16
+                  else None)
+
+            def kernel(lp_out: torch.Tensor | None, values: torch.Tensor = values,
+                       g: torch.Tensor = g, m: torch.Tensor = m, v: torch.Tensor = v,
+                       am: torch.Tensor | None = am, avm: torch.Tensor | None = avm,
+                       sr: torch.Tensor | None = sr) -> None:
+                _adamw_compressed(grp, values, g, m, v, am, avm, lp_out, sr, self.seed, step,
+                                  grad_scale, backend)
+
+            self.placement.update_compressed(chunk, values, dst, kernel)
 
     # -- gradients ----------------------------------------------------------------------------
     def grad_range(self, start: int, numel: int) -> torch.Tensor:

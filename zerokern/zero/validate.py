@@ -52,6 +52,22 @@ def check_zero_args(stage: Any, offload: Any, bucket_numel: Any, max_grad_norm: 
         raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
 
 
+def check_seed(seed: Any) -> None:
+    """The stochastic rounding key: an int in [0, 2**63) (saved with the state)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+
+
+def check_master_dtype(fmt: Any, dtype: torch.dtype) -> None:
+    """master="none" updates the parameters themselves with stochastic rounding to bf16: it
+    needs bf16 parameters (fp32 ones are their own master already; fp16 has no stochastic
+    rounding here)."""
+    if fmt.master == "none" and dtype != torch.bfloat16:
+        raise ValueError(f"master='none' needs bf16 parameters (the update is rounded "
+                         f"stochastically into them); these are {dtype}. Use master='fp32', "
+                         "or cast the model to bf16")
+
+
 def check_offload(offload: Any, stage: int) -> None:
     """ZeroAdamW(offload=...): None, or "cpu" at stages 1-3 (the host holds this rank's
     shard of the optimizer state; stage 0 has no shard, every rank holds everything)."""

@@ -25,6 +25,7 @@ from ..layout import Layout
 from ..shard_state import BufferSpec, ShardState
 from ..stages.accounting import stage3_memory, stage3_offload_memory
 from ..stages.base import Engine, Run
+from ..state_format import StateFormat
 
 if TYPE_CHECKING:
     from .runtime import Stage3Runtime
@@ -35,14 +36,17 @@ class Stage3(Engine):
 
     def __init__(self, layout: Layout, params: list[torch.nn.Parameter], comm: Comm, *,
                  dtype: torch.dtype, device: torch.device, overlap: bool,
-                 backend: str | None, runtime: Stage3Runtime, offload: bool = False) -> None:
+                 backend: str | None, runtime: Stage3Runtime, offload: bool = False,
+                 fmt: StateFormat | None = None, seed: int = 0,
+                 param_numels: list[int] | None = None) -> None:
         super().__init__(layout, params, comm, dtype=dtype, device=device, overlap=overlap,
-                         backend=backend, offload=offload)
+                         backend=backend, offload=offload, fmt=fmt, seed=seed,
+                         param_numels=param_numels)
         self.rt = runtime
         # fp32 parameters kept in host memory are their own master; with offload every other
         # case updates a host fp32 copy and sends the result to the device slice.
         on_host = offload and runtime.offload_params
-        master = dtype != torch.float32 or (offload and not on_host)
+        master = self.wants_master(dtype, offload, on_host, self.fmt)
         self.slot = max(u.plan.shard_numel for u in runtime.units)
         with torch.no_grad():
             self.state = self.make_state(master=master, own_grads=False,
@@ -52,13 +56,25 @@ class Stage3(Engine):
                 self.rt.offload_grads(self.state.placement.pipe)  # type: ignore[union-attr]
             self.init_master()
 
+    @staticmethod
+    def wants_master(dtype: torch.dtype, offload: bool, on_host: bool,
+                     fmt: StateFormat) -> bool:
+        """Whether the state keeps a copy of the values: the fp32 master of 16-bit
+        parameters; with offload a host copy unless the parameters are in host memory
+        already (master="none": that copy is bf16)."""
+        if fmt.master == "none":
+            return offload and not on_host
+        return dtype != torch.float32 or (offload and not on_host)
+
     @classmethod
-    def device_specs(cls, layout: Layout, dtype: torch.dtype,
-                     offload: bool) -> list[BufferSpec]:
+    def device_specs(cls, layout: Layout, dtype: torch.dtype, offload: bool,
+                     fmt: StateFormat | None = None, side_numel: int = 0) -> list[BufferSpec]:
         if offload:
             return []  # nothing of the optimizer on the device
-        return ShardState.specs(layout.local_numel, dtype, master=dtype != torch.float32,
-                                own_grads=False)
+        fmt = fmt or StateFormat()
+        return ShardState.specs(layout.local_numel, dtype,
+                                master=cls.wants_master(dtype, False, False, fmt),
+                                own_grads=False, fmt=fmt, side_numel=side_numel)
 
     # -- gradients: reduced by the runtime during backward ---------------------------------------
     def on_grad(self, index: int) -> None:

@@ -23,9 +23,9 @@ from torch.utils._pytree import tree_flatten
 from ...comm import Comm
 from .. import gather_timeout as told
 from ..interop import active_ddp_module
-from ..layout import ALIGN_ELEMS
 from ..offload import OffloadPipeline
 from ..plan import plan_units
+from ..state_format import QUANT_ALIGN, quant_align
 from .adopt import adopt
 from .context import UnitContext, gather_arena_bytes
 from .order import ForwardOrder
@@ -56,8 +56,12 @@ class Stage3Runtime:
         self.offload_params = offload_params
         p0 = next(p for _, _, ps in units for p in ps)
         self.dtype, self.device = p0.dtype, p0.device
-        plans = plan_units([[p.numel() for p in ps] for _, _, ps in units], comm.world_size,
-                           ALIGN_ELEMS)
+        # Parameters large enough for 8-bit moments start on a 256-element block, and slices
+        # end on one, whatever optimizer comes next: ZeroAdamW(moments="int8") then finds its
+        # quantization blocks whole on one rank (zero/state_format.py). Smaller ones pack.
+        numels = [[p.numel() for p in ps] for _, _, ps in units]
+        plans = plan_units(numels, comm.world_size, QUANT_ALIGN,
+                           [[quant_align(n) for n in ns] for ns in numels])
         starts = [0]
         for plan in plans:
             starts.append(starts[-1] + plan.shard_numel)

@@ -14,6 +14,7 @@ import torch
 
 from ..layout import Layout
 from ..stage3.engine import Stage3
+from ..state_format import StateFormat, plan_runs
 from .accounting import planned_flat_memory
 from .base import Engine, Run
 from .flat import FlatEngine
@@ -27,23 +28,31 @@ ENGINES: dict[int, type[Engine]] = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
 def make_engine(stage: int, offload: str | None, layout: Layout,
                 params: list[torch.nn.Parameter], comm: Any, *, dtype: torch.dtype,
                 device: torch.device, overlap: bool, backend: str | None,
-                runtime: Any = None) -> Engine:
+                runtime: Any = None, fmt: StateFormat | None = None, seed: int = 0,
+                param_numels: list[int] | None = None) -> Engine:
     """The engine of ``stage`` with its state on the device (``offload`` None) or on the host
-    (``"cpu"``), allocated for ``layout``; ``runtime``: stage 3's shard_model runtime."""
+    (``"cpu"``), allocated for ``layout``; ``runtime``: stage 3's shard_model runtime;
+    ``fmt``: how the state is stored (``seed``: its stochastic rounding key);
+    ``param_numels``: the parameters' full sizes (stage 3's are released)."""
     extra = {"runtime": runtime} if stage == 3 else {}
     return ENGINES[stage](layout, params, comm, dtype=dtype, device=device, overlap=overlap,
-                          backend=backend, offload=bool(offload), **extra)
+                          backend=backend, offload=bool(offload), fmt=fmt, seed=seed,
+                          param_numels=param_numels, **extra)
 
 
 def planned_memory(stage: int, offload: str | None, layout: Layout,
-                   dtype: torch.dtype) -> dict[str, int]:
+                   dtype: torch.dtype, fmt: StateFormat | None = None,
+                   param_numels: list[int] | None = None) -> dict[str, int]:
     """memory_stats() of stages 0-2 before the first step: the blocks the engine will take
     (nothing is allocated)."""
     cls = ENGINES[stage]
     assert issubclass(cls, FlatEngine)
-    specs = cls.device_specs(layout, dtype, bool(offload))
+    side = 0
+    if fmt is not None and not fmt.is_default and param_numels is not None:
+        side = plan_runs(layout.pieces, param_numels, fmt).side_numel
+    specs = cls.device_specs(layout, dtype, bool(offload), fmt, side)
     return planned_flat_memory(layout, dtype, specs,
-                               cls.host_specs(layout, dtype) if offload else None)
+                               cls.host_specs(layout, dtype, fmt, side) if offload else None)
 
 
 __all__ = ["ENGINES", "Engine", "Run", "Stage0", "Stage1", "Stage2", "Stage3", "make_engine",

@@ -21,6 +21,7 @@ from ...comm import Comm
 from ...memory import Arena, Block
 from ..layout import Layout
 from ..shard_state import BufferSpec, OnDevice, OnHost, ShardState
+from ..state_format import RunPlan, StateFormat, plan_runs
 
 ARENA_ALIGN = 256  # bytes: every block starts on a 256-byte boundary (vector loads, DMA)
 
@@ -64,24 +65,34 @@ class Engine(ABC):
 
     def __init__(self, layout: Layout, params: list[torch.nn.Parameter], comm: Comm, *,
                  dtype: torch.dtype, device: torch.device, overlap: bool,
-                 backend: str | None, offload: bool = False) -> None:
+                 backend: str | None, offload: bool = False, fmt: StateFormat | None = None,
+                 seed: int = 0, param_numels: list[int] | None = None) -> None:
         self.layout, self.params, self.comm = layout, params, comm
         self.dtype, self.device, self.backend = dtype, device, backend
         self.offload = offload
+        # How the state is stored (state_format.py); compressed formats step in runs.
+        self.fmt, self.seed = fmt or StateFormat(), seed
+        numels = param_numels if param_numels is not None else [p.numel() for p in params]
+        self.run_plan: RunPlan | None = (None if self.fmt.is_default
+                                         else plan_runs(layout.pieces, numels, self.fmt))
         # Asynchronous collectives overlap backward on every backend: NCCL runs them on its
         # own stream, gloo on its worker threads (as DDP's reducer does).
         self.overlap = overlap and comm.world_size > 1
-        specs = self.device_specs(layout, dtype, offload)
+        specs = self.device_specs(layout, dtype, offload, self.fmt, self.side_numel)
         self.arena = Arena(max(reserved_bytes(specs), ARENA_ALIGN), device,
                            alignment=ARENA_ALIGN)
         self.blocks: dict[str, Block] = {}
         self.state: ShardState  # set by the stage once its own buffers exist (make_state)
 
     # -- buffers ----------------------------------------------------------------------------
+    @property
+    def side_numel(self) -> int:
+        return 0 if self.run_plan is None else self.run_plan.side_numel
+
     @classmethod
     @abstractmethod
-    def device_specs(cls, layout: Layout, dtype: torch.dtype,
-                     offload: bool) -> list[BufferSpec]:
+    def device_specs(cls, layout: Layout, dtype: torch.dtype, offload: bool,
+                     fmt: StateFormat | None = None, side_numel: int = 0) -> list[BufferSpec]:
         """Every block the engine will take from its device arena, its state's included
         when on the device (pure: memory_stats() before the first step reports these
         without allocating anything)."""
@@ -98,14 +109,16 @@ class Engine(ABC):
         staging slots of ``slot_numel`` elements."""
         n = self.layout.local_numel
         if self.offload:
-            specs = ShardState.specs(n, self.dtype, master=master, own_grads=own_grads)
+            specs = ShardState.specs(n, self.dtype, master=master, own_grads=own_grads,
+                                     fmt=self.fmt, side_numel=self.side_numel)
             specs += [BufferSpec("staging", slot_numel, self.dtype)] * 2
             placement: OnDevice | OnHost = OnHost(
                 specs, self.device, chunks=chunks, slot_numel=slot_numel, dtype=self.dtype,
                 backend=self.backend, params_on_host=params_on_host)
         else:
             placement = OnDevice(self.alloc, self.backend)
-        return ShardState(n, self.dtype, placement, master=master, own_grads=own_grads)
+        return ShardState(n, self.dtype, placement, master=master, own_grads=own_grads,
+                          fmt=self.fmt, runs=self.run_plan, seed=self.seed)
 
     # The state's buffers under the names the rest of the package reads.
     @property

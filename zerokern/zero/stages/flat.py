@@ -20,6 +20,7 @@ from ...memory.alias import own_storage
 from ..grads import GradReducer
 from ..layout import Bucket, Layout
 from ..shard_state import BufferSpec, ShardState
+from ..state_format import StateFormat
 from .accounting import flat_memory, offload_flat_memory, slot_numel
 from .base import Engine, Run
 
@@ -30,9 +31,11 @@ class FlatEngine(Engine):
 
     def __init__(self, layout: Layout, params: list[torch.nn.Parameter], comm: Comm, *,
                  dtype: torch.dtype, device: torch.device, overlap: bool,
-                 backend: str | None, offload: bool = False) -> None:
+                 backend: str | None, offload: bool = False, fmt: StateFormat | None = None,
+                 seed: int = 0, param_numels: list[int] | None = None) -> None:
         super().__init__(layout, params, comm, dtype=dtype, device=device, overlap=overlap,
-                         backend=backend, offload=offload)
+                         backend=backend, offload=offload, fmt=fmt, seed=seed,
+                         param_numels=param_numels)
         with torch.no_grad():
             self.flat_param = self.alloc("params", layout.flat_numel, dtype)
             for i, p in enumerate(params):
@@ -44,7 +47,7 @@ class FlatEngine(Engine):
                 p.data = own_storage(view).view_as(p)
             self.pool_blocks: list[Any] = []  # stage 2's bucket pool (alloc_grads)
             self.alloc_grads()
-            master, own_grads = self.state_options(dtype, offload)
+            master, own_grads = self.state_options(dtype, offload, self.fmt)
             # With offload the host keeps an fp32 master for fp32 parameters too: the kernel
             # runs on the host copy, the device parameters receive the result.
             self.state = self.make_state(master=master, own_grads=own_grads,
@@ -58,8 +61,12 @@ class FlatEngine(Engine):
 
     # -- buffers ----------------------------------------------------------------------------
     @classmethod
-    def state_options(cls, dtype: torch.dtype, offload: bool) -> tuple[bool, bool]:
-        """(master, own_grads) of this stage's state."""
+    def state_options(cls, dtype: torch.dtype, offload: bool,
+                      fmt: StateFormat | None = None) -> tuple[bool, bool]:
+        """(master, own_grads) of this stage's state. ``master="none"``: the parameters are
+        updated in place, except that an offloaded state keeps their bf16 copy on the host."""
+        if fmt is not None and fmt.master == "none":
+            return offload, offload or cls.shards_grads
         return offload or dtype != torch.float32, offload or cls.shards_grads
 
     @classmethod
@@ -70,21 +77,22 @@ class FlatEngine(Engine):
                 BufferSpec("grads", layout.flat_numel, dtype)]
 
     @classmethod
-    def device_specs(cls, layout: Layout, dtype: torch.dtype,
-                     offload: bool) -> list[BufferSpec]:
+    def device_specs(cls, layout: Layout, dtype: torch.dtype, offload: bool,
+                     fmt: StateFormat | None = None, side_numel: int = 0) -> list[BufferSpec]:
         specs = cls.stage_specs(layout, dtype)
         if not offload:
-            master, own_grads = cls.state_options(dtype, offload)
+            master, own_grads = cls.state_options(dtype, offload, fmt)
             specs += ShardState.specs(layout.local_numel, dtype, master=master,
-                                      own_grads=own_grads)
+                                      own_grads=own_grads, fmt=fmt, side_numel=side_numel)
         return specs
 
     @classmethod
-    def host_specs(cls, layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
+    def host_specs(cls, layout: Layout, dtype: torch.dtype, fmt: StateFormat | None = None,
+                   side_numel: int = 0) -> list[BufferSpec]:
         """The host arena's blocks with offload: the state and two staging slots."""
-        master, own_grads = cls.state_options(dtype, True)
+        master, own_grads = cls.state_options(dtype, True, fmt)
         return [*ShardState.specs(layout.local_numel, dtype, master=master,
-                                  own_grads=own_grads),
+                                  own_grads=own_grads, fmt=fmt, side_numel=side_numel),
                 *[BufferSpec("staging", slot_numel(layout), dtype)] * 2]
 
     def alloc_grads(self) -> None:
@@ -235,7 +243,8 @@ class FlatEngine(Engine):
     def memory_stats(self) -> dict[str, int]:
         a = self.arena.stats()
         pool = sum(b.nbytes for b in self.pool_blocks) + self.overflow_bucket_bytes
-        specs = type(self).device_specs(self.layout, self.dtype, self.offload)
+        specs = type(self).device_specs(self.layout, self.dtype, self.offload, self.fmt,
+                                        self.side_numel)
         kw = dict(buckets=pool, overflow=self.overflow_bucket_bytes,
                   scratch=self.comm.scratch_peak, in_use=int(a["in_use"]),
                   capacity=int(a["capacity"]))

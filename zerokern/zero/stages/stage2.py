@@ -60,7 +60,9 @@ class Stage2(FlatEngine):
         if buf is None:
             buf = self.buffers[b] = self._take_buffer()
             plan = self.layout.plans[bk.group]
-            if bk.local_index == plan.num_buckets - 1 and plan.padding:
+            if plan.padding > plan.tail_padding:
+                buf.zero_()  # gaps before aligned parameters: the buffer is reused
+            elif bk.local_index == plan.num_buckets - 1 and plan.padding:
                 buf.narrow(0, bk.numel - plan.padding, plan.padding).zero_()
         # Pool buffers fit the largest group's bucket; groups may use smaller ones.
         return buf.narrow(0, 0, bk.numel)
