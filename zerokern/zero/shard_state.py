@@ -317,6 +317,80 @@ class ShardState:
                                              device=device)
         return t
 
+    # -- the stored moments as fp32 (state dicts, checkpoints, opt.state) ----------------------
+    def read_moments(self, start: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New fp32 tensors holding the moments of local range [start, start + numel), a range
+        of whole pieces (dequantized or widened; padding between runs reads 0)."""
+        m32 = torch.zeros(numel, dtype=torch.float32, device=self.exp_avg.device)
+        v32 = torch.zeros_like(m32)
+        if self.fmt.moments == "fp32" or self.runs is None:
+            m32.copy_(self.exp_avg.narrow(0, start, numel))
+            v32.copy_(self.exp_avg_sq.narrow(0, start, numel))
+            return m32, v32
+        from ..quant.maps import SIGNED_MAP_ID, UNSIGNED_MAP_ID, code_map, dequantize_blockwise
+
+        for r, o, n in self.runs_in(start, start + numel):
+            at = r.local_start + o - start
+            m, v, am, avm = self.moments_of(r, o, n)
+            if am is not None and avm is not None:
+                m = dequantize_blockwise(m, am, code_map(SIGNED_MAP_ID, m.device))
+                v = dequantize_blockwise(v, avm, code_map(UNSIGNED_MAP_ID, v.device))
+            m32.narrow(0, at, n).copy_(m)
+            v32.narrow(0, at, n).copy_(v)
+        return m32, v32
+
+    def write_moments(self, start: int, numel: int, exp_avg: torch.Tensor,
+                      exp_avg_sq: torch.Tensor) -> None:
+        """Store fp32 moments for local range [start, start + numel) of whole pieces in this
+        state's format: quantized per block of each run part (absmax recomputed), rounded to
+        nearest even (bf16), or copied."""
+        if self.fmt.moments == "fp32" or self.runs is None:
+            self.exp_avg.narrow(0, start, numel).copy_(exp_avg)
+            self.exp_avg_sq.narrow(0, start, numel).copy_(exp_avg_sq)
+            return
+        from ..quant.maps import SIGNED_MAP_ID, UNSIGNED_MAP_ID, code_map, quantize_blockwise
+
+        for r, o, n in self.runs_in(start, start + numel):
+            at = r.local_start + o - start
+            m, v, am, avm = self.moments_of(r, o, n)
+            src_m = exp_avg.narrow(0, at, n).to(torch.float32)
+            src_v = exp_avg_sq.narrow(0, at, n).to(torch.float32)
+            if am is not None and avm is not None:
+                codes, absmax = quantize_blockwise(src_m, code_map(SIGNED_MAP_ID, m.device))
+                m.copy_(codes)
+                am.copy_(absmax)
+                codes, absmax = quantize_blockwise(src_v, code_map(UNSIGNED_MAP_ID, v.device))
+                v.copy_(codes)
+                avm.copy_(absmax)
+            else:
+                m.copy_(src_m)
+                v.copy_(src_v)
+
+    def stored_moments(self, start: int, numel: int) -> dict[str, Any]:
+        """The moments of local range [start, start + numel) (whole pieces of ONE run) as
+        stored, as writable views: ``{"format", "exp_avg", "exp_avg_sq"}`` plus
+        ``"exp_avg_absmax"`` / ``"exp_avg_sq_absmax"`` (one per 256-element block of the
+        range, which starts on one) for int8. Writing them changes the state exactly."""
+        if self.fmt.moments == "fp32" or self.runs is None:
+            return {"format": "fp32", "exp_avg": self.exp_avg.narrow(0, start, numel),
+                    "exp_avg_sq": self.exp_avg_sq.narrow(0, start, numel)}
+        parts = self.runs_in(start, start + numel)
+        assert len(parts) == 1 and parts[0][2] == numel, "a range of one run"
+        r, o, n = parts[0]
+        m, v, am, avm = self.moments_of(r, o, n)
+        out: dict[str, Any] = {"format": r.fmt, "exp_avg": m, "exp_avg_sq": v}
+        if am is not None:
+            out["exp_avg_absmax"], out["exp_avg_sq_absmax"] = am, avm
+        return out
+
+    def zero_moments(self) -> None:
+        """A fresh state's moments (every format's zero decodes to exact zeros)."""
+        for name in ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax",
+                     "exp_avg_side", "exp_avg_sq_side"):
+            t = getattr(self, name)
+            if t is not None:
+                t.zero_()
+
     def _step_runs(self, chunk: int, grp: dict[str, Any], start: int, numel: int, step: int,
                    grad_scale: float, grad: torch.Tensor, param: torch.Tensor | None,
                    lp: torch.Tensor | None) -> None:
