@@ -6,10 +6,14 @@ DeepSpeed, side by side in one run on the same GPT, data, global batch, precisio
     python bench/bench_zero.py --quick                  # tiny model, 4 steps: a smoke test
     python bench/bench_zero.py --precision bf16 --policies ddp zk_stage2 --repeats 3
     python bench/bench_zero.py --repeats 3 --tree before=/path/to/old/checkout
+    python bench/bench_zero.py --precision bf16 --policies ddp zk_stage2 zk_stage3 \
+        zk_stage2_int8 zk_stage3_int8 --repeats 3        # 8-bit moments beside fp32 ones
 
 bench/README.md describes the workload, each policy and what each column measures. This file
 is the command line and the output; the policies are in zero_policies.py, the ranks that run
-them in zero_ranks.py. With --repeats N every policy (and every --tree variant) runs once per
+them in zero_ranks.py. The "_int8" policies are zerokern's stages with ZeroAdamW(moments="int8")
+(issue 27), "_int8_nomaster" also master="none" (bf16 only; --compressed adds them). With
+--repeats N every policy (and every --tree variant) runs once per
 round, N rounds in turn, and each ratio is taken to ddp of the same round: the median of the
 N ratios is the result and their spread shows the noise.
 """
@@ -30,7 +34,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 from gpt import GPTConfig  # noqa: E402
-from zero_policies import OFFLOAD_POLICIES, POLICIES, Job, unavailable  # noqa: E402
+from zero_policies import (  # noqa: E402
+    COMPRESSED_POLICIES,
+    OFFLOAD_POLICIES,
+    POLICIES,
+    Job,
+    unavailable,
+)
 from zero_ranks import run_policy  # noqa: E402
 
 from zerokern.comm.rendezvous import file_init_method  # noqa: E402
@@ -137,11 +147,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, help="per rank (default 4; --quick: 2)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
-    ap.add_argument("--policies", nargs="+", choices=POLICIES + OFFLOAD_POLICIES,
-                    default=POLICIES)
+    ap.add_argument("--policies", nargs="+", default=POLICIES,
+                    choices=list(dict.fromkeys(POLICIES + COMPRESSED_POLICIES + OFFLOAD_POLICIES)))
     ap.add_argument("--offload", action="store_true",
                     help="add the ZeRO-Offload rows (zerokern and DeepSpeed offload, stages 2-3; "
                     "model-state columns are device bytes; bench_offload.py adds host bytes)")
+    ap.add_argument("--compressed", action="store_true",
+                    help="add the compressed-state rows (zerokern stages 2-3 with int8 moments, "
+                    "with and without the fp32 master)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="interleaved rounds: every policy (and tree) once per round; ratios "
                     "to ddp of the same round, reported per round, median and min-max "
@@ -156,9 +169,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--bucket-numel", type=int,
                     help="zerokern stages 0-2: bucket_numel (default: ZeroAdamW's own)")
     args = ap.parse_args(argv)
-    if args.offload:
-        args.policies = list(args.policies) + [p for p in OFFLOAD_POLICIES
-                                               if p not in args.policies]
+    for flag, extra in ((args.compressed, COMPRESSED_POLICIES), (args.offload, OFFLOAD_POLICIES)):
+        if flag:
+            args.policies = list(args.policies) + [p for p in extra if p not in args.policies]
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
     labels = [v.label for v in args.tree]

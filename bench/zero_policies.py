@@ -28,8 +28,19 @@ POLICIES = [
     "zk_stage1",
     "zk_stage2",
     "zk_stage3",
+    "zk_stage2_int8",
+    "zk_stage3_int8",
     "ds_stage1",
     "ds_stage2",
+]
+# Compressed optimizer state (issue 27): "_int8" rows store both moments in 8 bits (fp32
+# master kept), "_int8_nomaster" rows also drop the master (bf16 params, stochastic rounding;
+# bf16 only). bench_zero.py --compressed adds the _nomaster rows to the default list.
+COMPRESSED_POLICIES = [
+    "zk_stage2_int8",
+    "zk_stage3_int8",
+    "zk_stage2_int8_nomaster",
+    "zk_stage3_int8_nomaster",
 ]
 # ZeRO-Offload rows (bench_zero.py --offload, bench_offload.py): optimizer state and step on
 # the CPU; "_params": stage 3's parameter shard in host memory too.
@@ -194,10 +205,11 @@ def setup_fsdp2(job: Job, model: nn.Module, device: torch.device) -> Setup:
 
 
 def setup_zerokern(job: Job, model: nn.Module, stage: int, offload: bool = False,
-                   offload_params: bool = False) -> Setup:
+                   offload_params: bool = False, fmt: dict[str, str] | None = None) -> Setup:
     import zerokern
 
-    kw = {"bucket_numel": job.bucket_numel} if job.bucket_numel else {}
+    kw: dict[str, Any] = {"bucket_numel": job.bucket_numel} if job.bucket_numel else {}
+    kw.update(fmt or {})  # moments= / master= of the compressed rows
     # Stage 3: shard_model's default units (the blocks), then the optimizer.
     opt = zerokern.parallelize(model, stage=stage, offload="cpu" if offload else None,
                                offload_params=offload_params, **HP, **kw)
@@ -214,7 +226,12 @@ def setup_zerokern(job: Job, model: nn.Module, stage: int, offload: bool = False
             "zk_comm": opt.comm_stats()["bytes"],
         }
 
-    name = f"ZeroAdamW(stage={stage}{', offload=cpu' if offload else ''})"
+    name = f"ZeroAdamW(stage={stage}{', offload=cpu' if offload else ''}"
+    name += "".join(f", {k}={v}" for k, v in (fmt or {}).items()) + ")"
+    if fmt:  # the kernels of the compressed step (the fastest here, or $ZEROKERN_BACKEND)
+        from zerokern.ops._backend import resolve_backend
+
+        name += f", {resolve_backend(None, next(model.parameters()).device)} kernels"
     if offload_params:
         name += " + shard_model(offload_params=True)"
     return Setup(_plain_step(model, opt), state, name)
@@ -312,7 +329,12 @@ def build(job: Job, device: torch.device) -> Setup:
     stage = int(pol.split("_")[1][-1]) if "_stage" in pol else -1
     offload, offload_params = "_offload" in pol, pol.endswith("_offload_params")
     if pol.startswith("zk_stage"):
-        return setup_zerokern(job, model, stage, offload, offload_params)
+        fmt = {"moments": "int8"} if "_int8" in pol else {}
+        if pol.endswith("_nomaster"):
+            if not lowp:
+                raise Skip("master='none' needs 16-bit parameters (bf16 precision only)")
+            fmt["master"] = "none"
+        return setup_zerokern(job, model, stage, offload, offload_params, fmt)
     if pol.startswith("ds_stage"):
         return setup_deepspeed(job, model, device, stage, offload, offload_params)
     raise ValueError(f"unknown policy {pol!r}")

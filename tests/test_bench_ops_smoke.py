@@ -1,12 +1,15 @@
-"""bench/bench_sq_norm.py and bench/bench_flatten.py on tiny inputs, in this process: they run,
-check every provider's result against a reference (the benches assert it before timing), and
-write one CSV whose ratios have the documented shape: every provider of every case, each
-with one speed-up over the baseline per round, the median within the spread, and the
-baseline's own ratio exactly 1. No timing is asserted."""
+"""bench/bench_sq_norm.py, bench/bench_flatten.py and bench/bench_adam.py on tiny inputs, in
+this process: they run, check every provider's result against a reference (the benches assert
+it before timing), and write one CSV whose ratios have the documented shape: every provider of
+every case, each with one speed-up over the baseline per round, the median within the spread,
+and the baseline's own ratio exactly 1. No timing is asserted. bench/bench_convergence.py for
+a few steps: what its outputs must say whatever the machine."""
 
 from __future__ import annotations
 
 import csv
+import importlib.util
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -16,6 +19,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+import bench_adam  # noqa: E402
+import bench_convergence  # noqa: E402
 import bench_flatten  # noqa: E402
 import bench_sq_norm  # noqa: E402
 
@@ -76,3 +81,58 @@ def test_bench_flatten_quick(tmp_path: Path) -> None:
                 assert all(r["baseline"] == bench_flatten.BASE[direction] for r in sel)
     for row in rows:
         check_ratios(row)
+
+
+def test_bench_adam_quick(tmp_path: Path) -> None:
+    """bench_adam.py --quick without torchao (its compile takes longer than a smoke test):
+    every format's row names the backend that ran it, every provider's first step matched
+    AdamW's (the bench asserts it; the CSV records it), the bytes per element are each
+    format's reads and writes, and the ratios have the documented shape."""
+    argv = ["--quick", "--device", "cpu", "--sizes", "10", "12", "--rounds", str(ROUNDS),
+            "--providers", "torch_mixed", "zk", "bnb", "--out", str(tmp_path)]
+    assert bench_adam.main(argv) == 0
+    rows = [r for r in rows_of(tmp_path, "bench_adam_cpu_*_quick.csv") if r["ms"]]
+    assert len(list(tmp_path.glob("bench_adam_cpu_*_quick.md"))) == 1
+    absmax = 2 * 2 * 4 / 256  # two fp32 absmax per 256 elements, read and written
+    # grad (bf16) + param side + moments, read and written; fp32 AdamW: 4 + 3 x (4 + 4)
+    want_bytes = {"torch_fused": 28.0, "torch_mixed": 28.0, "zk_fp32": 2 + 8 + 16 + 2,
+                  "zk_bf16": 2 + 8 + 8 + 2, "zk_int8": 2 + 8 + 4 + 2 + absmax,
+                  "zk_int8_nomaster": 2 + 4 + 4 + absmax, "bnb_adamw8bit": 8 + 4 + 4 + absmax}
+    backends = available_backends(torch.device("cpu"))
+    for lg in ("10", "12"):
+        sel = {r["provider"]: r for r in rows if r["log2_n"] == lg}
+        zk = {name for name in sel if name.startswith("zk_")}
+        for fmt in ("fp32", "bf16", "int8", "int8_nomaster"):
+            ran = [b for b in backends if f"zk_{fmt}_{b}" in zk]
+            assert len(ran) == 1, (fmt, sorted(zk))  # the fastest that runs, named
+        assert {"torch_fused", "torch_mixed"} <= set(sel)
+        for name, row in sel.items():
+            key = name if not name.startswith("zk_") else name.rsplit("_", 1)[0]
+            assert float(row["bytes_per_elem"]) == pytest.approx(want_bytes[key]), name
+            assert float(row["update_cos"]) > 0.95, name
+            assert row["baseline"] == "torch_fused"
+            check_ratios(row)
+
+
+def test_bench_convergence_quick(tmp_path: Path) -> None:
+    """bench_convergence.py --quick, 4 steps: every config starts from the same weights and
+    batch (the same first loss, bit for bit), zerokern's fp32 state and torch's AdamW on fp32
+    masters (the same math) end within 0.1%, the compressed formats hold fewer state bytes,
+    and the curve CSV has every step of every config."""
+    configs = ["zk_fp32", "zk_int8", "zk_int8_nomaster", "torch_adamw"]
+    argv = ["--quick", "--steps", "4", "--configs", *configs, "--out", str(tmp_path)]
+    assert bench_convergence.main(argv) == 0
+    rows = {r["config"]: r for r in rows_of(tmp_path, "bench_convergence_cpu_*_summary.csv")}
+    assert set(rows) == set(configs) and all(r["status"] == "ok" for r in rows.values())
+    assert len({r["first_loss"] for r in rows.values()}) == 1
+    fp32 = float(rows["zk_fp32"]["final_loss"])
+    assert float(rows["torch_adamw"]["final_loss"]) == pytest.approx(fp32, rel=1e-3)
+    assert float(rows["zk_fp32"]["final_vs_fp32_pct"]) == 0.0
+    state = {k: int(r["state_bytes"]) for k, r in rows.items()}
+    assert state["zk_int8_nomaster"] < state["zk_int8"] < state["zk_fp32"]
+    curve = rows_of(tmp_path, "bench_convergence_cpu_*_curve.csv")
+    assert [int(r["step"]) for r in curve] == [0, 1, 2, 3]
+    assert all(math.isfinite(float(r[c])) for r in curve for c in configs)
+    assert math.isclose(float(curve[0]["zk_fp32"]), float(curve[0]["zk_int8"]))
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert len(list(tmp_path.glob("bench_convergence_cpu_*_curve.png"))) == 1
