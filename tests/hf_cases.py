@@ -167,6 +167,18 @@ def options_and_refusals(rank: int, world: int, tmp: str) -> None:
     tr.train()
     assert tr.zero_optimizer.memory_stats()["host_total"] > 0
     assert_params_close(_params(off), _params(built), "offload='cpu', offload_params")
+    # Compressed state through the Trainer: the ZeroAdamW it builds stores int8 moments and
+    # equals one given with the same options.
+    q_built, q_given = tiny_gpt2(), tiny_gpt2()
+    tr = ZeroTrainer(model=q_built, args=_args(os.path.join(tmp, "int8"), **kw),
+                     train_dataset=TokenData(), zero_stage=2, moments="int8")
+    tr.train()
+    assert tr.zero_optimizer.state_format.moments == "int8"
+    opt = zerokern.ZeroAdamW(q_given.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
+                             weight_decay=0.0, stage=2, moments="int8")
+    ZeroTrainer(model=q_given, args=_args(os.path.join(tmp, "int8g"), **kw),
+                train_dataset=TokenData(), optimizers=(opt, None)).train()
+    assert_params_close(_params(q_given), _params(q_built), "moments='int8'")
 
     model = tiny_gpt2()
     a = _args(os.path.join(tmp, "x"), **kw)

@@ -81,7 +81,8 @@ class ZeroTrainer(_tf.Trainer):
     the ZeroAdamW given in ``optimizers``), ``unit_classes`` (stage 3: module classes or class
     names; default the model's ``_no_split_modules``), ``prefetch``,
     ``reshard_after_forward`` and ``offload_params`` (shard_model's), ``bucket_numel``,
-    ``overlap_comm`` and ``offload`` (ZeroAdamW's; ``offload="cpu"``: ZeRO-Offload).
+    ``overlap_comm``, ``offload`` (ZeroAdamW's; ``offload="cpu"``: ZeRO-Offload), ``moments``
+    and ``master`` (ZeroAdamW's compressed state: ``moments="int8"``, ``master="none"``).
     ``max_grad_norm`` of TrainingArguments is applied as ZeroAdamW's global norm.
     """
 
@@ -89,7 +90,8 @@ class ZeroTrainer(_tf.Trainer):
                  unit_classes: Iterable[type | str] | None = None, prefetch: int = 1,
                  reshard_after_forward: bool = True, offload_params: bool = False,
                  bucket_numel: int | None = None, overlap_comm: bool = True,
-                 offload: str | None = None, **kwargs: Any) -> None:
+                 offload: str | None = None, moments: str = "fp32", master: str = "fp32",
+                 **kwargs: Any) -> None:
         given = kwargs.get("optimizers", (None, None))
         given_opt = unwrap_optimizer(given[0]) if given and given[0] is not None else None
         if given_opt is not None and not isinstance(given_opt, ZeroAdamW):
@@ -116,7 +118,7 @@ class ZeroTrainer(_tf.Trainer):
             self._check_args(targs, given_opt is not None)
         self.zero_stage = zero_stage
         self._zero_options = dict(bucket_numel=bucket_numel, overlap_comm=overlap_comm,
-                                  offload=offload)
+                                  offload=offload, moments=moments, master=master)
         self._unit_classes = unit_classes
         self._shard_options = dict(prefetch=prefetch,
                                    reshard_after_forward=reshard_after_forward,
