@@ -116,18 +116,22 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
         assert (out / name).stat().st_size > 0, name
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = list(csv.DictReader(open(out / "demo_table.csv")))
-    assert [int(r["stage"]) for r in rows] == [0, 1, 2, 3]
+    assert [(int(r["stage"]), r["moments"], r["master"]) for r in rows] == [
+        (0, "fp32", "fp32"), (1, "fp32", "fp32"), (2, "fp32", "fp32"), (3, "fp32", "fp32"),
+        (3, "int8", "fp32"), (3, "int8", "none")]
+    bars, rows = rows[4:], rows[:4]
     psi = config_for("tiny", VOCAB).num_params()
+    _check_compressed_bars(bars, rows[3], psi)
     for r in rows:
         stage, world = int(r["stage"]), int(r["world_size"])
         psi_pad = int(r["psi_padded"])
-        assert world == 2 and int(r["psi"]) == psi and psi <= psi_pad < psi + 64 * 8 + 64
+        assert world == 2 and int(r["psi"]) == psi and psi <= psi_pad < psi + _max_pad(stage)
         formula = expected_model_state_bytes(stage, psi_pad, world, 2)  # bf16 by default
         held = int(r["state_measured_bytes"]) + int(r["padding_bytes"])
         parts = sum(
             int(r[f"{k}_bytes"]) for k in ("params", "grads", "master", "exp_avg", "exp_avg_sq")
         )
-        assert parts == int(r["state_measured_bytes"])
+        assert parts == int(r["state_measured_bytes"])  # fp32 state: no scales, no side
         assert int(r["state_formula_bytes"]) == formula
         assert held == formula, r  # stage 1 included: no gradient shard beside the flat grad
         assert r["state_check"] != "MISMATCH"
@@ -140,6 +144,100 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert len(losses) == 4 and all(
         float(b) < float(a) for a, b in zip(losses[1][1:], losses[-1][1:])
     )
+
+
+def _max_pad(stage: int) -> int:
+    """Bound on the padding zerokern adds to the tiny GPT at 2 ranks: bucket and shard rounding
+    (64 elements a unit or bucket), and at stage 3 each parameter of 4,096 elements or more
+    starting on a 256-element block."""
+    big = sum(p.numel() >= 4096 for p in GPT(config_for("tiny", VOCAB)).parameters())
+    return 64 * 8 + 64 + (256 * big if stage == 3 else 0)
+
+
+# K of the compressed bars by hand: 4 (fp32 master) or 0, + 1 + 1 (int8 codes) + 2 x 4/256.
+BAR_K = {"fp32": 4 + 2 + 8 / 256, "none": 2 + 8 / 256}
+OPT_KINDS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax",
+             "exp_avg_side", "exp_avg_sq_side")
+
+
+def _check_compressed_bars(bars: list[dict], stage3: dict, psi: int) -> None:
+    """The demo's compressed bars (stage 3, 2 ranks, bf16, rank 0's columns) against the
+    paper's stage-3 formula with the format's K, plus the fp32 side moments of the small
+    parameters, whose size is counted here from the model."""
+    small = sum(p.numel() for p in GPT(config_for("tiny", VOCAB)).parameters()
+                if p.numel() < 4096)
+    for r in bars:
+        assert r["trained"] == "False" and r["final_loss"] == "" and int(r["steps"]) == 0
+        psi_pad = int(r["psi_padded"])
+        assert psi <= psi_pad < psi + _max_pad(3)
+        kinds = sum(int(r[f"{k}_bytes"]) for k in ("params", "grads", *OPT_KINDS))
+        assert kinds == int(r["state_measured_bytes"])
+        side = int(r["exp_avg_side_bytes"]) + int(r["exp_avg_sq_side_bytes"])
+        assert 0 < side <= 8 * small  # rank 0's share of the 8 bytes per small element
+        held = kinds + int(r["padding_bytes"]) - side
+        assert held == (4 + BAR_K[r["master"]]) * psi_pad / 2, r
+        # one fp32 absmax per 256-element block of the rank's local space
+        assert int(r["exp_avg_absmax_bytes"]) >= 4 * -(-int(r["exp_avg_bytes"]) // 256)
+        assert r["state_check"] == "= formula + extra" and int(r["state_extra_bytes"]) == side
+    # int8 moments hold less than the fp32 state, and less again without the master.
+    held = [int(r["state_measured_bytes"]) for r in (stage3, *bars)]
+    assert held[0] > held[1] > held[2]
+
+
+def test_compressed_bar_check_is_independent() -> None:
+    # build_rows on records built by hand: the bar passes when every rank's bytes are the
+    # formula plus its side moments and the ranks' side moments add up to 8 bytes per small
+    # element; a rank that holds one byte more, or side moments that do not add up, fail it.
+    from zerokern.demo.report import build_rows, format_table
+
+    psi_pad, small, world = 4096 * 4, 1000, 2
+    n = psi_pad // world  # each rank's elements: (2 + 2 + 4 + 1 + 1 + 8/256) bytes each
+
+    def record(sides: list[int]) -> dict:
+        mems = [{"params": 2 * n, "grads": 2 * n, "master": 4 * n, "exp_avg": n,
+                 "exp_avg_sq": n, "exp_avg_absmax": 4 * n // 256,
+                 "exp_avg_sq_absmax": 4 * n // 256, "exp_avg_side": sd // 2,
+                 "exp_avg_sq_side": sd // 2, "padding": 0} for sd in sides]
+        return {"stage": 3, "moments": "int8", "master": "fp32", "trained": False,
+                "world": world, "psi": psi_pad, "psi_padded": psi_pad, "param_bytes": 2,
+                "small_numel": small, "losses": [], "memory": mems[0], "memory_by_rank": mems,
+                "comm_elements": 0, "comm_by_rank": [0, 0], "step_ms_median": 0.0}
+
+    trained = {"stage": 3, "world": world, "psi": psi_pad, "psi_padded": psi_pad,
+               "param_bytes": 2, "losses": [1.0], "step_ms_median": 1.0, "comm_elements":
+               3 * psi_pad, "comm_by_rank": [3 * psi_pad] * 2}
+    mem3 = {"params": psi_pad, "grads": psi_pad, "master": 2 * psi_pad, "exp_avg": 2 * psi_pad,
+            "exp_avg_sq": 2 * psi_pad, "padding": 0}
+    trained.update(memory=mem3, memory_by_rank=[mem3, mem3])
+    rows, summary = build_rows([trained, record([5000, 3000])], "bf16", 0.02)
+    assert summary["ok"] and rows[1]["state_check"] == "= formula + extra", rows[1]
+    assert rows[1]["policy"] == "P_os+g+p int8" and rows[1]["state_extra_bytes"] == 5000
+    assert "memory only" in format_table(rows, summary)
+    _, summary = build_rows([trained, record([5000, 3008])], "bf16", 0.02)
+    assert not summary["state_ok"]  # 8 * 1000 side bytes in all, not 8008
+    bad = record([5000, 3000])
+    bad["memory_by_rank"][1]["padding"] += 1
+    _, summary = build_rows([trained, bad], "bf16", 0.02)
+    assert not summary["state_ok"]
+
+
+def test_demo_compressed_options() -> None:
+    import argparse
+
+    from zerokern.cli.demo import _options, _validate, configure_parser
+    from zerokern.demo.train import DemoOptions, compressed_formats
+
+    parser = configure_parser(argparse.ArgumentParser())
+    assert compressed_formats(DemoOptions()) == (("int8", "fp32"), ("int8", "none"))
+    assert compressed_formats(DemoOptions(precision="fp32")) == (("int8", "fp32"),)
+    args = parser.parse_args(["--compressed", "bf16:none", "int8"])
+    assert compressed_formats(_options(args)) == (("bf16", "none"), ("int8", "fp32"))
+    assert compressed_formats(_options(parser.parse_args(["--compressed"]))) == ()
+    for argv, needle in ((["--compressed", "int4"], "MOMENTS[:MASTER]"),
+                         (["--compressed", "int8:none", "--precision", "fp32"], "bf16"),
+                         (["--compressed", "int8", "int8:fp32"], "duplicates")):
+        err = _validate(parser.parse_args(argv))
+        assert err is not None and needle in err, (argv, err)
 
 
 @pytest.mark.slow

@@ -482,3 +482,127 @@ def test_offload_rows_in_report_json_and_text(capsys):
 def test_host_mem_must_be_positive():
     proc = _run_cli("estimate", "--params", "1e9", "--host-mem", "0")
     assert proc.returncode == 2 and "--host-mem" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Compressed optimizer state (issue 27): --moments / --master set K
+# --------------------------------------------------------------------------------------------
+
+# K by hand for parameters of at least 4,096 elements: master + exp_avg + exp_avg_sq bytes,
+# and for int8 one fp32 absmax per 256 elements for each moment. The host K of an offloaded
+# master="none" state adds the bf16 copy of the shard the CPU step updates (2 bytes).
+FORMAT_K = {("fp32", "fp32"): 4 + 4 + 4, ("bf16", "fp32"): 4 + 2 + 2,
+            ("int8", "fp32"): 4 + 1 + 1 + 2 * 4 / 256, ("fp32", "none"): 4 + 4,
+            ("bf16", "none"): 2 + 2, ("int8", "none"): 1 + 1 + 2 * 4 / 256}
+
+
+@pytest.mark.parametrize("moments,master", sorted(FORMAT_K))
+def test_format_k(moments, master):
+    k = FORMAT_K[moments, master]
+    assert formulas.optimizer_bytes_per_param(2, moments, master) == k
+    parts = formulas.optimizer_state_parts(moments, master)
+    assert float(sum(parts.values())) == k
+    host = k + (2 if master == "none" else 0)
+    assert formulas.optimizer_bytes_per_param(2, moments, master, on_host=True) == host
+    for v in formulas.OFFLOAD_VARIANTS:
+        # stage 3's parameter shard in host memory is updated in place: no copy beside it
+        want = k if (v == "stage3_offload_params" and master == "none") else host
+        assert formulas.offload_k(v, moments, master) == want, v
+    assert formulas.k_formula_text(moments, master).endswith(f"= {k:g}")
+    # fp32 parameters are their own master (8 with fp32 moments, the paper's fp32 case)
+    if master == "fp32":
+        assert formulas.optimizer_bytes_per_param(4, moments, master) == k - 4
+
+
+def test_format_constants_match_the_optimizer():
+    from zerokern.quant.adamw import MASTER_MODES, MIN_COMPRESSED_NUMEL, MOMENT_FORMATS
+    from zerokern.quant.maps import BLOCK
+
+    assert formulas.MIN_COMPRESSED_NUMEL == MIN_COMPRESSED_NUMEL
+    assert formulas.QUANT_BLOCK == BLOCK
+    assert formulas.MOMENT_FORMATS == MOMENT_FORMATS and formulas.MASTER_MODES == MASTER_MODES
+
+
+def test_format_refusals():
+    with pytest.raises(ValueError, match="moments must be one of"):
+        formulas.optimizer_bytes_per_param(2, "int4")
+    with pytest.raises(ValueError, match="master must be one of"):
+        formulas.optimizer_bytes_per_param(2, "int8", "bf16")
+    with pytest.raises(ValueError, match="master='none' needs 16-bit"):
+        formulas.optimizer_bytes_per_param(4, "int8", "none")
+    with pytest.raises(ValueError, match="give k or moments/master"):
+        estimate(7.5e9, k=8, moments="int8")
+    with pytest.raises(ValueError, match="moments must be one of"):
+        estimate(7.5e9, moments="fp8")
+
+
+def test_estimate_rows_with_int8_moments_and_no_master():
+    psi = 7.5e9
+    r = estimate(psi, gpus=[1, 64], gpu_mem_gb=32, moments="int8", master="none")
+    k = 2.03125
+    assert r["k"] == k and (r["moments"], r["master"]) == ("int8", "none")
+    assert r["k_parts"] == {"master": 0.0, "exp_avg": 1.0, "exp_avg_sq": 1.0,
+                            "exp_avg_absmax": 1 / 64, "exp_avg_sq_absmax": 1 / 64}
+    row = r["rows"][1]  # N = 64, by hand: 2 + 2 bytes of weights and gradients, K state
+    assert row["bytes"] == {"stage0": (4 + k) * psi, "stage1": 4 * psi + k * psi / 64,
+                            "stage2": 2 * psi + (2 + k) * psi / 64,
+                            "stage3": (4 + k) * psi / 64}
+    assert r["min_gpus_to_fit"] == {"stage0": None, "stage1": 8, "stage2": 2, "stage3": 2}
+    off = r["offload"]
+    assert off["variants"]["stage2_offload"]["k"] == k + 2
+    assert off["variants"]["stage3_offload_params"]["k"] == k
+    assert off["rows"][1]["host_bytes"]["stage2_offload"] == pytest.approx(
+        (2 + k + 2) * psi / 64)
+    assert off["rows"][1]["host_bytes"]["stage3_offload_params"] == pytest.approx(
+        (4 + k) * psi / 64)
+    text = report.format_report(r)
+    assert "K = 2.03125 optimizer state = 6.03125" in text
+    assert "moments=int8, master=none: K = 1 + 1 int8 moments + 2 x 4/256 fp32 absmax" in text
+    assert "K on the host: 2 bf16 copy + 1 + 1 int8 moments" in text
+    assert all(line == line.rstrip() for line in text.splitlines())
+    # The default format's report is the paper's, unchanged.
+    assert estimate(psi)["k"] == 12 and estimate(psi)["k_parts"]["master"] == 4.0
+    assert "optimizer state: moments" not in report.format_report(estimate(psi))
+
+
+@pytest.mark.parametrize("moments,master", sorted(FORMAT_K))
+def test_cli_moments_master_json(moments, master, capsys):
+    argv = ["estimate", "--params", "1e9", "--gpus", "4", "--json", "--moments", moments,
+            "--master", master]
+    assert _main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    k = FORMAT_K[moments, master]
+    assert r["k"] == k
+    assert r["rows"][0]["bytes"]["stage2"] == pytest.approx(2e9 + (2 + k) * 1e9 / 4)
+
+
+def test_cli_int8_no_master_table_subprocess():
+    p = _run_cli("--params", "7.5e9", "--gpus", "1", "64", "--gpu-mem", "32", "--moments",
+                 "int8", "--master", "none")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    # (2 + 2 + 2.03125) x 7.5 = 45.2 GB at N = 1; at 64: 30.2, 15.5, 0.707 GB
+    row64 = next(line for line in out.splitlines() if line.split()[:1] == ["64"])
+    assert row64.split() == ["64", "45.2", "30.2", "*", "15.5", "*", "0.707", "*"]
+    assert "K = 2.03125" in out and "fewest GPUs that fit: DP never, P_os 8" in out
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--params", "1e9", "--moments", "int4"], "argument --moments"),
+        (["--params", "1e9", "--master", "bf16"], "argument --master"),
+    ],
+)
+def test_cli_bad_format(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _main(["estimate", *argv])
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_cli_k_and_format_together_refused(capsys):
+    assert _main(["estimate", "--params", "1e9", "--k", "8", "--moments", "int8"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "give --k or --moments/--master" in captured.err
+    assert _main(["estimate", "--params", "8", "--gpus", "4", "--k", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["k"] == 8  # --k alone still sets K

@@ -20,6 +20,23 @@ activation values without checkpointing, h b s L with one checkpoint per layer.
 
 GB means 1e9 bytes, as in the paper (7.5B parameters on 64 GPUs: 120, 31.4, 16.6, 1.88 GB).
 
+Compressed optimizer state (``ZeroAdamW(moments=, master=)``, docs/compressed-state.md)
+changes only K, the bytes of optimizer state per parameter (:func:`optimizer_state_parts`):
+the master (4 bytes fp32, or none), the two moments (4 fp32, 2 bf16 or 1 int8 code each) and,
+for int8, one fp32 absmax per 256-element block of each moment (4/256 byte each). For the
+parameters large enough to compress (4,096 elements or more):
+
+    moments  master   K                              K with offload (host)
+    fp32     fp32     4 + 4 + 4           = 12       12
+    bf16     fp32     4 + 2 + 2           = 8        8
+    int8     fp32     4 + 1 + 1 + 8/256   = 6.03125  6.03125
+    fp32     none     0 + 4 + 4           = 8        10 (a bf16 copy of the shard for the step)
+    bf16     none     0 + 2 + 2           = 4        6
+    int8     none     0 + 1 + 1 + 8/256   = 2.03125  4.03125
+
+These are what ``memory_stats()`` measures (tests/test_compressed_memory.py checks it); smaller
+parameters keep fp32 moments (8 more bytes an element), negligible in a large model.
+
 ZeRO-Offload (Ren et al. 2021; ``ZeroAdamW(..., offload="cpu")``) moves a rank's optimizer
 state (K Psi / N) and its gradient shard (p Psi / N) to host memory; ZeRO-Infinity's parameter
 offload (``shard_model(..., offload_params=True)``) moves stage 3's parameter shard there too.
@@ -243,30 +260,122 @@ def _check(stage: int, psi: int, world: int, param_bytes: int) -> None:
         raise ValueError(f"param_bytes must be 2 (fp16/bf16) or 4 (fp32), got {param_bytes!r}")
 
 
-def optimizer_bytes_per_param(param_bytes: int) -> int:
-    """K: fp32 master + two fp32 moments for 16-bit params; the two moments for fp32 params."""
-    return 12 if param_bytes < 4 else 8
+MOMENT_FORMATS = ("fp32", "bf16", "int8")
+"""``ZeroAdamW(moments=)``: what each Adam moment is stored as."""
+MASTER_MODES = ("fp32", "none")
+"""``ZeroAdamW(master=)``: an fp32 master copy of the parameters, or none."""
+MOMENT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+QUANT_BLOCK = 256  # elements per int8 block (zerokern.quant.maps.BLOCK)
+ABSMAX_BYTES = 4  # one fp32 absmax per block and moment
+MIN_COMPRESSED_NUMEL = 4096  # smaller parameters keep fp32 moments (zerokern.quant.adamw)
+
+
+def _check_format(moments: str, master: str, param_bytes: int) -> None:
+    if not isinstance(moments, str) or moments not in MOMENT_FORMATS:
+        raise ValueError(f"moments must be one of {', '.join(map(repr, MOMENT_FORMATS))}, "
+                         f"got {moments!r}")
+    if not isinstance(master, str) or master not in MASTER_MODES:
+        raise ValueError(f"master must be one of {', '.join(map(repr, MASTER_MODES))}, "
+                         f"got {master!r}")
+    if param_bytes not in (2, 4):
+        raise ValueError(f"param_bytes must be 2 (fp16/bf16) or 4 (fp32), got {param_bytes!r}")
+    if master == "none" and param_bytes != 2:
+        raise ValueError("master='none' needs 16-bit (bf16) parameters, got param_bytes="
+                         f"{param_bytes}")
+
+
+def optimizer_state_parts(moments: str = "fp32", master: str = "fp32",
+                          param_bytes: int = PARAM_BYTES, *, on_host: bool = False,
+                          params_on_host: bool = False) -> dict[str, Fraction]:
+    """K's parts: bytes per parameter of each optimizer-state kind (memory_stats() names) for
+    a parameter of at least 4,096 elements, as exact fractions.
+
+    ``on_host``: the state is offloaded (``offload="cpu"``): the step runs on a host copy of
+    the values, an fp32 master for fp32 parameters too, and a bf16 copy of the parameters
+    with ``master="none"``; ``params_on_host``: stage 3's parameter shard lives in host memory
+    already (``offload_params=True``), so no copy is kept beside it for ``master="none"`` or
+    fp32 parameters.
+
+    >>> parts = optimizer_state_parts("int8", "fp32")
+    >>> str(parts["exp_avg_absmax"]), str(sum(parts.values()))
+    ('1/64', '193/32')
+    """
+    _check_format(moments, master, param_bytes)
+    copy = on_host and not params_on_host  # the step's values are a host copy
+    if master == "none":
+        m = 2 if copy else 0  # a bf16 copy of the parameters, never fp32
+    else:
+        m = 4 if param_bytes < 4 or copy else 0  # fp32 parameters are their own master
+    e = MOMENT_BYTES[moments]
+    parts = {"master": Fraction(m), "exp_avg": Fraction(e), "exp_avg_sq": Fraction(e)}
+    if moments == "int8":
+        parts["exp_avg_absmax"] = parts["exp_avg_sq_absmax"] = Fraction(ABSMAX_BYTES,
+                                                                        QUANT_BLOCK)
+    return parts
+
+
+def optimizer_bytes_per_param(param_bytes: int, moments: str = "fp32", master: str = "fp32",
+                              *, on_host: bool = False,
+                              params_on_host: bool = False) -> int | float:
+    """K: bytes of optimizer state per parameter. The paper's 12 (fp32 master + two fp32
+    moments) for 16-bit parameters, 8 for fp32 ones (their own master); a compressed format's
+    K (:func:`optimizer_state_parts`): 8 for bf16 moments, 6.03125 for int8 ones (fp32 master),
+    4 and 2.03125 with ``master="none"``. An int when K is whole, else the exact float.
+
+    >>> optimizer_bytes_per_param(2, "int8", "fp32")  # 4 + 1 + 1 + 2 x 4/256
+    6.03125
+    """
+    return _exact(sum(optimizer_state_parts(moments, master, param_bytes, on_host=on_host,
+                                            params_on_host=params_on_host).values(),
+                      Fraction(0)))
+
+
+def k_formula_text(moments: str = "fp32", master: str = "fp32", param_bytes: int = PARAM_BYTES,
+                   *, on_host: bool = False, params_on_host: bool = False) -> str:
+    """K spelled out by part, e.g. '4 master + 1 + 1 int8 moments + 2 x 4/256 absmax =
+    6.03125'."""
+    parts = optimizer_state_parts(moments, master, param_bytes, on_host=on_host,
+                                  params_on_host=params_on_host)
+    mname = "bf16 copy" if master == "none" else "fp32 master"
+    terms = [f"{_exact(parts['master'])} {mname}"] if parts["master"] else []
+    e = MOMENT_BYTES[moments]
+    terms.append(f"{e} + {e} {moments} moments")
+    if "exp_avg_absmax" in parts:
+        terms.append(f"2 x {ABSMAX_BYTES}/{QUANT_BLOCK} fp32 absmax")
+    total = optimizer_bytes_per_param(param_bytes, moments, master, on_host=on_host,
+                                      params_on_host=params_on_host)
+    return " + ".join(terms) + f" = {total:g}"
 
 
 def _exact(x: Fraction) -> int | float:
     return int(x) if x.denominator == 1 else float(x)
 
 
-def expected_model_state_bytes(stage: int, psi: int, world: int, param_bytes: int) -> int | float:
-    """Paper §5.4 model-state bytes per rank (an int whenever psi is divisible by world).
+def _format_k(param_bytes: int, moments: str, master: str) -> Fraction:
+    return sum(optimizer_state_parts(moments, master, param_bytes).values(), Fraction(0))
+
+
+def expected_model_state_bytes(stage: int, psi: int, world: int, param_bytes: int,
+                               moments: str = "fp32", master: str = "fp32") -> int | float:
+    """Paper §5.4 model-state bytes per rank (an int whenever psi is divisible by world, and
+    by 64 for int8 moments), with the K of the state format (``moments``, ``master``).
 
     >>> [expected_model_state_bytes(s, 8, 4, 2) for s in range(4)]  # the paper's tiny example
     [128, 56, 44, 32]
+    >>> expected_model_state_bytes(3, 256, 1, 2, "int8", "none")  # (2 + 2 + 2.03125) * 256
+    1544
     """
     _check(stage, psi, world, param_bytes)
-    rep, shard = coefficients(stage, param_bytes)
+    rep, shard = coefficients(stage, param_bytes, _format_k(param_bytes, moments, master))
     return _exact(rep * Fraction(psi) + shard * Fraction(psi, world))
 
 
-def state_formula_text(stage: int, param_bytes: int) -> str:
-    """The formula as text, e.g. '4Ψ+12Ψ/N'."""
-    rep, shard = coefficients(stage, param_bytes)
-    parts = ([f"{rep}Ψ"] if rep else []) + ([f"{shard}Ψ/N"] if shard else [])
+def state_formula_text(stage: int, param_bytes: int, moments: str = "fp32",
+                       master: str = "fp32") -> str:
+    """The formula as text, e.g. '4Ψ+12Ψ/N' (int8 moments, fp32 master: '4Ψ+6.03125Ψ/N')."""
+    rep, shard = coefficients(stage, param_bytes, _format_k(param_bytes, moments, master))
+    parts = ([f"{_exact(Fraction(rep))}Ψ"] if rep else []) + (
+        [f"{_exact(Fraction(shard))}Ψ/N"] if shard else [])
     return "+".join(parts)
 
 
@@ -305,6 +414,17 @@ OFFLOAD_FORMULAS = {
     "stage3_offload": ("2*Psi/N", "(2+K)*Psi/N"),
     "stage3_offload_params": ("0", "(2+2+K)*Psi/N"),
 }
+
+
+def offload_k(variant: str, moments: str = "fp32", master: str = "fp32",
+              param_bytes: int = PARAM_BYTES) -> int | float:
+    """K on the host of an offload variant: the format's K, plus a bf16 copy of the shard
+    (2 bytes) with ``master="none"`` unless the parameters live in host memory already
+    (``stage3_offload_params``)."""
+    if variant not in OFFLOAD_VARIANTS:
+        raise ValueError(f"offload variant must be one of {OFFLOAD_VARIANTS}, got {variant!r}")
+    return optimizer_bytes_per_param(param_bytes, moments, master, on_host=True,
+                                     params_on_host=variant == "stage3_offload_params")
 
 
 def offload_coefficients(variant: str, param_bytes: int = PARAM_BYTES,

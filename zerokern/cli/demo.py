@@ -6,10 +6,12 @@ set) it uses that launch instead of spawning. Each policy (stage 0 = DDP-like, 1
 the same model (zerokern/demo/gpt.py) from the same weights on the same locally generated text
 (zerokern/demo/data.py). The table compares, per policy, the final loss, the model-state bytes
 a rank holds against the paper's §5.4 formula, and the elements communicated per step against
-§7 (2Ψ, 3Ψ); it is written as CSV and PNG into ``--out``. The command exits 1 when a check
-fails, so it doubles as an end-to-end test. The default run (GPT "small", 50 steps per
-policy) takes about half a minute on two idle CPU cores; ``--steps`` and ``--model`` make it
-longer.
+§7 (2Ψ, 3Ψ); it is written as CSV and PNG into ``--out``. Compressed bars follow: the same
+model under stage 3 with a compressed optimizer state (``--compressed``, by default int8
+moments with and without an fp32 master), memory only, built and not trained. The command
+exits 1 when a check fails, so it doubles as an end-to-end test. The default run (GPT
+"small", 50 steps per policy) takes about half a minute on two idle CPU cores; ``--steps``
+and ``--model`` make it longer.
 
 Default precision: bf16 parameters with fp32 master weights and moments, on CPU too. It is the
 paper's setting (2 + 2 + K bytes, K = 12), so the formula column is the paper's own; on CPU
@@ -44,6 +46,7 @@ def _options(args):
         seed=args.seed,
         bucket_numel=args.bucket_numel,
         max_grad_norm=args.max_grad_norm,
+        compressed=None if args.compressed is None else tuple(args.compressed),
     )
 
 
@@ -91,8 +94,14 @@ def _spawned(rank: int, world: int, init_file: str, opts, backend: str, result_p
 
 def _describe(opts, world: int, backend: str, device: str) -> str:
     from ..demo import VOCAB, config_for
+    from ..demo.train import COMPRESSED_STAGE, compressed_formats
 
     cfg = config_for(opts.model_size, VOCAB)
+    bars = compressed_formats(opts)
+    more = ""
+    if bars:
+        more = f"; memory of stage {COMPRESSED_STAGE} with " + ", ".join(
+            f"{m} moments" + (" and no master" if ma == "none" else "") for m, ma in bars)
     return (
         f"zerokern demo: GPT '{opts.model_size}' ({cfg.num_params():,} parameters: "
         f"{cfg.n_layer} blocks, d_model {cfg.n_embd}, {cfg.n_head} heads, vocab {cfg.vocab}, "
@@ -101,7 +110,7 @@ def _describe(opts, world: int, backend: str, device: str) -> str:
         f"global batch {world} x {opts.micro_batch} x {cfg.seq} characters, "
         f"{opts.steps} steps x {len(opts.stages)} "
         f"{'policies (stages' if len(opts.stages) > 1 else 'policy (stage'} "
-        f"{' '.join(map(str, opts.stages))})"
+        f"{' '.join(map(str, opts.stages))}){more}"
     )
 
 
@@ -228,6 +237,22 @@ def _validate(args) -> str | None:
         return "--world-size must be >= 1"
     if args.micro_batch < 1 or (args.bucket_numel is not None and args.bucket_numel < 1):
         return "--micro-batch and --bucket-numel must be >= 1"
+    return _validate_compressed(args.compressed, args.precision)
+
+
+def _validate_compressed(specs: list[str] | None, precision: str) -> str | None:
+    from ..demo.train import parse_format
+    from ..formulas import MASTER_MODES, MOMENT_FORMATS
+
+    for spec in specs or ():
+        moments, master = parse_format(spec)
+        if moments not in MOMENT_FORMATS or master not in MASTER_MODES:
+            return (f"--compressed {spec!r}: expected MOMENTS[:MASTER] with MOMENTS one of "
+                    f"{', '.join(MOMENT_FORMATS)} and MASTER one of {', '.join(MASTER_MODES)}")
+        if master == "none" and precision != "bf16":
+            return f"--compressed {spec!r}: master 'none' needs --precision bf16"
+    if specs is not None and len(set(map(parse_format, specs))) != len(specs):
+        return f"--compressed has duplicates: {specs}"
     return None
 
 
@@ -288,6 +313,15 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="clip gradients to this global norm (default: no clipping)",
+    )
+    p.add_argument(
+        "--compressed",
+        nargs="*",
+        default=None,
+        metavar="MOMENTS[:MASTER]",
+        help="compressed bars: the model under stage 3 with ZeroAdamW(moments=MOMENTS, "
+        "master=MASTER), memory only (default: int8 int8:none with bf16, int8 with fp32; "
+        "--compressed alone: none)",
     )
     p.add_argument(
         "--loss-rtol",

@@ -24,7 +24,7 @@ from typing import Any
 from .. import estimate as _estimate_module
 from .. import formulas as _formulas
 from ..estimate import DEFAULT_GPUS, estimate
-from ..formulas import DEFAULT_K, gpt_params
+from ..formulas import DEFAULT_K, MASTER_MODES, MOMENT_FORMATS, gpt_params
 from . import estimate_report as _report
 from .estimate_report import PlotUnavailable, format_report, import_pyplot, plot_memory
 
@@ -97,7 +97,9 @@ HELP = "per-GPU memory and communication of ZeRO stages 0-3 (paper §5.4, §7)"
 DESCRIPTION = (
     "Per-GPU model-state memory of plain data parallelism and ZeRO stages 1-3 (the ZeRO "
     "paper's §5.4 / Table 1), per-step communication volume (§7) and, optionally, activation "
-    "memory. GB = 1e9 bytes. Example: --params 7.5e9 --gpus 1 4 16 64 256 1024 --gpu-mem 32"
+    "memory. GB = 1e9 bytes. --moments/--master give K of a compressed optimizer state "
+    "(ZeroAdamW(moments=, master=)). Example: --params 7.5e9 --gpus 1 4 16 64 256 1024 "
+    "--gpu-mem 32"
 )
 
 
@@ -125,9 +127,24 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--k",
         type=_nonneg_float,
-        default=DEFAULT_K,
+        default=None,
         metavar="K",
-        help="optimizer-state bytes per parameter (default 12: mixed-precision Adam)",
+        help=f"optimizer-state bytes per parameter (default: the format's, {DEFAULT_K:g} for "
+        "mixed-precision Adam with fp32 moments and master)",
+    )
+    p.add_argument(
+        "--moments",
+        choices=MOMENT_FORMATS,
+        default="fp32",
+        help="ZeroAdamW(moments=): Adam moments in fp32 (default), bf16 or int8 (block-wise, "
+        "one fp32 absmax per 256 elements); sets K",
+    )
+    p.add_argument(
+        "--master",
+        choices=MASTER_MODES,
+        default="fp32",
+        help="ZeroAdamW(master=): an fp32 master copy (default) or none (bf16 parameters "
+        "updated with stochastic rounding); sets K",
     )
     p.add_argument(
         "--gpu-mem",
@@ -184,6 +201,8 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--batch/--seq (activation memory) also need --layers and --hidden"
     if args.checkpointing and args.batch is None:
         return "--checkpointing needs --batch, --seq, --layers and --hidden"
+    if args.k is not None and (args.moments, args.master) != ("fp32", "fp32"):
+        return "give --k or --moments/--master, not both (the format decides K)"
     return None
 
 
@@ -218,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
         checkpointing=args.checkpointing,
         param_source=source,
         host_mem_gb=args.host_mem,
+        moments=args.moments,
+        master=args.master,
     )
 
     # Do the plot (the only step that can fail) before printing anything.

@@ -74,6 +74,13 @@ def format_report(r: dict[str, Any]) -> str:
         f"  bytes per parameter: {p_bytes} fp16/bf16 weights + {g_bytes} gradients "
         f"+ K = {k:g} optimizer state = {p_bytes + g_bytes + k:g}; GB = 1e9 bytes"
     )
+    if r.get("moments", "fp32") != "fp32" or r.get("master", "fp32") != "fp32":
+        lines.append(
+            f"  optimizer state: moments={r['moments']}, master={r['master']}: "
+            f"K = {r['k_formula']}"
+        )
+        if r.get("state_note"):
+            lines.extend(_wrap("  " + r["state_note"], 96, "  "))
 
     fits_on = r["gpu_mem_gb"] is not None
     head1 = ["GPUs"] + [STAGE_NAMES[s] for s in STAGES]
@@ -196,6 +203,10 @@ def _offload_lines(r: dict[str, Any]) -> list[str]:
     lines.extend(_wrap("  formulas (device / host): " + "; ".join(
         f"{d['name']} {d['device_formula']} / {d['host_formula']}"
         for d in off["variants"].values()), 96, "    "))
+    if off.get("host_k_formula"):
+        ks = ", ".join(f"{d['name']} {d['k']:g}" for d in off["variants"].values())
+        lines.extend(_wrap(f"  K on the host: {off['host_k_formula']} (master='none': the "
+                           f"CPU step updates a bf16 copy of the shard; {ks})", 96, "    "))
     if marks:
         budget = []
         if r["gpu_mem_gb"] is not None:
@@ -277,7 +288,10 @@ def plot_memory(report: dict[str, Any], path: str, plt: Any = None) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("data-parallel GPUs N")
         ax.set_ylabel("model-state memory per GPU (GB = 1e9 B)")
-        ax.set_title(f"ZeRO-DP model states per GPU, Psi = {fmt_count(psi)}, K = {k:g}")
+        fmt = ""
+        if report.get("moments", "fp32") != "fp32" or report.get("master", "fp32") != "fp32":
+            fmt = f" ({report['moments']} moments, master {report['master']})"
+        ax.set_title(f"ZeRO-DP model states per GPU, Psi = {fmt_count(psi)}, K = {k:g}{fmt}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()

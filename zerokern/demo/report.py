@@ -1,30 +1,42 @@
 """The demo's table: measured against the paper's formulas, as text, CSV and a PNG chart.
 
 Checks (each one makes ``python -m zerokern demo`` exit 1 when it fails):
-* final losses of all policies agree within a relative tolerance;
-* on every rank, params + grads + master + exp_avg + exp_avg_sq + padding (memory_stats) equals
-  the paper's formula at the padded Psi, or that plus zerokern's known extra buffers
-  (``zerokern_extra_bytes``; the table names them);
+* final losses of all trained policies agree within a relative tolerance;
+* on every rank, params + grads + the optimizer state's kinds + padding (memory_stats) equals
+  the paper's formula at the padded Psi with the K of the state format, or that plus
+  zerokern's known extra buffers (``zerokern_extra_bytes``; the table names them). A
+  compressed bar's extra is the fp32 side moments of parameters too small to compress: per
+  rank what memory_stats() reports, and over all ranks exactly 8 bytes per element of those
+  parameters, counted from their sizes;
 * on every rank, comm_stats()["elements"] of the last step equals 2 Psi (stages 0-2) or 3 Psi
-  (stage 3), Psi padded as zerokern shards it.
+  (stage 3), Psi padded as zerokern shards it (trained policies; a compressed bar sends
+  nothing).
 """
 
 from __future__ import annotations
 
 import csv
 import os
+import textwrap
 
 from ..formulas import (
+    MIN_COMPRESSED_NUMEL,
     STAGE_NAMES,
     expected_comm_elements,
     expected_model_state_bytes,
+    k_formula_text,
+    optimizer_bytes_per_param,
     state_formula_text,
     zerokern_extra_bytes,
 )
 
 __all__ = ["LOSS_RTOL", "build_rows", "format_table", "write_csv", "write_losses_csv", "write_png"]
 
-STATE_KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
+OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax",
+                   "exp_avg_side", "exp_avg_sq_side")
+STATE_KINDS = ("params", "grads", *OPTIMIZER_KINDS)
+SIDE_KINDS = ("exp_avg_side", "exp_avg_sq_side")
+SIDE_WHAT = f"fp32 moments of parameters under {MIN_COMPRESSED_NUMEL:,} elements"
 # Max relative difference allowed between policies' final losses. With gloo on CPU the
 # policies are bit-identical in practice; NCCL sums in other orders, and in bf16 one rounding
 # step of a parameter already moves the loss by ~1e-3.
@@ -32,55 +44,100 @@ LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2}
 
 
 def _state_bytes(mem: dict) -> int:
-    return sum(mem[k] for k in STATE_KINDS)
+    return sum(mem.get(k, 0) for k in STATE_KINDS)
+
+
+def _side_bytes(mem: dict) -> int:
+    return sum(mem.get(k, 0) for k in SIDE_KINDS)
+
+
+def _fmt(r: dict) -> tuple[str, str]:
+    return r.get("moments", "fp32"), r.get("master", "fp32")
+
+
+def policy_name(r: dict) -> str:
+    """'2 P_os+g', or for a compressed bar '3 P_os+g+p int8' / '3 P_os+g+p int8, no master'."""
+    moments, master = _fmt(r)
+    name = STAGE_NAMES[r["stage"]]
+    if (moments, master) != ("fp32", "fp32"):
+        name += f" {moments}" + (" moments" if moments == "fp32" else "")
+        name += ", no master" if master == "none" else ""
+    return name
+
+
+def _memory_check(r: dict) -> tuple[str, int | float, dict[str, int]]:
+    """(check, formula bytes, the extra bytes used, by what) of one record, every rank."""
+    stage, world, p = r["stage"], r["world"], r["param_bytes"]
+    moments, master = _fmt(r)
+    psi_pad = r["psi_padded"]
+    formula = expected_model_state_bytes(stage, psi_pad, world, p, moments, master)
+    per_rank = [_state_bytes(m) + m["padding"] for m in r["memory_by_rank"]]
+    sides = [_side_bytes(m) for m in r["memory_by_rank"]]
+    if moments != "fp32":
+        # The side moments, rank by rank as reported, and in all exactly 8 bytes per element
+        # of the small parameters (each held once; by every rank at stage 0).
+        held = r["small_numel"] * (world if stage == 0 else 1)
+        if sum(sides) == 8 * held and all(
+                t == formula + sd for t, sd in zip(per_rank, sides, strict=True)):
+            return "= formula + extra", formula, {SIDE_WHAT: sides[0]}
+        return "MISMATCH", formula, {}
+    extra = zerokern_extra_bytes(stage, psi_pad, world, p)
+    if any(sides):
+        return "MISMATCH", formula, {}
+    if all(t == formula for t in per_rank):
+        return "= formula", formula, {}
+    if extra and all(t == formula + sum(extra.values()) for t in per_rank):
+        return "= formula + extra", formula, extra
+    return "MISMATCH", formula, {}
 
 
 def build_rows(results: list[dict], precision: str, rtol: float) -> tuple[list[dict], dict]:
-    """One row per policy, and a summary {'loss_max_rel_diff', 'loss_ok', 'ok', ...}."""
+    """One row per policy and per compressed bar, and a summary {'loss_max_rel_diff',
+    'loss_ok', 'ok', ...}; the loss and communication checks cover the trained policies."""
     rows = []
     for r in results:
         stage, world, p = r["stage"], r["world"], r["param_bytes"]
+        moments, master = _fmt(r)
+        trained = r.get("trained", True)
         psi_pad = r["psi_padded"]
-        formula = expected_model_state_bytes(stage, psi_pad, world, p)
-        extra = zerokern_extra_bytes(stage, psi_pad, world, p)
-        per_rank = [_state_bytes(m) + m["padding"] for m in r["memory_by_rank"]]
-        if all(t == formula for t in per_rank):
-            state_check, extra_used = "= formula", {}
-        elif extra and all(t == formula + sum(extra.values()) for t in per_rank):
-            state_check, extra_used = "= formula + extra", extra
-        else:
-            state_check, extra_used = "MISMATCH", {}
+        state_check, formula, extra_used = _memory_check(r)
         comm_formula = expected_comm_elements(stage, psi_pad, world)
         comm_ok = all(c == comm_formula for c in r["comm_by_rank"])
         mem = r["memory"]
         rows.append(
             {
                 "stage": stage,
-                "policy": STAGE_NAMES[stage],
+                "policy": policy_name(r),
                 "precision": precision,
+                "moments": moments,
+                "master": master,
+                "trained": trained,
                 "world_size": world,
                 "psi": r["psi"],
                 "psi_padded": psi_pad,
-                "final_loss": r["losses"][-1],
+                "final_loss": r["losses"][-1] if trained else "",
+                "k": optimizer_bytes_per_param(p, moments, master),
+                "k_formula": k_formula_text(moments, master, p),
                 "state_measured_bytes": _state_bytes(mem),
                 "padding_bytes": mem["padding"],
-                "state_formula": state_formula_text(stage, p),
+                "state_formula": state_formula_text(stage, p, moments, master),
                 "state_formula_bytes": formula,
                 "state_extra_bytes": sum(extra_used.values()),
                 "state_extra_what": "; ".join(f"{k} {_mb(v)}" for k, v in extra_used.items()),
                 "state_check": state_check,
-                **{f"{k}_bytes": mem[k] for k in STATE_KINDS},
+                **{f"{k}_bytes": mem.get(k, 0) for k in STATE_KINDS},
                 "bucket_bytes": mem.get("buckets", 0),
                 "comm_scratch_bytes": mem.get("comm_scratch", 0),
                 "comm_measured_elements": r["comm_elements"],
-                "comm_formula": ("0 (one rank)" if world == 1 else ("3Ψ" if stage == 3 else "2Ψ")),
-                "comm_formula_elements": comm_formula,
-                "comm_check": "= formula" if comm_ok else "MISMATCH",
-                "step_ms_median": round(r["step_ms_median"], 1),
+                "comm_formula": (("0 (one rank)" if world == 1 else ("3Ψ" if stage == 3 else "2Ψ"))
+                                 if trained else "not stepped"),
+                "comm_formula_elements": comm_formula if trained else "",
+                "comm_check": ("= formula" if comm_ok else "MISMATCH") if trained else "",
+                "step_ms_median": round(r["step_ms_median"], 1) if trained else "",
                 "steps": len(r["losses"]),
             }
         )
-    finals = [row["final_loss"] for row in rows]
+    finals = [row["final_loss"] for row in rows if row["trained"]]
     lo, hi = min(finals), max(finals)
     rel = (hi - lo) / abs(lo) if lo else float(hi != lo)
     summary = {
@@ -115,18 +172,19 @@ def format_table(rows: list[dict], summary: dict) -> str:
     body = []
     for r in rows:
         extra = f" + {_mb(r['state_extra_bytes'])} extra" if r["state_extra_bytes"] else ""
+        trained = r["trained"]
         body.append(
             [
                 f"{r['stage']} {r['policy']}",
-                f"{r['final_loss']:.6f}",
+                f"{r['final_loss']:.6f}" if trained else "-",
                 f"{r['psi_padded']:,}",
                 f"{_mb(r['state_measured_bytes'])} (+ {_mb(r['padding_bytes'])})",
                 f"{r['state_formula']} = {_mb(r['state_formula_bytes'])}{extra}",
                 "ok" if r["state_check"] != "MISMATCH" else "MISMATCH",
-                f"{r['comm_measured_elements']:,}",
-                f"{r['comm_formula']} = {r['comm_formula_elements']:,}",
-                "ok" if r["comm_check"] != "MISMATCH" else "MISMATCH",
-                f"{r['step_ms_median']:.0f}",
+                f"{r['comm_measured_elements']:,}" if trained else "-",
+                f"{r['comm_formula']} = {r['comm_formula_elements']:,}" if trained else "-",
+                ("ok" if r["comm_check"] != "MISMATCH" else "MISMATCH") if trained else "-",
+                f"{r['step_ms_median']:.0f}" if trained else "-",
             ]
         )
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
@@ -157,7 +215,20 @@ def format_table(rows: list[dict], summary: dict) -> str:
         f"parameter). MB = 1e6 bytes."
     )
     for r in rows:
-        if r["state_extra_bytes"]:
+        if not r["trained"]:
+            lines.append(
+                f"{r['stage']} {r['policy']}: ZeroAdamW(moments={r['moments']!r}, "
+                f"master={r['master']!r}), memory only (built, not trained: stage "
+                f"{r['stage']} allocates its state with the optimizer); K = {r['k_formula']}"
+            )
+    for r in rows:
+        if r["state_extra_bytes"] and not r["trained"]:
+            lines.append(
+                f"{r['stage']} {r['policy']}: extra = {SIDE_WHAT} on rank 0 "
+                f"({_mb(r['state_extra_bytes'])}; on all ranks together 8 bytes per element "
+                f"of those parameters)"
+            )
+        elif r["state_extra_bytes"]:
             lines.append(
                 f"stage {r['stage']}: zerokern holds more than the paper: {r['state_extra_what']}"
             )
@@ -195,6 +266,8 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 
 def write_losses_csv(results: list[dict], path: str) -> None:
+    """Every trained policy's loss at every step (the compressed bars are not trained)."""
+    results = [r for r in results if r.get("trained", True)]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step"] + [f"stage{r['stage']}" for r in results])
@@ -212,14 +285,15 @@ def write_png(rows: list[dict], results: list[dict], path: str, title: str) -> s
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib, or zerokern[plot])"
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
-    labels = [f"{r['stage']}\n{r['policy']}" for r in rows]
+    labels = [f"{r['stage']}\n{r['policy']}".replace(" ", "\n", 1).replace(",", "")
+              for r in rows]
     xs = range(len(rows))
     ax = axes[0]
     bottom = [0.0] * len(rows)
     parts = [
         ("params", ["params_bytes"]),
         ("grads", ["grads_bytes"]),
-        ("optimizer state", ["master_bytes", "exp_avg_bytes", "exp_avg_sq_bytes"]),
+        ("optimizer state", [f"{k}_bytes" for k in OPTIMIZER_KINDS]),
         ("padding", ["padding_bytes"]),
     ]
     for name, keys in parts:
@@ -247,11 +321,14 @@ def write_png(rows: list[dict], results: list[dict], path: str, title: str) -> s
             hatch="..",
             label="zerokern extra",
         )
-    ax.set_xticks(list(xs), labels)
+    ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set_ylabel("model states per rank (MB)")
     ax.set_title("memory per rank")
     ax.legend(fontsize=7)
     ax = axes[1]
+    rows = [r for r in rows if r["trained"]]  # a compressed bar sends nothing
+    labels = [f"{r['stage']}\n{r['policy']}" for r in rows]
+    xs = range(len(rows))
     ax.bar(
         [x - 0.2 for x in xs],
         [r["comm_measured_elements"] / 1e6 for r in rows],
@@ -272,6 +349,7 @@ def write_png(rows: list[dict], results: list[dict], path: str, title: str) -> s
     ax.set_title("communication per step")
     ax.legend(fontsize=7)
     ax = axes[2]
+    results = [r for r in results if r.get("trained", True)]
     styles = ["-", "--", "-.", ":"]
     for i, r in enumerate(results):
         ax.plot(
@@ -284,7 +362,7 @@ def write_png(rows: list[dict], results: list[dict], path: str, title: str) -> s
     ax.set_ylabel("training loss (nats / character)")
     ax.set_title("loss (curves overlap: same numerics)")
     ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle("\n".join(textwrap.wrap(title, 180)), fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -4,6 +4,11 @@ Every policy starts from the same weights (``torch.manual_seed(seed)`` before bu
 model) and sees the same global batches, so the losses should agree across policies; what
 differs is what each rank holds and sends, which ``ZeroAdamW.memory_stats()`` and
 ``comm_stats()`` report after the last step.
+
+Then the compressed bars: the same model under stage 3 with a compressed optimizer state
+(``ZeroAdamW(moments=, master=)``, e.g. int8 moments). They are memory only, and untrained:
+stage 3 allocates its state when the optimizer is built, so ``memory_stats()`` reads the
+buffers it holds without a step (no kernel runs, and the demo's runtime barely changes).
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ from zerokern.zero.registry import runtime_of_module
 from .data import VOCAB, get_batch
 from .gpt import GPT, Block, config_for
 
-__all__ = ["DemoOptions", "lr_at", "release_all", "train_all", "train_policy"]
+__all__ = ["DemoOptions", "COMPRESSED_STAGE", "compressed_formats", "lr_at", "measure_compressed",
+           "parse_format", "release_all", "train_all", "train_policy"]
+
+COMPRESSED_STAGE = 3  # the compressed bars' stage: its state exists before the first step
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,25 @@ class DemoOptions:
     seed: int = 0
     bucket_numel: int | None = None  # None: Ψ/8, i.e. 8 gradient buckets
     max_grad_norm: float | None = None
+    # The compressed bars, "MOMENTS[:MASTER]" each ("int8", "int8:none"); None: the
+    # precision's default (compressed_formats), () none.
+    compressed: tuple[str, ...] | None = None
+
+
+def parse_format(spec: str) -> tuple[str, str]:
+    """``"int8"`` -> ("int8", "fp32"), ``"int8:none"`` -> ("int8", "none"): ZeroAdamW's
+    (moments, master) of a compressed bar."""
+    moments, _, master = spec.partition(":")
+    return moments, master or "fp32"
+
+
+def compressed_formats(opts: DemoOptions) -> tuple[tuple[str, str], ...]:
+    """The (moments, master) of each compressed bar: by default int8 moments, and with bf16
+    parameters int8 moments without a master too (master="none" needs bf16)."""
+    specs = opts.compressed
+    if specs is None:
+        specs = ("int8", "int8:none") if opts.precision == "bf16" else ("int8",)
+    return tuple(parse_format(s) for s in specs)
 
 
 def lr_at(step: int, steps: int, lr: float) -> float:
@@ -126,6 +153,9 @@ def train_policy(
         psi_padded = opt.layout.flat_numel
     return {
         "stage": stage,
+        "moments": "fp32",
+        "master": "fp32",
+        "trained": True,
         "rank": rank,
         "world": world,
         "psi": psi,
@@ -139,12 +169,52 @@ def train_policy(
     }
 
 
+def measure_compressed(moments: str, master: str, opts: DemoOptions,
+                       device: torch.device) -> dict:
+    """The demo GPT under stage 3 with ``ZeroAdamW(moments=moments, master=master)``: this
+    rank's memory_stats() as soon as the optimizer exists (stage 3 allocates its state then),
+    and how many elements the parameters too small to compress hold (counted from the
+    parameters' sizes, for the report's independent check of the fp32 side moments)."""
+    from ..formulas import MIN_COMPRESSED_NUMEL
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config_for(opts.model_size, VOCAB)
+    dtype = torch.bfloat16 if opts.precision == "bf16" else torch.float32
+    torch.manual_seed(opts.seed)
+    model = GPT(cfg).to(device=device, dtype=dtype)
+    small = sum(p.numel() for p in model.parameters() if p.numel() < MIN_COMPRESSED_NUMEL)
+    opt = zerokern.parallelize(model, stage=COMPRESSED_STAGE, unit_classes=(Block,),
+                               lr=opts.lr, moments=moments, master=master)
+    rt = runtime_of_module(model)
+    return {
+        "stage": COMPRESSED_STAGE,
+        "moments": moments,
+        "master": master,
+        "trained": False,
+        "rank": rank,
+        "world": world,
+        "psi": model.num_params(),
+        "psi_padded": sum(u.plan.padded_numel for u in rt.units),
+        "param_bytes": torch.empty(0, dtype=dtype).element_size(),
+        "small_numel": small,
+        "losses": [],
+        "memory": {k: int(v) for k, v in opt.memory_stats().items()},
+        "comm_elements": 0,
+        "comm_per_kind": {},
+    }
+
+
 def train_all(opts: DemoOptions, device: torch.device) -> list[dict] | None:
-    """Every policy in turn on this rank; rank 0 gets one merged record per policy (step
-    times: the slowest rank's; memory and communication: every rank's), other ranks None."""
+    """Every policy in turn on this rank, then the compressed bars; rank 0 gets one merged
+    record per policy (step times: the slowest rank's; memory and communication: every
+    rank's) and per bar (memory: every rank's), other ranks None."""
     rank = dist.get_rank()
     progress = _progress if rank == 0 else None
     merged = []
+    for moments, master in compressed_formats(opts):
+        if master == "none" and opts.precision != "bf16":
+            raise ValueError(f"the compressed bar {moments}:none needs bf16 parameters "
+                             f"(master='none'), not {opts.precision}")
     for stage in opts.stages:
         mine = train_policy(stage, opts, device, progress)
         # ZeroAdamW and shard_model leave reference cycles (hooks that hold the optimizer or
@@ -163,6 +233,16 @@ def train_all(opts: DemoOptions, device: torch.device) -> list[dict] | None:
         rec["memory_by_rank"] = [r["memory"] for r in everyone]
         rec["comm_by_rank"] = [r["comm_elements"] for r in everyone]
         merged.append(rec)
+    for moments, master in compressed_formats(opts):
+        mine = measure_compressed(moments, master, opts, device)
+        gc.collect()  # as above: this bar's buffers are gone before the next
+        everyone = Comm().all_gather_object(mine, "demo records")
+        if rank == 0:
+            rec = dict(everyone[0])
+            rec["step_s"], rec["step_ms_median"] = [], 0.0
+            rec["memory_by_rank"] = [r["memory"] for r in everyone]
+            rec["comm_by_rank"] = [r["comm_elements"] for r in everyone]
+            merged.append(rec)
     return merged if rank == 0 else None
 
 

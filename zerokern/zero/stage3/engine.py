@@ -23,7 +23,7 @@ import torch
 from ...comm import Comm
 from ..layout import Layout
 from ..shard_state import BufferSpec, ShardState
-from ..stages.accounting import stage3_memory, stage3_offload_memory
+from ..stages.accounting import stage3_memory, stage3_offload_memory, state_buffers
 from ..stages.base import Engine, Run
 from ..state_format import StateFormat
 
@@ -140,11 +140,10 @@ class Stage3(Engine):
     # -- accounting -------------------------------------------------------------------------
     def memory_stats(self) -> dict[str, int]:
         in_use = int(self.arena.stats()["in_use"])
-        master = self.master is not None
+        state = state_buffers(self.state)  # the state's kinds from its buffers as allocated
         if not self.offload:
-            return stage3_memory(self.layout, self.rt, self.dtype, master=master,
-                                 arena_in_use=in_use)
+            return stage3_memory(self.layout, self.rt, self.dtype, state, arena_in_use=in_use)
         h = self.host.stats()
-        return stage3_offload_memory(self.layout, self.rt, self.dtype, master=master,
+        return stage3_offload_memory(self.layout, self.rt, self.dtype, state,
                                      arena_in_use=in_use, slot=self.slot,
                                      host_in_use=h["in_use"], host_capacity=h["capacity"])

@@ -1,6 +1,24 @@
 """memory_stats() of every stage, by kind and by side (device / host), from the layout and the
 arenas' own accounting: the numbers the paper's formulas are checked against. Also what
 memory_stats() reports before the first step, from the blocks the engine will take.
+
+The optimizer state's kinds are read from its buffers as allocated (or, before the first step,
+from the specs the engine will allocate them from), so a compressed format (issue 27) reports
+what it stores, never the 4 bytes an element of fp32 state would take:
+
+* ``master``, ``exp_avg``, ``exp_avg_sq``: one slot per element of this rank's local space, in
+  the buffer's own dtype (fp32 master or, for master="none" under offload, the bf16 host copy;
+  fp32, bf16 or uint8-code moments). The slots of trained elements are the kind's bytes; the
+  others (shard and alignment padding, stage 3's frozen parameters) count as ``padding``.
+* ``exp_avg_absmax``, ``exp_avg_sq_absmax`` (int8 moments): the fp32 scales, one per
+  256-element block of the local space, all of the buffer.
+* ``exp_avg_side``, ``exp_avg_sq_side`` (compressed moments): the fp32 moments of parameters
+  too small to compress (fewer than 4,096 elements), all of the buffer. The same elements
+  keep their (unused) slots in ``exp_avg`` / ``exp_avg_sq``: the code buffers cover the whole
+  local space so that every run indexes them by its local offset.
+
+The seven add up, with the state's share of ``padding``, to the bytes of the state's buffers
+exactly, on the device, or under the ``host_`` names with offload.
 """
 
 from __future__ import annotations
@@ -14,11 +32,54 @@ from ..shard_state import BufferSpec
 from .base import reserved_bytes
 
 if TYPE_CHECKING:
+    from ..shard_state import ShardState
     from ..stage3.runtime import Stage3Runtime
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax",
+               "exp_avg_side", "exp_avg_sq_side")
+"""The optimizer state's memory_stats() keys (device side; ``host_`` + each on the host)."""
+
+_PER_ELEMENT = ("master", "exp_avg", "exp_avg_sq")  # one slot per local element
+
+Buffers = dict[str, tuple[int, int]]
+"""The state's buffers: kind -> (elements, bytes per element)."""
 
 
 def _esize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
+
+
+def spec_buffers(specs: list[BufferSpec]) -> Buffers:
+    """The state's buffers among ``specs`` (what memory_stats() reports before they exist)."""
+    return {s.kind: (s.numel, _esize(s.dtype)) for s in specs if s.kind in STATE_KINDS}
+
+
+def state_buffers(state: ShardState) -> Buffers:
+    """The buffers ``state`` holds, read from the tensors themselves."""
+    out: Buffers = {}
+    for kind in STATE_KINDS:
+        t = getattr(state, kind, None)
+        if t is not None:
+            out[kind] = (t.numel(), t.element_size())
+    return out
+
+
+def state_bytes(bufs: Buffers, local_real: int) -> tuple[dict[str, int], int]:
+    """(bytes by kind, padding bytes) of the state's buffers over a local space holding
+    ``local_real`` trained elements; every kind of STATE_KINDS present (0 when absent)."""
+    out = dict.fromkeys(STATE_KINDS, 0)
+    pad = 0
+    for kind, (numel, esz) in bufs.items():
+        if kind in _PER_ELEMENT:
+            out[kind] = local_real * esz
+            pad += (numel - local_real) * esz
+        else:  # scales and side moments: every entry belongs to the kind
+            out[kind] = numel * esz
+    return out, pad
+
+
+def _host(kinds: dict[str, int]) -> dict[str, int]:
+    return {f"host_{k}": v for k, v in kinds.items()}
 
 
 def slot_numel(layout: Layout) -> int:
@@ -26,20 +87,21 @@ def slot_numel(layout: Layout) -> int:
     return max((b.shard_numel for b in layout.buckets), default=1)
 
 
-def flat_memory(layout: Layout, dtype: torch.dtype, specs: list[BufferSpec], *, buckets: int,
-                overflow: int, scratch: int, in_use: int, capacity: int) -> dict[str, int]:
+def _local_real(layout: Layout) -> int:
+    return sum(pc.numel for pc in layout.pieces if pc.param >= 0)
+
+
+def flat_memory(layout: Layout, dtype: torch.dtype, specs: list[BufferSpec], state: Buffers, *,
+                buckets: int, overflow: int, scratch: int, in_use: int,
+                capacity: int) -> dict[str, int]:
     """Bytes a stage-0/1/2 rank holds for model states, by kind; padding (bucket and shard
-    rounding) on its own."""
+    rounding, the state's unused slots) on its own. ``state``: the state's buffers."""
     esz = _esize(dtype)
     psi = sum(layout.plans[g].total_numel for g in range(len(layout.plans)))
-    local_real = sum(pc.numel for pc in layout.pieces if pc.param >= 0)
-    kinds = {s.kind for s in specs}
-    nstate = 3 if "master" in kinds else 2
-    out = {"params": psi * esz, "grads": 0,
-           "master": local_real * 4 if "master" in kinds else 0,
-           "exp_avg": local_real * 4, "exp_avg_sq": local_real * 4, "buckets": buckets,
-           "padding": (layout.local_numel - local_real) * 4 * nstate
-           + (layout.flat_numel - psi) * esz}
+    local_real = _local_real(layout)
+    kinds, pad = state_bytes(state, local_real)
+    out = {"params": psi * esz, "grads": 0, **kinds, "buckets": buckets,
+           "padding": pad + (layout.flat_numel - psi) * esz}
     for s in specs:
         if s.kind != "grads":
             continue
@@ -60,37 +122,40 @@ def flat_memory(layout: Layout, dtype: torch.dtype, specs: list[BufferSpec], *, 
     return out
 
 
-def offload_flat_memory(layout: Layout, dtype: torch.dtype, specs: list[BufferSpec], *,
-                        buckets: int, overflow: int, scratch: int, in_use: int, capacity: int,
-                        host_in_use: int, host_capacity: int) -> dict[str, int]:
+def offload_flat_memory(layout: Layout, dtype: torch.dtype, specs: list[BufferSpec],
+                        state: Buffers, *, buckets: int, overflow: int, scratch: int,
+                        in_use: int, capacity: int, host_in_use: int,
+                        host_capacity: int) -> dict[str, int]:
     """Stages 1-2 with offload, by kind and by side. Device: the flat parameters (2Ψ), stage
-    1's full-size gradient (2Ψ), stage 2's bucket pool. Host: master and moments (12Ψ/N),
-    the gradient shard (2Ψ/N for 16-bit) and two staging slots."""
+    1's full-size gradient (2Ψ), stage 2's bucket pool. Host (``state``: the host state's
+    buffers): master and moments (KΨ/N), the gradient shard (2Ψ/N for 16-bit) and two
+    staging slots."""
     esz = _esize(dtype)
     psi = sum(p.total_numel for p in layout.plans)
-    local_real = sum(pc.numel for pc in layout.pieces if pc.param >= 0)
+    local_real = _local_real(layout)
     full_grad = any(s.kind == "grads" for s in specs)
     slot = slot_numel(layout)
     pad_local = layout.local_numel - local_real
     out = {"params": psi * esz, "grads": psi * esz if full_grad else 0,
-           "master": 0, "exp_avg": 0, "exp_avg_sq": 0, "buckets": buckets,
+           **dict.fromkeys(STATE_KINDS, 0), "buckets": buckets,
            "padding": (layout.flat_numel - psi) * esz * (2 if full_grad else 1),
            "comm_scratch": scratch, "arena_in_use": in_use, "arena_capacity": capacity,
            "total": in_use + overflow + scratch}
-    out.update(host_memory(local_real, pad_local, esz, 2 * slot * esz, host_in_use,
+    out.update(host_memory(state, local_real, pad_local, esz, 2 * slot * esz, host_in_use,
                            host_capacity))
     out["device_total"] = out["total"]
     return out
 
 
-def host_memory(local_real: int, pad_local: int, esz: int, staging: int, in_use: int,
-                capacity: int, params: int = 0) -> dict[str, int]:
-    """The host side of memory_stats() with offload (``params``: stage 3's offloaded
-    parameter shard, in bytes)."""
-    return {"host_master": 4 * local_real, "host_exp_avg": 4 * local_real,
-            "host_exp_avg_sq": 4 * local_real, "host_grads": esz * local_real,
+def host_memory(state: Buffers, local_real: int, pad_local: int, esz: int, staging: int,
+                in_use: int, capacity: int, params: int = 0) -> dict[str, int]:
+    """The host side of memory_stats() with offload: the state's kinds (``state``: its
+    buffers), the gradient shard of ``local_real`` elements and ``pad_local`` padding ones
+    (``esz`` bytes each), ``params``: stage 3's offloaded parameter shard, in bytes."""
+    kinds, pad = state_bytes(state, local_real)
+    return {**_host(kinds), "host_grads": esz * local_real,
             "host_params": params, "host_staging": staging,
-            "host_padding": pad_local * (12 + esz),
+            "host_padding": pad + pad_local * esz,
             "host_arena_in_use": in_use, "host_arena_capacity": capacity, "host_total": in_use}
 
 
@@ -102,12 +167,12 @@ def planned_flat_memory(layout: Layout, dtype: torch.dtype, specs: list[BufferSp
     nbytes = reserved_bytes(specs)
     pool = sum(s.numel * _esize(s.dtype) for s in specs if s.kind == "buckets")
     if host_specs is None:
-        return flat_memory(layout, dtype, specs, buckets=pool, overflow=0, scratch=0,
-                           in_use=nbytes, capacity=nbytes)
+        return flat_memory(layout, dtype, specs, spec_buffers(specs), buckets=pool,
+                           overflow=0, scratch=0, in_use=nbytes, capacity=nbytes)
     host = reserved_bytes(host_specs)
-    return offload_flat_memory(layout, dtype, specs, buckets=pool, overflow=0, scratch=0,
-                               in_use=nbytes, capacity=nbytes, host_in_use=host,
-                               host_capacity=host)
+    return offload_flat_memory(layout, dtype, specs, spec_buffers(host_specs), buckets=pool,
+                               overflow=0, scratch=0, in_use=nbytes, capacity=nbytes,
+                               host_in_use=host, host_capacity=host)
 
 
 def _gather_stats(rt: Stage3Runtime) -> dict[str, int]:
@@ -116,20 +181,16 @@ def _gather_stats(rt: Stage3Runtime) -> dict[str, int]:
             for k, v in g.items() if not k.startswith("local")}
 
 
-def stage3_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype, *, master: bool,
+def stage3_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype, state: Buffers, *,
                   arena_in_use: int) -> dict[str, int]:
     """Stage 3 with its state on the device: this rank's parameter and gradient slices
-    (frozen parameters' included), master and moments of the trained ones, the gather
-    arena."""
+    (frozen parameters' included), the state of the trained ones (``state``: its buffers),
+    the gather arena."""
     L, esz = layout, _esize(dtype)
-    local_real = sum(pc.numel for pc in L.pieces if pc.param >= 0)
-    nstate = 3 if master else 2
+    kinds, pad = state_bytes(state, _local_real(L))
     held = sum(pc.numel for pc in L.pieces)  # this rank's slice, frozen params too
-    out = {"params": held * esz, "grads": held * esz,
-           "master": local_real * 4 if master else 0,
-           "exp_avg": local_real * 4, "exp_avg_sq": local_real * 4, "buckets": 0,
-           "padding": (L.local_numel - local_real) * 4 * nstate
-           + 2 * (rt.local_numel - held) * esz}
+    out = {"params": held * esz, "grads": held * esz, **kinds, "buckets": 0,
+           "padding": pad + 2 * (rt.local_numel - held) * esz}
     out.update(_gather_stats(rt))
     out["total"] = 2 * rt.local_numel * esz + arena_in_use
     out["device_total"] = out["total"]
@@ -137,19 +198,20 @@ def stage3_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype, *, mast
     return out
 
 
-def stage3_offload_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype, *,
-                          master: bool, arena_in_use: int, slot: int, host_in_use: int,
+def stage3_offload_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype,
+                          state: Buffers, *, arena_in_use: int, slot: int, host_in_use: int,
                           host_capacity: int) -> dict[str, int]:
     """Stage 3 with ZeRO-Offload: on the device only the gathered units and (without
-    offload_params) this rank's parameter slice; on the host the state, the gradient slice
-    (the runtime's host arena) and, with offload_params, the parameter slice."""
+    offload_params) this rank's parameter slice; on the host the state (``state``: its
+    buffers), the gradient slice (the runtime's host arena) and, with offload_params, the
+    parameter slice."""
     L, esz = layout, _esize(dtype)
-    local_real = sum(pc.numel for pc in L.pieces if pc.param >= 0)
+    kinds, pad = state_bytes(state, _local_real(L))
     held = sum(pc.numel for pc in L.pieces)
     on_host = rt.offload_params
     dev_params = 0 if on_host else rt.local_numel * esz
-    out = {"params": 0 if on_host else held * esz, "grads": 0, "master": 0,
-           "exp_avg": 0, "exp_avg_sq": 0, "buckets": 0,
+    out = {"params": 0 if on_host else held * esz, "grads": 0,
+           **dict.fromkeys(STATE_KINDS, 0), "buckets": 0,
            "padding": 0 if on_host else (rt.local_numel - held) * esz}
     out.update(_gather_stats(rt))
     out["total"] = dev_params + arena_in_use
@@ -160,12 +222,10 @@ def stage3_offload_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype,
         rt_host += int(rt.param_arena.stats()["in_use"])
         rt_cap += int(rt.param_arena.stats()["capacity"])
     out.update({
-        "host_master": local_real * 4 if master else 0, "host_exp_avg": local_real * 4,
-        "host_exp_avg_sq": local_real * 4, "host_grads": held * esz,
+        **_host(kinds), "host_grads": held * esz,
         "host_params": held * esz if on_host else 0,
         "host_staging": 2 * slot * esz,
-        "host_padding": (L.local_numel - local_real) * (8 + (4 if master else 0))
-        + (rt.local_numel - held) * esz * (2 if on_host else 1),
+        "host_padding": pad + (rt.local_numel - held) * esz * (2 if on_host else 1),
         "host_arena_in_use": host_in_use + rt_host,
         "host_arena_capacity": host_capacity + rt_cap,
         "host_total": host_in_use + rt_host,

@@ -21,7 +21,7 @@ from ..grads import GradReducer
 from ..layout import Bucket, Layout
 from ..shard_state import BufferSpec, ShardState
 from ..state_format import StateFormat
-from .accounting import flat_memory, offload_flat_memory, slot_numel
+from .accounting import flat_memory, offload_flat_memory, slot_numel, state_buffers
 from .base import Engine, Run
 
 
@@ -245,11 +245,13 @@ class FlatEngine(Engine):
         pool = sum(b.nbytes for b in self.pool_blocks) + self.overflow_bucket_bytes
         specs = type(self).device_specs(self.layout, self.dtype, self.offload, self.fmt,
                                         self.side_numel)
+        # The state's kinds from its buffers as allocated (on the device or on the host).
+        state = state_buffers(self.state)
         kw = dict(buckets=pool, overflow=self.overflow_bucket_bytes,
                   scratch=self.comm.scratch_peak, in_use=int(a["in_use"]),
                   capacity=int(a["capacity"]))
         if not self.offload:
-            return flat_memory(self.layout, self.dtype, specs, **kw)
+            return flat_memory(self.layout, self.dtype, specs, state, **kw)
         h = self.host.stats()
-        return offload_flat_memory(self.layout, self.dtype, specs, **kw,
+        return offload_flat_memory(self.layout, self.dtype, specs, state, **kw,
                                    host_in_use=h["in_use"], host_capacity=h["capacity"])
