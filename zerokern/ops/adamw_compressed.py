@@ -238,9 +238,17 @@ def fused_adamw_compressed_(
     Args:
         param: fp32 master, or the bf16 parameter itself (no master: stochastic rounding).
         grad: fp32, bf16 or fp16 gradient (``grad_scale`` divides it).
-        exp_avg, exp_avg_sq: both fp32, both bf16, or both uint8 codes.
-        lr, beta1, beta2, eps, weight_decay, step: AdamW's hyperparameters and 1-based step.
-        exp_avg_absmax, exp_avg_sq_absmax: uint8 moments only: fp32, one per 256-block.
+        exp_avg: fp32, bf16, or uint8 codes on the signed map.
+        exp_avg_sq: the same dtype as ``exp_avg`` (uint8: codes on the unsigned map).
+        lr: learning rate.
+        beta1: the first moment's coefficient.
+        beta2: the second moment's coefficient.
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay.
+        step: the 1-based AdamW step (also the stochastic rounding counter).
+        grad_scale: the gradient is divided by it.
+        exp_avg_absmax: uint8 moments only: fp32, one per 256-element block.
+        exp_avg_sq_absmax: as ``exp_avg_absmax``, for ``exp_avg_sq``.
         param_lp: fp32 param only: the 16-bit copy written in the same pass.
         sr_index: bf16 param only: int64, each block's first element's index in its
             parameter.
