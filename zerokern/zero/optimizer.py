@@ -38,7 +38,7 @@ from .engine_slot import EngineSlot
 from .guard_set import GuardSet
 from .interchange import TorchFormat, check_adamw_flags, is_torch_format, strip_adamw_flags
 from .layout import Layout
-from .optimizer_state import StateAccess
+from .optimizer_state import StateAccess, set_seed
 from .param_groups import check_groups, check_new_group
 from .param_table import ParamTable, broadcast_params, stage3_runtime, trained_params
 from .reduction import GradReduction, Reduced, grad_scale
@@ -223,8 +223,15 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     @property
     def seed(self) -> int:
-        """The stochastic rounding key of ``master="none"``."""
+        """The stochastic rounding key of ``master="none"``; load_checkpoint and
+        load_state_dict set it back to the saved state's, so the rounding goes on as it
+        would have."""
         return self._slot.seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        check_seed(value)
+        set_seed(self._slot, value)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -515,16 +522,19 @@ class ZeroAdamW(torch.optim.Optimizer):
             yield shards
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (flat buffers in its local layout). Before
-        the first step() nothing has been laid out or trained: as torch's AdamW, the state is
-        empty ({}), and asking fixes nothing."""
+        """This rank's shard of the optimizer state (flat buffers in its local layout; a
+        compressed state's buffers as stored, with its format and seed). Before the first
+        step() nothing has been laid out or trained: as torch's AdamW, the state is empty
+        ({}), and asking fixes nothing."""
         return self._access.state_dict(self.param_groups, self.scaler)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """This rank's own ``state_dict()``, or a full torch.optim.AdamW-format state dict
         (every rank passes the same one: from full_state_dict, any world size or stage, or a
         single-process AdamW run; 16-bit parameters then take their fp32 master from the
-        current parameters)."""
+        current parameters). A per-rank state dict loads only into the moments/master format
+        that saved it (refused otherwise); a torch-format one is stored in this optimizer's
+        format (int8: quantized on load), which is how a state changes format."""
         if is_torch_format(state_dict):
             self._interchange.load(state_dict, self.param_groups)
         else:
@@ -536,8 +546,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         get ``{}``) or, with ``rank0_only=False``, on every rank; tensors on the CPU with
         ``cpu_offload``. A collective: call it on every rank. The moments are fp32 whatever
         the parameters' dtype (what AdamW holds for fp32 parameters; the fp32 master of
-        16-bit parameters is not part of torch's format). For interchange and small models;
-        at scale use save_checkpoint, where each rank writes its own part."""
+        16-bit parameters is not part of torch's format); compressed moments are dequantized
+        and a top-level ``"state_format"`` entry names the format. For interchange and small
+        models; at scale use save_checkpoint, where each rank writes its own part."""
         return self._interchange.save(self.param_groups, rank0_only=rank0_only,
                                       cpu_offload=cpu_offload)
 
@@ -562,8 +573,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         ``total`` (= ``device_total``) is what the device holds; ``host_total`` what host
         memory holds (0 without offload). With ``offload="cpu"`` the device kinds are the
         16-bit parameters and the gradient buffers (``master``, ``exp_avg``, ``exp_avg_sq``
-        are 0), and the ``host_*`` keys give the host side: master and moments (12Ψ/N), the
-        gradient shard, the two staging slots, padding."""
+        are 0), and the ``host_*`` keys give the host side: master and moments (KΨ/N), the
+        gradient shard, the two staging slots, padding.
+
+        Each kind is the bytes of the buffers as stored, so K follows the state format: 12
+        for fp32 moments with an fp32 master, about 6 for ``moments="int8"`` and 2 with
+        ``master="none"`` too. ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` are the int8
+        blocks' scales and ``exp_avg_side`` / ``exp_avg_sq_side`` the fp32 moments of
+        parameters too small to compress (docs/compressed-state.md)."""
         return self._slot.memory_stats()
 
 
