@@ -35,6 +35,7 @@ python3 -c "import zerokern as z; print('native', z.has_native(), 'cuda kernels'
 # the op tests of every backend, then the world-1 NCCL bf16 step of each stage. A short device
 # call reports these even if a later step fails or its time runs out.
 step quick_ops 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_ops_adamw.py tests/test_ops_sq_norm.py tests/test_ops_flatten.py
+step quick_compressed 240 python3 -m pytest -q --maxfail=5 -p no:cacheprovider tests/test_gpu_adamw_compressed.py
 step quick_nccl 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_zero.py -k bfloat16
 # The offload paths (pinned host arena, side-stream copies, events) have never run on a GPU:
 # their gpu-marked tests come right after the quick subset.

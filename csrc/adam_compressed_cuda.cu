@@ -1,10 +1,538 @@
-// Placeholder until the fused CUDA kernel lands (issue 27): refuses clearly.
+// Fused AdamW over a flat range with compressed optimizer state (issue 27) on a CUDA device:
+// the range contract of zerokern/ops/adamw_compressed.py, whose torch backend is the oracle
+// this kernel equals bit for bit (NaN payloads aside: the GPU writes its canonical NaN).
+//
+// Work split: one warp per 256-element quantization block. A block's absmax then needs only
+// warp-level reductions (no shared-memory exchange and no block barrier inside the loop), and
+// the 8 elements each lane owns sit in two runs of 4 consecutive elements, at lane*4 and
+// 128 + lane*4, so every warp-wide access of a full, aligned block is one contiguous span
+// (512 B of fp32, 256 B of 16-bit, 128 B of codes) read or written with one 16/8/4-byte
+// vector access per lane. Blocks that are partial (the last one) or whose arrays are not
+// aligned to 4 elements take the element-wise path of the same code. Thread blocks of 8 warps
+// stride over the quantization blocks; with 8-bit moments each thread block first copies the
+// 1024-float map/threshold table (4 KiB) into shared memory, once.
+//
+// Per element: widen grad (fp32/bf16/fp16) and param (fp32 master or bf16), dequantize
+// (code_map[c] * absmax, one fp32 multiply) or widen the moments, then the fp32 update of
+// kernels.h with its rounding contract (three fmas, every other operation one IEEE rounding:
+// __f*_rn intrinsics, so nvcc can neither contract nor reassociate; the build passes no fast
+// math, so subnormals are kept). Then, by format:
+//   * uint8 moments: absmax = max |x| over the block as the maximum of the bit patterns with
+//     the sign cleared. For non-negative floats the integer order is the value order and every
+//     NaN pattern lies above inf's, so the maximum propagates NaN exactly like torch's amax
+//     (redux.sync on sm_80+). n = x / absmax (__fdiv_rn; divisor 1 for an all-zero block), and
+//     the code is #{t_k < n} for n >= 0, #{t_k <= n} for n < 0, counted by an 8-step
+//     branch-free binary search over the 256-entry threshold table (255 thresholds and +inf);
+//     NaN compares false at every step, so it takes code 0.
+//   * bf16 moments: round to nearest even. fp32 moments: stored as they are.
+//   * fp32 param: stored, and param_lp (bf16/fp16) rounded to nearest even when given.
+//   * bf16 param: stochastic rounding with the first word of Philox4x32-10 of the counter
+//     (index, step, 0, 0) under the key (seed lo, seed hi), computed here (ten rounds,
+//     __umulhi), with index = sr_index[block] + the element's offset in the block.
+// Indices are int64_t; ranges longer than 2^31 elements are fine.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
 #include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #include "kernels.h"
 
 namespace zk {
-void adamw_compressed_cuda(const CompressedArgs&, const AdamScalars&, void*) {
-  throw std::runtime_error("adamw_compressed_cuda: not built yet");
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBlock = int(kQuantBlock);  // elements per quantization block = per warp task
+constexpr int kRun = 4;                   // consecutive elements per lane and run
+constexpr int kPer = kBlock / 32;         // elements per lane (two runs)
+constexpr int kTable = 1024;              // floats in the map/threshold table
+static_assert(kBlock == 256 && kPer == 2 * kRun, "the lane layout assumes 256-element blocks");
+
+struct NoLp {};  // "no param_lp" marker type
+
+// Kernel-side scalars: AdamScalars plus the lerp branch and 1 - w, decided once on the host
+// exactly as adam_cuda.cu decides them.
+struct Coeffs {
+  float decay, w, one_minus_w, beta2, one_minus_beta2, step_size, bc2_sqrt, eps, inv_grad_scale;
+  bool w_small;
+};
+
+template <typename G, typename P, typename L, typename M>
+struct KArgs {
+  P* __restrict__ param;
+  const G* __restrict__ grad;
+  M* __restrict__ exp_avg;
+  M* __restrict__ exp_avg_sq;
+  float* __restrict__ exp_avg_absmax;
+  float* __restrict__ exp_avg_sq_absmax;
+  L* __restrict__ param_lp;
+  const int64_t* __restrict__ sr_index;
+  const float* __restrict__ tables;
+  int64_t n;
+  int64_t nblocks;
+  uint32_t seed_lo, seed_hi, step;
+  bool aligned;  // every element array is aligned to 4 elements at element 0
+  Coeffs k;
+};
+
+// Offset in its block of lane `lane`'s element e (0..7): two runs of 4, 128 apart.
+__device__ __forceinline__ int elem_offset(int lane, int e) {
+  return (e / kRun) * (kBlock / 2) + lane * kRun + (e % kRun);
 }
+
+// ---- the fp32 update (kernels.h) ----------------------------------------------------------
+
+__device__ __forceinline__ void adam_elem(float& p, float graw, float& m, float& v,
+                                          const Coeffs& k) {
+  const float g = __fmul_rn(graw, k.inv_grad_scale);
+  const float pd = __fmul_rn(p, k.decay);
+  const float d = __fsub_rn(g, m);
+  // torch's lerp_: w < 0.5 ? m + w*(g-m) : g - (g-m)*(1-w), each one fma.
+  const float mi = k.w_small ? __fmaf_rn(k.w, d, m) : __fmaf_rn(-d, k.one_minus_w, g);
+  // v*b2 + ((1-b2)*g)*g, the sum fused.
+  const float vi = __fmaf_rn(__fmul_rn(k.one_minus_beta2, g), g, __fmul_rn(v, k.beta2));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), k.bc2_sqrt), k.eps);
+  p = __fmaf_rn(-k.step_size, __fdiv_rn(mi, denom), pd);
+  m = mi;
+  v = vi;
+}
+
+// ---- element access -----------------------------------------------------------------------
+
+// Global stores of 8 and 16 bytes written out: nvcc may split a packed uint2/uint4 store of
+// 16-bit values into 32-bit stores (see adam_cuda.cu). p must be aligned to the width.
+__device__ __forceinline__ void store8b(void* p, uint32_t a, uint32_t b) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(a), "r"(b) : "memory");
+}
+
+template <typename T>
+struct Io;
+
+template <>
+struct Io<float> {
+  static __device__ __forceinline__ float load1(const float* p) { return *p; }
+  static __device__ __forceinline__ void store1(float* p, float x) { *p = x; }
+  static __device__ __forceinline__ void load4(const float* p, float* x) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+  }
+  static __device__ __forceinline__ void store4(float* p, const float* x) {
+    *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+  }
+};
+
+// 16-bit floats: exact widening, round-to-nearest-even narrowing (hardware cvt.rn, no FTZ).
+template <>
+struct Io<__nv_bfloat16> {
+  static __device__ __forceinline__ float widen(uint32_t h) { return __uint_as_float(h << 16); }
+  static __device__ __forceinline__ uint32_t narrow(float x) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  }
+  static __device__ __forceinline__ float load1(const __nv_bfloat16* p) {
+    return widen(*reinterpret_cast<const unsigned short*>(p));
+  }
+  static __device__ __forceinline__ void store1(__nv_bfloat16* p, float x) {
+    *reinterpret_cast<unsigned short*>(p) = static_cast<unsigned short>(narrow(x));
+  }
+  static __device__ __forceinline__ void load4(const __nv_bfloat16* p, float* x) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    x[0] = widen(u.x & 0xFFFFu); x[1] = widen(u.x >> 16);
+    x[2] = widen(u.y & 0xFFFFu); x[3] = widen(u.y >> 16);
+  }
+  static __device__ __forceinline__ void store4(__nv_bfloat16* p, const float* x) {
+    store8b(p, narrow(x[0]) | (narrow(x[1]) << 16), narrow(x[2]) | (narrow(x[3]) << 16));
+  }
+};
+
+template <>
+struct Io<__half> {
+  static __device__ __forceinline__ float widen(uint32_t h) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+  }
+  static __device__ __forceinline__ uint32_t narrow(float x) {
+    return __half_as_ushort(__float2half_rn(x));
+  }
+  static __device__ __forceinline__ float load1(const __half* p) {
+    return widen(*reinterpret_cast<const unsigned short*>(p));
+  }
+  static __device__ __forceinline__ void store1(__half* p, float x) {
+    *reinterpret_cast<unsigned short*>(p) = static_cast<unsigned short>(narrow(x));
+  }
+  static __device__ __forceinline__ void load4(const __half* p, float* x) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    x[0] = widen(u.x & 0xFFFFu); x[1] = widen(u.x >> 16);
+    x[2] = widen(u.y & 0xFFFFu); x[3] = widen(u.y >> 16);
+  }
+  static __device__ __forceinline__ void store4(__half* p, const float* x) {
+    store8b(p, narrow(x[0]) | (narrow(x[1]) << 16), narrow(x[2]) | (narrow(x[3]) << 16));
+  }
+};
+
+// A lane's 8 elements of the block at `base` (len valid elements); invalid ones read as 0.
+template <typename T>
+__device__ __forceinline__ void load_lane(const T* base, int lane, bool vec, int len,
+                                          float (&x)[kPer]) {
+  if (vec) {
+#pragma unroll
+    for (int r = 0; r < kPer / kRun; ++r)
+      Io<T>::load4(base + elem_offset(lane, r * kRun), x + r * kRun);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int o = elem_offset(lane, e);
+      x[e] = o < len ? Io<T>::load1(base + o) : 0.0f;
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_lane(T* base, int lane, bool vec, int len,
+                                           const float (&x)[kPer]) {
+  if (vec) {
+#pragma unroll
+    for (int r = 0; r < kPer / kRun; ++r)
+      Io<T>::store4(base + elem_offset(lane, r * kRun), x + r * kRun);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int o = elem_offset(lane, e);
+      if (o < len) Io<T>::store1(base + o, x[e]);
+    }
+  }
+}
+
+// Codes: 4 per lane and run, one 32-bit word when vectorized.
+__device__ __forceinline__ void load_codes(const uint8_t* base, int lane, bool vec, int len,
+                                           uint32_t (&c)[kPer]) {
+#pragma unroll
+  for (int r = 0; r < kPer / kRun; ++r) {
+    const int o0 = elem_offset(lane, r * kRun);
+    if (vec) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(base + o0);
+#pragma unroll
+      for (int j = 0; j < kRun; ++j) c[r * kRun + j] = (w >> (8 * j)) & 0xFFu;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kRun; ++j) c[r * kRun + j] = o0 + j < len ? base[o0 + j] : 0u;
+    }
+  }
+}
+
+__device__ __forceinline__ void store_codes(uint8_t* base, int lane, bool vec, int len,
+                                            const uint32_t (&c)[kPer]) {
+#pragma unroll
+  for (int r = 0; r < kPer / kRun; ++r) {
+    const int o0 = elem_offset(lane, r * kRun);
+    if (vec) {
+      uint32_t w = 0;
+#pragma unroll
+      for (int j = 0; j < kRun; ++j) w |= c[r * kRun + j] << (8 * j);
+      *reinterpret_cast<uint32_t*>(base + o0) = w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kRun; ++j)
+        if (o0 + j < len) base[o0 + j] = static_cast<uint8_t>(c[r * kRun + j]);
+    }
+  }
+}
+
+// ---- 8-bit block quantization -------------------------------------------------------------
+
+// Block absmax over the warp: the largest |x| bit pattern (NaN-propagating, see the header).
+// Elements outside the block (o >= len) hold 0 and cannot raise it.
+__device__ __forceinline__ float warp_absmax(const float (&x)[kPer]) {
+  uint32_t mx = 0;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) mx = max(mx, __float_as_uint(x[e]) & 0x7FFFFFFFu);
+  return __uint_as_float(__reduce_max_sync(0xFFFFFFFFu, mx));
+}
+
+// #{t_k < x} for x >= 0 (and NaN: no comparison holds), #{t_k <= x} for x < 0, over the 256
+// non-decreasing entries of t (the last +inf, so the count stays below 256).
+__device__ __forceinline__ uint32_t code_of(const float* t, float x) {
+  const bool neg = x < 0.0f;
+  int pos = 0;
+#pragma unroll
+  for (int step = kBlock / 2; step >= 1; step >>= 1) {
+    const float tv = t[pos + step - 1];
+    const bool below = neg ? (tv <= x) : (tv < x);
+    pos += below ? step : 0;
+  }
+  return uint32_t(pos);
+}
+
+// Requantize a lane's 8 new values of one moment with the block's new absmax: writes the
+// codes to c and returns the absmax (the value to store).
+__device__ __forceinline__ float quantize_lane(const float* thresholds, const float (&x)[kPer],
+                                               uint32_t (&c)[kPer]) {
+  const float absmax = warp_absmax(x);
+  const float divisor = absmax == 0.0f ? 1.0f : absmax;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) c[e] = code_of(thresholds, __fdiv_rn(x[e], divisor));
+  return absmax;
+}
+
+// ---- stochastic rounding ------------------------------------------------------------------
+
+// Word 0 of Philox4x32-10 of the counter (c0, c1, 0, 0) under the key (k0, k1).
+__device__ __forceinline__ uint32_t philox_word0(uint32_t c0, uint32_t c1, uint32_t k0,
+                                                 uint32_t k1) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+  uint32_t c2 = 0, c3 = 0;
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    if (r) {  // the key is raised before every round but the first
+      k0 += kW0;
+      k1 += kW1;
+    }
+    const uint32_t hi0 = __umulhi(kM0, c0), lo0 = kM0 * c0;
+    const uint32_t hi1 = __umulhi(kM1, c2), lo1 = kM1 * c2;
+    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+  }
+  return c0;
+}
+
+// zerokern.quant.rounding.stochastic_round_bf16 of one value with random word `bits`.
+__device__ __forceinline__ uint32_t stochastic_round_bf16(float x, uint32_t bits) {
+  constexpr uint32_t kInf = 0x7F800000u, kBf16Max = 0x7F7Fu, kBf16NaN = 0x7FC0u;
+  const uint32_t u = __float_as_uint(x);
+  const uint32_t mag = u & 0x7FFFFFFFu;
+  if (mag > kInf) return kBf16NaN;
+  uint32_t out = (mag + (bits & 0xFFFFu)) >> 16;  // no overflow: mag + r < 2^32
+  if (mag < kInf) out = min(out, kBf16Max);       // finite values saturate, never become inf
+  return out | ((u >> 16) & 0x8000u);
+}
+
+// ---- the kernel ---------------------------------------------------------------------------
+
+template <typename G, typename P, typename L, typename M>
+__global__ void __launch_bounds__(kThreads)
+    adamw_compressed_kernel(const KArgs<G, P, L, M> a) {
+  constexpr bool kU8 = std::is_same_v<M, uint8_t>;
+  constexpr bool kSr = std::is_same_v<P, __nv_bfloat16>;
+  constexpr bool kLp = !std::is_same_v<L, NoLp>;
+  static_assert(!(kSr && kLp), "a bf16 param has no param_lp");
+
+  const float* table = nullptr;
+  if constexpr (kU8) {
+    __shared__ float smem_table[kTable];
+    for (int i = threadIdx.x; i < kTable; i += kThreads) smem_table[i] = a.tables[i];
+    __syncthreads();
+    table = smem_table;
+  }
+  const int lane = threadIdx.x % 32;
+  const int64_t first = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t stride = int64_t(gridDim.x) * kWarps;
+
+  for (int64_t b = first; b < a.nblocks; b += stride) {
+    const int64_t base = b * kBlock;
+    const int64_t left = a.n - base;
+    const int len = left < kBlock ? int(left) : kBlock;
+    const bool vec = a.aligned && len == kBlock;  // warp-uniform
+
+    float p[kPer], g[kPer], m[kPer], v[kPer];
+    load_lane(a.param + base, lane, vec, len, p);
+    load_lane(a.grad + base, lane, vec, len, g);
+    if constexpr (kU8) {
+      uint32_t cm[kPer], cv[kPer];
+      load_codes(a.exp_avg + base, lane, vec, len, cm);
+      load_codes(a.exp_avg_sq + base, lane, vec, len, cv);
+      const float am = a.exp_avg_absmax[b], av = a.exp_avg_sq_absmax[b];
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) {
+        m[e] = __fmul_rn(table[cm[e]], am);                 // signed map
+        v[e] = __fmul_rn(table[2 * kBlock + cv[e]], av);    // unsigned map
+      }
+    } else {
+      load_lane(a.exp_avg + base, lane, vec, len, m);
+      load_lane(a.exp_avg_sq + base, lane, vec, len, v);
+    }
+
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) adam_elem(p[e], g[e], m[e], v[e], a.k);
+
+    if constexpr (kSr) {
+      const uint32_t first_index = static_cast<uint32_t>(a.sr_index[b]);
+      uint32_t out[kPer];
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) {
+        const uint32_t index = first_index + uint32_t(elem_offset(lane, e));
+        out[e] = stochastic_round_bf16(p[e], philox_word0(index, a.step, a.seed_lo, a.seed_hi));
+      }
+      auto* dst = reinterpret_cast<unsigned short*>(a.param + base);
+#pragma unroll
+      for (int r = 0; r < kPer / kRun; ++r) {
+        const int o0 = elem_offset(lane, r * kRun);
+        if (vec) {
+          store8b(dst + o0, out[r * kRun] | (out[r * kRun + 1] << 16),
+                  out[r * kRun + 2] | (out[r * kRun + 3] << 16));
+        } else {
+#pragma unroll
+          for (int j = 0; j < kRun; ++j)
+            if (o0 + j < len) dst[o0 + j] = static_cast<unsigned short>(out[r * kRun + j]);
+        }
+      }
+    } else {
+      store_lane(a.param + base, lane, vec, len, p);
+      if constexpr (kLp) store_lane(a.param_lp + base, lane, vec, len, p);
+    }
+
+    if constexpr (kU8) {
+      if (!vec) {  // elements past the range must not count in the absmax (they are 0 anyway)
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) {
+          if (elem_offset(lane, e) >= len) {
+            m[e] = 0.0f;
+            v[e] = 0.0f;
+          }
+        }
+      }
+      uint32_t cm[kPer], cv[kPer];
+      const float am = quantize_lane(table + kBlock, m, cm);
+      const float av = quantize_lane(table + 3 * kBlock, v, cv);
+      store_codes(a.exp_avg + base, lane, vec, len, cm);
+      store_codes(a.exp_avg_sq + base, lane, vec, len, cv);
+      if (lane == 0) {
+        a.exp_avg_absmax[b] = am;
+        a.exp_avg_sq_absmax[b] = av;
+      }
+    } else {
+      store_lane(a.exp_avg + base, lane, vec, len, m);
+      store_lane(a.exp_avg_sq + base, lane, vec, len, v);
+    }
+  }
+}
+
+// ---- launch -------------------------------------------------------------------------------
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("zerokern adamw_compressed_cuda: ") + what + ": " +
+                             cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+}
+
+[[noreturn]] void refuse(const char* what) {
+  throw std::invalid_argument(std::string("zerokern adamw_compressed_cuda: ") + what);
+}
+
+bool aligned_to(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+template <typename G, typename P, typename L, typename M>
+void launch(const CompressedArgs& c, const Coeffs& k, cudaStream_t stream) {
+  KArgs<G, P, L, M> a;
+  a.param = static_cast<P*>(c.param);
+  a.grad = static_cast<const G*>(c.grad);
+  a.exp_avg = static_cast<M*>(c.exp_avg);
+  a.exp_avg_sq = static_cast<M*>(c.exp_avg_sq);
+  a.exp_avg_absmax = c.exp_avg_absmax;
+  a.exp_avg_sq_absmax = c.exp_avg_sq_absmax;
+  a.param_lp = static_cast<L*>(c.param_lp);
+  a.sr_index = c.sr_index;
+  a.tables = c.tables;
+  a.n = c.n;
+  a.nblocks = (c.n + kBlock - 1) / kBlock;
+  a.seed_lo = static_cast<uint32_t>(c.seed);
+  a.seed_hi = static_cast<uint32_t>(c.seed >> 32);
+  a.step = c.step;
+  a.k = k;
+  a.aligned = aligned_to(c.param, kRun * sizeof(P)) && aligned_to(c.grad, kRun * sizeof(G)) &&
+              aligned_to(c.exp_avg, kRun * sizeof(M)) &&
+              aligned_to(c.exp_avg_sq, kRun * sizeof(M));
+  if constexpr (!std::is_same_v<L, NoLp>)
+    a.aligned = a.aligned && aligned_to(c.param_lp, kRun * sizeof(L));
+
+  // As many thread blocks as can be resident at once (each strides over the quantization
+  // blocks, so the 8-bit table is copied once per resident thread block), fewer if the
+  // range is small. The grid changes only the speed, never the result, so the occupancy is
+  // asked once per instantiation.
+  static const int per_sm = [] {
+    int v = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+              &v, adamw_compressed_kernel<G, P, L, M>, kThreads, 0),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    return v;
+  }();
+  int dev = 0, sms = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+        "cudaDeviceGetAttribute(MultiProcessorCount)");
+  const int64_t cap = int64_t(sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
+  const int64_t need = (a.nblocks + kWarps - 1) / kWarps;
+  const int grid = int(need < cap ? need : cap);
+  adamw_compressed_kernel<G, P, L, M><<<grid, kThreads, 0, stream>>>(a);
+  check(cudaGetLastError(), "kernel launch");
+}
+
+template <typename G, typename P, typename L>
+void by_moments(const CompressedArgs& c, const Coeffs& k, cudaStream_t st) {
+  switch (c.mfmt) {
+    case MomentFmt::F32: return launch<G, P, L, float>(c, k, st);
+    case MomentFmt::BF16: return launch<G, P, L, __nv_bfloat16>(c, k, st);
+    case MomentFmt::U8: return launch<G, P, L, uint8_t>(c, k, st);
+  }
+  refuse("mfmt must be F32, BF16 or U8");
+}
+
+template <typename G>
+void by_param(const CompressedArgs& c, const Coeffs& k, cudaStream_t st) {
+  if (c.pdt == DType::BF16) return by_moments<G, __nv_bfloat16, NoLp>(c, k, st);
+  if (c.param_lp == nullptr) return by_moments<G, float, NoLp>(c, k, st);
+  if (c.lpdt == DType::BF16) return by_moments<G, float, __nv_bfloat16>(c, k, st);
+  return by_moments<G, float, __half>(c, k, st);
+}
+
+}  // namespace
+
+void adamw_compressed_cuda(const CompressedArgs& c, const AdamScalars& s, void* stream) {
+  // The Python router validates shapes, dtypes and devices; these checks keep a wrong
+  // binding from launching on null pointers or unknown formats.
+  if (c.n < 0) refuse("n must be >= 0");
+  if (c.n == 0) return;
+  if (c.param == nullptr || c.grad == nullptr || c.exp_avg == nullptr ||
+      c.exp_avg_sq == nullptr)
+    refuse("param, grad, exp_avg and exp_avg_sq must be device pointers");
+  if (c.pdt != DType::F32 && c.pdt != DType::BF16) refuse("pdt (param) must be F32 or BF16");
+  if (c.gdt != DType::F32 && c.gdt != DType::BF16 && c.gdt != DType::F16)
+    refuse("gdt (grad) must be F32, BF16 or F16");
+  if (c.mfmt != MomentFmt::F32 && c.mfmt != MomentFmt::BF16 && c.mfmt != MomentFmt::U8)
+    refuse("mfmt must be F32, BF16 or U8");
+  if (c.mfmt == MomentFmt::U8 &&
+      (c.exp_avg_absmax == nullptr || c.exp_avg_sq_absmax == nullptr || c.tables == nullptr))
+    refuse("uint8 moments need exp_avg_absmax, exp_avg_sq_absmax and tables");
+  if (c.pdt == DType::BF16) {
+    if (c.param_lp != nullptr) refuse("param_lp must be null with a bf16 param");
+    if (c.sr_index == nullptr) refuse("sr_index is required with a bf16 param");
+  } else if (c.param_lp != nullptr && c.lpdt != DType::BF16 && c.lpdt != DType::F16) {
+    refuse("lpdt (param_lp) must be BF16 or F16");
+  }
+  Coeffs k;
+  k.decay = s.decay;
+  k.w = s.one_minus_beta1;
+  k.one_minus_w = 1.0f - s.one_minus_beta1;  // fp32, as the oracle computes it
+  k.w_small = (s.one_minus_beta1 < 0.0f ? -s.one_minus_beta1 : s.one_minus_beta1) < 0.5f;
+  k.beta2 = s.beta2;
+  k.one_minus_beta2 = s.one_minus_beta2;
+  k.step_size = s.step_size;
+  k.bc2_sqrt = s.bc2_sqrt;
+  k.eps = s.eps;
+  k.inv_grad_scale = s.inv_grad_scale;
+  const auto st = static_cast<cudaStream_t>(stream);
+  switch (c.gdt) {
+    case DType::F32: return by_param<float>(c, k, st);
+    case DType::BF16: return by_param<__nv_bfloat16>(c, k, st);
+    case DType::F16: return by_param<__half>(c, k, st);
+  }
+}
+
 }  // namespace zk
