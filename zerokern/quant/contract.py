@@ -86,7 +86,7 @@ def adamw_contract_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     m, v = exp_avg, exp_avg_sq
     d = g - m
     w = _f(s.one_minus_beta1, param)
-    if s.one_minus_beta1 < 0.5:
+    if float(w) < 0.5:  # decided on the fp32 weight, as the kernels see it
         m_new = fma32(w, d, m)
     else:
         m_new = fma32(-d, _f(1.0, param) - w, g)
