@@ -2,11 +2,14 @@
 ptxas is needed (shipped in triton/backends/nvidia/bin). The tests check that cubin/PTX were
 produced and that nothing spills, and inspect the AdamW PTX/SASS (128-bit vector accesses,
 IEEE sqrt/div, exactly the three fma.rn.f32 per element of the rounding contract in
-csrc/kernels.h and no other contraction).
+csrc/kernels.h and no other contraction), and the same properties of the compressed-state
+AdamW kernel (adamw_compressed.py) with its extra divisions and multiplies of the 8-bit codes
+and no layout conversion through shared memory.
 
 The kernels compile in a subprocess without the interpreter (see triton_common.py); the tests
 below assert on what it reports. What the kernels compute is checked under the interpreter in
-test_triton_adamw.py, test_triton_sq_norm.py and test_triton_flatten.py.
+test_triton_adamw.py, test_triton_adamw_compressed.py, test_triton_sq_norm.py and
+test_triton_flatten.py.
 """
 
 from __future__ import annotations
@@ -204,7 +207,69 @@ def _script_compile(out):
 
 
 
-CHECKS = {"compile": (("compile", _script_compile),)}
+def _script_compile_compressed(out):
+    """The compressed-state AdamW kernel (adamw_compressed.py) for sm_90: one variant per
+    moment format x parameter mode, plus the other grad dtypes, the other lerp branch,
+    unscaled and int64 offsets."""
+    if "skip" in out:
+        return
+    from zerokern.kernels.triton import adamw_compressed as kc
+
+    assert not kc._INTERPRETED
+    scalars = "decay w beta2 one_minus_beta2 bc2_sqrt eps inv_grad_scale"
+    bit_scalars = "seed_lo_bits seed_hi_bits step_bits neg_one_minus_w_bits neg_step_size_bits"
+    constexprs = ("ROWS", "MOMENTS", "HAS_LP", "SR", "LERP_LOW", "APPLY_SCALE", "USE_INT64",
+                  "SOFT_FP")
+    moment_types = {kc.MOMENTS_FP32: "fp32", kc.MOMENTS_BF16: "bf16", kc.MOMENTS_INT8: "u8"}
+
+    def compressed(moments, param, gd="bf16", lerp_low=True, scale=True, i64=False):
+        quantized = moments == kc.MOMENTS_INT8
+        sr = param == "bf16-sr"
+        lp = {"fp32+bf16": "bf16", "fp32+fp16": "fp16"}.get(param)
+        sig = {
+            "param_ptr": "*bf16" if sr else "*fp32",
+            "grad_ptr": f"*{gd}",
+            "exp_avg_ptr": f"*{moment_types[moments]}",
+            "exp_avg_sq_ptr": f"*{moment_types[moments]}",
+            "m_absmax_ptr": "*fp32",
+            "v_absmax_ptr": "*fp32",
+            "lp_ptr": f"*{lp or 'fp32'}",
+            "sr_index_ptr": "*i64" if sr else "*fp32",
+            "tables_ptr": "*fp32",
+            "n": "i64" if i64 else "i32",
+            **{s: "i32" for s in bit_scalars.split()},
+            **{s: "fp32" for s in scalars.split()},
+            **{c: "constexpr" for c in constexprs},
+        }
+        # the kernel's own argument order
+        order = list(kc.adamw_compressed_kernel.arg_names)
+        sig = {a: sig[a] for a in order}
+        cx = dict(ROWS=kc.ROWS, MOMENTS=moments, HAS_LP=lp is not None, SR=sr,
+                  LERP_LOW=lerp_low, APPLY_SCALE=scale, USE_INT64=i64, SOFT_FP=False)
+        ptrs = ["param_ptr", "grad_ptr", "exp_avg_ptr", "exp_avg_sq_ptr", "tables_ptr"]
+        ptrs += ["m_absmax_ptr", "v_absmax_ptr"] if quantized else []
+        ptrs += ["lp_ptr"] if lp else []
+        ptrs += ["sr_index_ptr"] if sr else []
+        return _compile_one(kc.adamw_compressed_kernel, sig, cx, dict(kc.COMPILE_OPTIONS), ptrs,
+                            sass=True)
+
+    kernels = {}
+    for moments, mname in moment_types.items():
+        for param in ("fp32", "fp32+bf16", "bf16-sr"):
+            kernels[f"compressed moments={mname} param={param} grad=bf16"] = compressed(
+                moments, param)
+    kernels["compressed moments=fp32 param=fp32 grad=fp32"] = compressed(
+        kc.MOMENTS_FP32, "fp32", gd="fp32")
+    kernels["compressed moments=u8 param=fp32+fp16 grad=fp16 int64 w>=0.5 unscaled"] = (
+        compressed(kc.MOMENTS_INT8, "fp32+fp16", gd="fp16", lerp_low=False, scale=False,
+                   i64=True))
+    out["compressed_kernels"] = kernels
+    out["compressed_tile"] = kc.ROWS * kc.QBLOCK
+    out["compressed_num_warps"] = kc.NUM_WARPS
+
+
+CHECKS = {"compile": (("compile", _script_compile),
+                     ("compile_compressed", _script_compile_compressed))}
 
 
 # ----------------------------------------------------------------------------------------
@@ -265,4 +330,50 @@ def test_compile_sm90_adamw_codegen(compiled):
             assert ptx.get("ld.global.v4", 0) >= 3 and ptx.get("st.global.v4", 0) >= 3, (name, ptx)
     copy = compiled["kernels"]["copy_chunks"]["ptx"]
     assert copy["ld.global.v4"] > 0 and copy["st.global.v4"] > 0, copy
+    print("\n".join(lines))
+
+
+def test_compile_sm90_adamw_compressed_codegen(compiled):
+    """The compressed-state kernel for Hopper: cubin for sm_90, no spills, the rounding
+    contract's operations (exactly three fma.rn.f32 per element, IEEE sqrt and divisions,
+    every other mul/add/sub rounded on its own, no fp64, no flush-to-zero), 128-bit accesses
+    of the fp32 state in the full-tile path, and no layout conversion through shared memory
+    (only the int8 absmax reductions exchange a few bytes)."""
+    kernels = compiled["compressed_kernels"]
+    per = 2 * compiled["compressed_tile"] // (32 * compiled["compressed_num_warps"])
+    lines = []
+    for name, k in kernels.items():
+        ptx = {p: c for p, c in k["ptx"].items() if c}
+        lines.append(f"{name}: ptx {ptx} sass {k.get('sass')} res {k['resources']} "
+                     f"smem {k['shared']}")
+        assert k["cubin_bytes"] > 0 and k["sm_90"], (name, k["asm"])
+        if k["resources"] is not None:
+            assert k["resources"]["local"] == 0, f"{name} spills: {k['resources']}"
+        quantized = "moments=u8" in name
+        scaled = "unscaled" not in name
+        assert ptx.get("fma.rn.f32", 0) == 3 * per, (name, ptx)
+        # quantizing divides each new moment by its block absmax; dequantizing multiplies
+        at_least = {
+            "mul.rn.f32": ((4 if scaled else 3) + (2 if quantized else 0)) * per,
+            "sub.rn.f32": per,
+            "add.rn.f32": per,
+            "sqrt.rn.f32": per,
+            "div.rn.f32": (4 if quantized else 2) * per,
+        }
+        short = {op: ptx.get(op, 0) for op, n in at_least.items() if ptx.get(op, 0) < n}
+        assert not short, (name, short, at_least)
+        for bad in ("sqrt.approx", "div.full", "div.approx", ".ftz", "mul.f32", "add.f32",
+                    "sub.f32", ".f64"):
+            assert not ptx.get(bad), (name, bad, ptx)
+        if "moments=bf16" in name or "fp32+bf16" in name:
+            assert ptx.get("cvt.rn.bf16.f32"), (name, ptx)
+        if "fp32+fp16" in name:
+            assert ptx.get("cvt.rn.f16.f32"), (name, ptx)
+        # fp32 tensors moved with 128-bit accesses in the full-tile path: the fp32 master,
+        # fp32 moments, an fp32 grad.
+        loads = ("param=fp32" in name) + 2 * ("moments=fp32" in name) + ("grad=fp32" in name)
+        stores = ("param=fp32" in name) + 2 * ("moments=fp32" in name)
+        assert ptx.get("ld.global.v4", 0) >= loads, (name, ptx)
+        assert ptx.get("st.global.v4", 0) >= stores, (name, ptx)
+        assert k["shared"] <= (64 if quantized else 0), (name, k["shared"])
     print("\n".join(lines))
