@@ -261,8 +261,8 @@ def _interp_adversarial(out):
                 name = f"{kind} n={n} moments={moments} param={pmode} grad={gdtype}"
                 grp.check(name, _run_pair, st, _clone(st), grad, sr_index, SEEDS[i % 7],
                           (1, 2), hp)
-    # One lerp decision on the unrounded 1 - beta1, as the oracle makes it: 1 - beta1 just
-    # below 0.5, where the fp32 w rounds to 0.5.
+    # One lerp decision on the fp32-rounded w, as the oracle makes it: 1 - beta1 just below
+    # 0.5, where the fp32 w rounds to 0.5 (the other branch than the unrounded value's).
     for moments in MOMENTS:
         gen = torch.Generator().manual_seed(7)
         st = _state(1283, moments, "fp32", "normal", gen)

@@ -290,10 +290,8 @@ def compressed_scalars(s: AdamScalars, seed: int, step: int) -> dict:
     """The runtime scalars and scalar-derived constexprs of one step (see adamw.py), plus the
     seed's two words and the step as int32 bit patterns."""
     k = kernel_scalars(s)
-    # The lerp branch as the oracle (quant.contract.adamw_contract_) picks it: on the
-    # unrounded 1 - beta1. adamw.kernel_scalars compares the fp32-rounded w instead; the two
-    # differ only for 1 - beta1 in [0.5 - 2**-26, 0.5), where w rounds up to 0.5.
-    k["LERP_LOW"] = bool(s.one_minus_beta1 < 0.5)
+    # The lerp branch is kernel_scalars' (on the fp32-rounded w), as the oracle
+    # (quant.contract.adamw_contract_) and the C++/CUDA kernels pick it.
     k["seed_lo_bits"] = _i32_bits(seed & 0xFFFFFFFF)
     k["seed_hi_bits"] = _i32_bits(seed >> 32)
     k["step_bits"] = _i32_bits(step)
