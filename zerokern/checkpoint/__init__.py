@@ -15,6 +15,12 @@ and stage (16-bit parameters are re-derived from the fp32 master by round-to-nea
 ZeroAdamW derives them). ``python -m zerokern consolidate PATH OUT`` turns a checkpoint into a
 plain fp32 state dict (and a torch.optim.AdamW state dict), one parameter at a time.
 See format.py for the layout on disk.
+
+A compressed state (``ZeroAdamW(moments="int8" | "bf16", master="none")``) is saved as it is
+stored (int8 codes with one absmax per 256-element block of the parameter, bf16 moments as
+bf16, small parameters' fp32 moments as fp32; with ``master="none"`` the bf16 parameters are
+the values and the stochastic-rounding seed is saved): it reloads bit for bit at any world size
+and stage, and loads into another format through fp32. See moments.py.
 """
 
 from .format import CheckpointError

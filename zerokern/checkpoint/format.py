@@ -15,6 +15,11 @@ not manage (frozen, or left out of it), ``buffer/<name>`` a persistent buffer (r
 ``[param name, param offset, numel, tensor, offset in tensor]`` rows (tensor "state" means the
 master/exp_avg/exp_avg_sq triple), plus sizes and sha256 of every file.
 
+A compressed optimizer state adds a top-level ``state_format`` entry and, unless its moments
+are fp32, a ``moments`` table per file with the moments in per-format tensors; ``master`` then
+holds the values as stored (bf16 parameters for ``master="none"``). moments.py has the
+details; a default state is written exactly as before.
+
 This module knows nothing of ZeroAdamW: a streaming safetensors writer (no copy of the data),
 header parsing with validation, the piece index ("which byte ranges hold elements [lo, hi) of
 parameter X") and atomic publication of a directory. meta.json checks are in validate.py.

@@ -16,7 +16,11 @@ Three phases, each ended by an all_gather of errors so that every rank raises to
    master / exp_avg / exp_avg_sq; 16-bit parameters are the round-to-nearest-even cast of the
    fp32 master (which is how ZeroAdamW makes them), so they are not stored. Stages 0-2 need
    full parameters on every rank: each parameter is read piece by piece from the masters of all
-   saved ranks and cast into ``flat_param``; stage 3 needs only this rank's slice.
+   saved ranks and cast into ``flat_param``; stage 3 needs only this rank's slice. A compressed
+   state (moments.py) is read into the state as this optimizer stores it: int8 codes and absmax
+   copied exactly when both store int8 (the blocks are the parameter's own, so any new layout's
+   pieces are made of saved ones), otherwise through fp32 (dequantize, then quantize or round);
+   the values of ``master="none"`` are the bf16 parameters, and its seed comes back with them.
 
 Phases 1-2 catch every problem of the checkpoint itself before anything is modified; only an
 I/O error in phase 3 (the files changing under the reader) can leave a partial load, and it is
@@ -38,6 +42,7 @@ import torch
 
 from ..zero.interop import optimizer_of
 from ..zero.registry import runtime_of_module
+from ..zero.shards import ShardRange
 from .format import (
     META,
     CheckpointError,
@@ -49,6 +54,14 @@ from .format import (
     siblings,
 )
 from .locks import reading
+from .moments import (
+    MOMENTS,
+    STATE_FORMAT,
+    MomentIndex,
+    copy_int8_into,
+    has_table,
+    read_fp32_into,
+)
 from .save import ModelNames, agree, attempt, model_names, stage3_runtime
 from .validate import check_meta, check_rank_file
 
@@ -251,6 +264,8 @@ class _Reader:
 
         self.ck, self.stack, self.open = ck, stack, safe_open
         self.handles: dict[str, Any] = {}
+        # The moments tables of a compressed checkpoint (None: moments in the state triple).
+        self.moments = MomentIndex(ck.meta, ck.dir) if has_table(ck.meta) else None
 
     def handle(self, fname: str) -> Any:
         h = self.handles.get(fname)
@@ -264,14 +279,48 @@ class _Reader:
         return h
 
     def read_into(self, dst: torch.Tensor, name: str, lo: int, what: str) -> None:
-        """dst (1-D) <- elements [lo, lo + len(dst)) of ``name``'s values (fp32 master, or the
-        stored frozen values), exp_avg or exp_avg_sq; cast to dst's dtype (round to nearest
-        even for 16-bit)."""
+        """dst (1-D) <- elements [lo, lo + len(dst)) of ``name``'s values (fp32 master, the
+        bf16 parameters of master="none", or the stored frozen values), or of exp_avg or
+        exp_avg_sq kept in the state triple; cast to dst's dtype (round to nearest even for
+        16-bit)."""
         for rel, fname, kind, a, b in self.ck.index.spans(name, lo, lo + dst.numel()):
             tensor = kind if kind != "state" else ("master" if what == "values" else what)
             sl = self.handle(fname).get_slice(tensor)
             for ca, cb in chunks(a, b, 4):
                 dst.narrow(0, rel + ca - a, cb - ca).copy_(sl[ca:cb])
+
+    def raw(self, fname: str, tensor: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of a rank file's tensor, as stored (moments.RawReader)."""
+        return self.handle(fname).get_slice(tensor)[a:b]
+
+    def read_moment(self, dst: torch.Tensor, name: str, lo: int, key: str) -> None:
+        """dst <- moment ``key`` of elements [lo, lo + len(dst)) of ``name`` as fp32 values
+        (dequantized, widened) cast to dst's dtype."""
+        if self.moments is None:
+            self.read_into(dst, name, lo, key)
+        else:
+            read_fp32_into(self.moments, self.raw, name, lo, dst, key)
+
+    def read_stored(self, r: ShardRange, name: str) -> None:
+        """A range of a compressed state, into its buffers as stored: exact where the
+        checkpoint stores the same format (int8: codes and absmax), through fp32 elsewhere."""
+        st = r.stored
+        assert st is not None
+        self.read_into(st.values, name, r.start, "values")
+        idx = self.moments
+        for key in MOMENTS:
+            raw = getattr(st, key)
+            if st.moments != "int8":  # fp32 or bf16: a cast of the fp32 values stores them
+                self.read_moment(raw, name, r.start, key)
+            elif idx is not None and idx.format_of(name) == "int8" and \
+                    idx.maps.get(key) == st.map_id(key):
+                absmax = st.absmax(key)
+                assert absmax is not None
+                copy_int8_into(idx, self.raw, name, r.start, raw, absmax, key)
+            else:  # another format saved: dequantized or widened, then quantized
+                tmp = torch.empty(r.numel, dtype=torch.float32)
+                self.read_moment(tmp, name, r.start, key)
+                st.write(key, tmp)
 
 
 class _OneRank:
@@ -322,9 +371,12 @@ def apply(ck: Opened, m: Match, model: torch.nn.Module, opt: Any) -> None:
             for sh in shards:
                 n = m.names.param[id(sh.param)]
                 for r in sh.ranges:
+                    if r.stored is not None:  # a compressed state, written as stored
+                        rd.read_stored(r, n)
+                        continue
                     rd.read_into(r.values, n, r.start, "values")
-                    rd.read_into(r.exp_avg, n, r.start, "exp_avg")
-                    rd.read_into(r.exp_avg_sq, n, r.start, "exp_avg_sq")
+                    rd.read_moment(r.exp_avg, n, r.start, "exp_avg")
+                    rd.read_moment(r.exp_avg_sq, n, r.start, "exp_avg_sq")
                 sh.step = meta["params"][n]["step"]  # an int >= 0 (check_meta)
             if rt is not None:  # stage 3: frozen parameters are sharded like the rest
                 for p, po, _, view in rt.local_pieces():
@@ -338,6 +390,9 @@ def apply(ck: Opened, m: Match, model: torch.nn.Module, opt: Any) -> None:
                         _read_param(rd, n, p)
         for n, b in m.names.buffers.items():
             b.copy_(rd.handle(ck.buffer_file[n]).get_tensor(f"buffer/{n}"))
+    sf = meta.get(STATE_FORMAT)
+    if sf is not None and sf["master"] == "none" and opt.state_format.master == "none":
+        opt.seed = sf["seed"]  # the stochastic rounding goes on as it would have
     for grp, src in zip(opt.param_groups, m.groups):
         if src is None:
             continue

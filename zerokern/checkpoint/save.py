@@ -49,6 +49,17 @@ from .format import (
     tmp_dir,
 )
 from .locks import OWNER, StagingClaim, abandoned, publishing
+from .moments import (
+    MOMENT_DTYPES,
+    MOMENTS,
+    MOMENTS_TABLE,
+    STATE_FORMAT,
+    absmax_name,
+    blocks,
+    format_entry,
+    tensor_name,
+    values_dtype,
+)
 from .validate import HYPER_KEYS
 
 
@@ -219,6 +230,10 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
         "extra": extra_json,
     }
+    fmt = opt.state_format
+    sf = format_entry(fmt.moments, fmt.master, opt.seed)
+    if sf is not None:  # a compressed state: stored as the optimizer stores it (moments.py)
+        meta[STATE_FORMAT] = sf
     return Plan(ranges, frozen, names.buffers if rank == 0 else {}, meta)
 
 
@@ -238,9 +253,13 @@ def write_rank_file(path: str, rank: int, opt: Any, plan: Plan, nonce: str) -> d
 
         return run
 
-    for key, field_ in (("master", "values"), ("exp_avg", "exp_avg"),
-                        ("exp_avg_sq", "exp_avg_sq")):
-        jobs.append(((key, torch.float32, [n]), state_job(key, field_)))
+    moment_rows: list[list[Any]] | None = None
+    if STATE_FORMAT not in plan.meta:
+        for key, field_ in (("master", "values"), ("exp_avg", "exp_avg"),
+                            ("exp_avg_sq", "exp_avg_sq")):
+            jobs.append(((key, torch.float32, [n]), state_job(key, field_)))
+    else:
+        moment_rows = _compressed_jobs(jobs, plan, n)
     for dt, rows in plan.frozen.items():
         key, off = f"frozen.{dtype_name(dt)}", 0
         for name, po, k, _ in rows:
@@ -275,7 +294,7 @@ def write_rank_file(path: str, rank: int, opt: Any, plan: Plan, nonce: str) -> d
     except Exception:  # a kill leaves the .partial file, like a real crash
         w.abort()
         raise
-    return {
+    info = {
         "name": name,
         "rank": rank,
         "bytes": size,
@@ -283,6 +302,55 @@ def write_rank_file(path: str, rank: int, opt: Any, plan: Plan, nonce: str) -> d
         "pieces": table,
         "buffers": list(plan.buffers),
     }
+    if moment_rows is not None:
+        info[MOMENTS_TABLE] = moment_rows
+    return info
+
+
+def _compressed_jobs(jobs: list, plan: Plan, n: int) -> list[list[Any]] | None:
+    """The jobs writing a compressed state as stored (moments.py): the values (fp32 master,
+    or the bf16 parameters for master="none"), then the moments: in the state triple when
+    they are fp32, else per format (codes and absmax for int8); returns the moments table
+    (None: no table, the moments are in the triple)."""
+    def job(key: str, src: Callable[[ShardRange], torch.Tensor | None],
+            ranges: list[ShardRange]) -> Callable[[StreamWriter], None]:
+        def run(w: StreamWriter) -> None:
+            for r in ranges:
+                t = src(r)
+                assert t is not None
+                _write_range(w, key, t, 0, t.numel())
+
+        return run
+
+    ranges = [r for _, r in plan.state]
+    jobs.append((("master", values_dtype(plan.meta), [n]),
+                 job("master", lambda r: r.stored.values, ranges)))
+    if plan.meta[STATE_FORMAT]["moments"] == "fp32":
+        for key in MOMENTS:
+            jobs.append(((key, torch.float32, [n]),
+                         job(key, lambda r, key=key: getattr(r.stored, key), ranges)))
+        return None
+    rows: list[list[Any]] = []
+    by_fmt: dict[str, list[ShardRange]] = {}
+    offset: dict[str, int] = {}
+    nblocks = 0
+    for name, r in plan.state:
+        fmt = r.stored.moments
+        rows.append([name, r.start, r.numel, fmt, offset.get(fmt, 0),
+                     nblocks if fmt == "int8" else 0])
+        offset[fmt] = offset.get(fmt, 0) + r.numel
+        nblocks += blocks(r.numel) if fmt == "int8" else 0
+        by_fmt.setdefault(fmt, []).append(r)
+    for fmt, rs in by_fmt.items():
+        for key in MOMENTS:
+            t = tensor_name(key, fmt)
+            jobs.append(((t, MOMENT_DTYPES[fmt], [offset[fmt]]),
+                         job(t, lambda r, key=key: getattr(r.stored, key), rs)))
+            if fmt == "int8":
+                jobs.append(((absmax_name(key), torch.float32, [nblocks]),
+                             job(absmax_name(key), lambda r, key=key: r.stored.absmax(key),
+                                 rs)))
+    return rows
 
 
 def _write_range(w: StreamWriter, key: str, src: torch.Tensor, start: int, numel: int) -> None:

@@ -12,6 +12,10 @@ means the file was edited or comes from a zerokern this one does not know. Hyper
 the checks of ZeroAdamW's constructor (zero/validate.py), the loss-scaler entry the shape of
 LossScaler.state_dict(). The meta_sha256 digest (format version 2) comes first: an edit that
 keeps every value plausible (two same-size pieces swapped) is caught only by it.
+
+A compressed state (moments.py) adds two optional entries, written only for it: the top-level
+``state_format`` and each file's ``moments`` table. Without them a meta.json is checked as
+before; a zerokern that predates them refuses such a checkpoint by the unknown entry's name.
 """
 
 from __future__ import annotations
@@ -41,6 +45,19 @@ from .format import (
     is_count,
     meta_digest,
     rank_file,
+)
+from .moments import (
+    MOMENTS,
+    MOMENTS_TABLE,
+    STATE_FORMAT,
+    MomentIndex,
+    absmax_name,
+    check_state_format,
+    check_table_tiling,
+    expected_tensors,
+    has_table,
+    tensor_name,
+    values_dtype,
 )
 
 # meta.json's top-level keys (plan_save, then _finish: save_id, files; META_DIGEST from format
@@ -147,7 +164,7 @@ def check_meta(meta: Any, d: str) -> PieceIndex:
             f"reads up to {FORMAT_VERSION})"
         )
     _check_digest(c, meta, version)
-    c.keys(meta, "the top level", KEYS | {META_DIGEST},
+    c.keys(meta, "the top level", KEYS | {META_DIGEST, STATE_FORMAT},
            KEYS | ({META_DIGEST} if version >= 2 else frozenset()))
     for key in ("zerokern_version", "torch_version", "save_id"):
         c.require(isinstance(meta[key], str) and meta[key] != "", key, "a string", meta[key])
@@ -165,7 +182,11 @@ def check_meta(meta: Any, d: str) -> PieceIndex:
     _check_names(c, meta)
     _check_groups(c, meta["param_groups"], meta["params"])
     _check_scaler(c, meta["scaler"])
+    if STATE_FORMAT in meta:
+        check_state_format(meta[STATE_FORMAT], meta["param_dtype"], c.error)
     _check_files(c, meta)
+    if has_table(meta):
+        MomentIndex(meta, c.at).check(meta["params"], meta[STATE_FORMAT]["moments"])
     index = PieceIndex(meta, c.at)
     index.check(meta["params"])
     for name, p in meta["params"].items():
@@ -301,9 +322,14 @@ def _check_files(c: _Fields, meta: dict[str, Any]) -> None:
     c.require(isinstance(files, list) and len(files) == world, "files",
               f"a list of {world} entries, one per saving rank (world_size)", files)
     holder: dict[str, int] = {}
+    table = has_table(meta)
     for i, f in enumerate(files):
         field = f"files[{i}]"
-        c.keys(f, field, FILE_KEYS, FILE_KEYS)
+        c.keys(f, field, FILE_KEYS | ({MOMENTS_TABLE} if table else frozenset()),
+               FILE_KEYS | ({MOMENTS_TABLE} if table else frozenset()))
+        if table:
+            c.require(isinstance(f[MOMENTS_TABLE], list), f"{field}.{MOMENTS_TABLE}", "a list",
+                      f[MOMENTS_TABLE])
         c.require(isinstance(f["name"], str) and _FILE_NAME.fullmatch(f["name"]) is not None,
                   f"{field}.name", "a plain file name rankNNNNN.safetensors inside the "
                   "checkpoint directory", f["name"])
@@ -342,10 +368,15 @@ def check_rank_file(meta: dict[str, Any], i: int, tensors: dict[str, TensorInfo]
             raise bad(f"its header has {k} {header_meta.get(k)!r}, {META} says {v!r} for "
                       f"files[{i}] (a rank file of another save?)")
     kinds = {row[3] for row in f["pieces"]}
-    # The state triple is always written (fp32, 1-D, one length), even when empty.
+    rows = f.get(MOMENTS_TABLE)
+    # The state triple is always written (1-D, one length), even when empty: fp32, but the
+    # values of master="none" are the bf16 parameters; with a moments table only the values.
     expect: dict[str, tuple[torch.dtype, tuple[int, ...] | None]] = {
-        t: (torch.float32, None) for t in STATE
+        t: (torch.float32, None) for t in (STATE if rows is None else STATE[:1])
     }
+    expect["master"] = (values_dtype(meta), None)
+    if rows is not None:
+        expect.update({t: (dt, None) for t, dt in expected_tensors(rows).items()})
     expect.update({k: (FROZEN_KINDS[k], None) for k in kinds if k != "state"})
     for b in f["buffers"]:
         spec = meta["buffers"][b]
@@ -361,9 +392,14 @@ def check_rank_file(meta: dict[str, Any], i: int, tensors: dict[str, TensorInfo]
                                    else len(info.shape) != 1):
             raise bad(f"tensor {t!r} is {info.dtype} of shape {list(info.shape)}, expected "
                       f"{dtype} of shape {list(shape) if shape is not None else '[n]'}")
-    lengths = {tensors[t].numel for t in STATE}
-    if len(lengths) != 1:
-        raise bad(f"tensors {', '.join(STATE)} differ in length")
+    same = [STATE] if rows is None else [
+        [tensor_name(k, fmt) for k in MOMENTS] for fmt in {r[3] for r in rows}] + [
+        [absmax_name(k) for k in MOMENTS] for fmt in {r[3] for r in rows} if fmt == "int8"]
+    for group in same:
+        if len({tensors[t].numel for t in group}) != 1:
+            raise bad(f"tensors {', '.join(group)} differ in length")
+    if rows is not None:
+        check_table_tiling(rows, tensors, bad, i)
     for kind in kinds | {"state"}:
         stored = tensors["master" if kind == "state" else kind].numel
         rows = sorted((row[4], row[2], j) for j, row in enumerate(f["pieces"])

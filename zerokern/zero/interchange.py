@@ -7,6 +7,14 @@ Built one parameter at a time from the sharded state (``shards()``): every rank 
 ranges into a zeroed full-size buffer and one all-reduce sums them, so the peak extra memory
 is one parameter's state plus what is returned. Also the checks of torch.optim.AdamW's
 own flags, wherever a group written for it comes in.
+
+Compressed state: the moments go out dequantized to fp32 (torch's format has nothing else),
+with the format named in a top-level ``"state_format"`` entry (``moments``, ``master``,
+``seed`` and ``stored_as``: each stepped parameter's moments as they were stored); torch's
+AdamW ignores it on load. In, the fp32 moments are stored in this optimizer's format
+(quantized per 256-element block, or rounded to bf16), so a state changes format through
+a full state dict (fp32 -> int8 -> fp32); the seed of a ``master="none"`` state comes back
+into a ``master="none"`` optimizer.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
-from .optimizer_state import StateAccess
+from .optimizer_state import StateAccess, set_seed
 from .param_table import ParamTable
 from .validate import check_hparams
 
@@ -89,15 +97,18 @@ class TorchFormat:
         keep = not rank0_only or self.comm.rank == 0
         torch_index, groups = self._torch_numbering(param_groups)
         state: dict[int, dict[str, Any]] = {}
+        fmt = self.access.slot.fmt
+        stored_as: dict[int, str] = {}
         with torch.no_grad():
             for sh in self.access.shards(param_groups):
                 if sh.step == 0:
                     continue  # torch's AdamW has no state for a parameter never stepped
+                stored_as[torch_index[sh.index]] = fmt.effective(sh.numel)
                 full = {}
                 for key in ("exp_avg", "exp_avg_sq"):
                     buf = torch.zeros(sh.numel, dtype=torch.float32, device=sh.param.device)
-                    for r in sh.ranges:
-                        buf.narrow(0, r.start, r.numel).copy_(getattr(r, key))
+                    for r in sh.ranges:  # fp32 views, or dequantized one range at a time
+                        buf.narrow(0, r.start, r.numel).copy_(r.read(key))
                     if self.stage != 0:  # stage 0: every rank holds all of it already
                         self.comm.all_reduce(buf, f"{key} of parameter {sh.index}",
                                              count=False)
@@ -109,7 +120,11 @@ class TorchFormat:
                     state[torch_index[sh.index]] = entry
         if not keep:
             return {}
-        return {"state": state, "param_groups": groups}
+        out: dict[str, Any] = {"state": state, "param_groups": groups}
+        if not fmt.is_default:
+            out["state_format"] = {"moments": fmt.moments, "master": fmt.master,
+                                   "seed": self.access.slot.seed, "stored_as": stored_as}
+        return out
 
     def _torch_numbering(self, param_groups: list[dict[str, Any]],
                          ) -> tuple[dict[int, int], list[dict[str, Any]]]:
@@ -168,6 +183,15 @@ class TorchFormat:
             check_hparams(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"],
                           f" (state_dict param group {gi})")
             check_adamw_flags({**sg, **hp}, f" (state_dict param group {gi})")
+        saved_fmt = sd.get("state_format")
+        seed = saved_fmt.get("seed") if isinstance(saved_fmt, dict) else None
+        if self.access.slot.fmt.master == "none" and saved_fmt is not None and \
+                saved_fmt.get("master") == "none":
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+                raise ValueError(f"state_dict: state_format's seed must be an int in "
+                                 f"[0, 2**63), got {seed!r}")
+        else:
+            seed = None  # the seed of a master="none" state is this optimizer's concern only
         with torch.no_grad(), self.access.edit(param_groups) as shards:
             # torch's format has no fp32 master: the 16-bit parameters' master is taken from
             # the current parameters (load the model first), as a fresh optimizer's is.
@@ -175,14 +199,15 @@ class TorchFormat:
             for sh in shards:
                 st = state.get(torch_index[sh.index], state.get(str(torch_index[sh.index])))
                 sh.step = int(float(st["step"])) if st else 0
-                for key in ("exp_avg", "exp_avg_sq"):
-                    flat = st[key].reshape(-1) if st else None
-                    for r in sh.ranges:
-                        dst = getattr(r, key)
-                        if flat is None:
-                            dst.zero_()
-                        else:
-                            dst.copy_(flat[r.start:r.start + r.numel])
+                for r in sh.ranges:
+                    if not st:
+                        r.zero_moments()  # as a fresh state stores them
+                        continue
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        # Stored in this optimizer's format: quantized, rounded or copied.
+                        r.write(key, st[key].reshape(-1)[r.start:r.start + r.numel])
+        if seed is not None:
+            set_seed(self.access.slot, seed)
         for gi, (g, sg) in enumerate(zip(param_groups, groups)):
             # As torch's load_state_dict: the saved group replaces this one, params aside (and
             # param_names, and ZeroAdamW's hyperparameters, when it lacks them); so initial_lr

@@ -3,6 +3,11 @@
 public sharded-state interface that checkpoints and the torch-format interchange are written
 against, never the engine's buffers) and the per-rank state dict (ZeroAdamW's own format:
 this rank's flat buffers in its local layout).
+
+A compressed state (``moments="bf16" | "int8"``, ``master="none"``) is seen through the same
+interface: each range carries the state as stored (``ShardRange.stored``: codes, absmax, bf16
+moments, the bf16 parameters as values) and fp32 views or dequantized copies of it; the
+per-rank state dict holds every stored buffer as it is, with the format and the seed.
 """
 
 from __future__ import annotations
@@ -14,10 +19,35 @@ from typing import Any
 import torch
 
 from ..comm import Comm
+from ..quant.maps import SIGNED_MAP_ID, UNSIGNED_MAP_ID
 from .engine_slot import EngineSlot
 from .param_table import ParamTable
 from .scaler import LossScaler
-from .shards import ParamShard, ShardedStateView, ShardRange
+from .shards import ParamShard, ShardedStateView, ShardRange, StoredRange
+from .state_format import StateFormat
+
+# The buffers of a compressed state besides the master, in the per-rank state dict.
+_STORED = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax", "exp_avg_side",
+           "exp_avg_sq_side")
+_MAPS = {"exp_avg": SIGNED_MAP_ID, "exp_avg_sq": UNSIGNED_MAP_ID}
+
+
+def _format_entry(fmt: StateFormat, seed: int) -> dict[str, Any]:
+    """How a state is stored, as state dicts and checkpoints name it: moments, master, the
+    stochastic rounding seed and, for int8, the code maps' ids."""
+    out: dict[str, Any] = {"moments": fmt.moments, "master": fmt.master, "seed": int(seed)}
+    if fmt.moments == "int8":
+        out["maps"] = dict(_MAPS)
+    return out
+
+
+def set_seed(slot: EngineSlot, seed: int) -> None:
+    """The stochastic rounding key of ``master="none"``, restored with a saved state."""
+    slot.seed = int(seed)
+    eng = slot.engine
+    if eng is not None:
+        eng.seed = int(seed)
+        eng.state.seed = int(seed)
 
 
 class StateAccess:
@@ -31,9 +61,11 @@ class StateAccess:
 
     def adopt_writes(self) -> None:
         """What was written from outside since the engine last wrote: step tensors of
-        ``opt.state`` written in place, then the parameters' values (engine_slot.py)."""
+        ``opt.state`` written in place, copies of compressed moments written in place, then
+        the parameters' values (engine_slot.py)."""
         self.view.adopt_step_writes()
         self.slot.adopt_param_writes()
+        self.view.adopt_moment_writes()
 
     # -- sharded state ----------------------------------------------------------------------
     def shards(self, param_groups: list[dict[str, Any]], model: torch.nn.Module | None = None,
@@ -45,10 +77,15 @@ class StateAccess:
         group_of = {id(p): g for g, grp in enumerate(param_groups) for p in grp["params"]}
         ranges: list[list[ShardRange]] = [[] for _ in self.table.params]
         eng = self.slot.engine
+        compressed = not eng.state.fmt.is_default
         for pc in L.pieces:
-            if pc.param < 0:
+            if pc.param < 0 or (compressed and pc.numel == 0):
                 continue
             s, n = pc.local_start, pc.numel
+            if compressed:
+                ranges[pc.param].append(ShardRange(pc.param_offset, n,
+                                                   stored=self._stored(eng, s, n)))
+                continue
             ranges[pc.param].append(ShardRange(
                 pc.param_offset, n, eng.values(s, n), eng.exp_avg.narrow(0, s, n),
                 eng.exp_avg_sq.narrow(0, s, n)))
@@ -56,6 +93,16 @@ class StateAccess:
         return [ParamShard(i, names.get(id(p)), p, group_of[id(p)], t.shapes[i], p.dtype,
                            t.steps[i], tuple(sorted(ranges[i], key=lambda r: r.start)))
                 for i, p in enumerate(t.params)]
+
+    @staticmethod
+    def _stored(eng: Any, s: int, n: int) -> StoredRange:
+        """Local range [s, s + n) (one piece) of a compressed state, as stored."""
+        raw = eng.state.stored_moments(s, n)
+        int8 = raw["format"] == "int8"
+        return StoredRange(
+            raw["format"], eng.state.fmt.master, eng.values(s, n), raw["exp_avg"],
+            raw["exp_avg_sq"], raw.get("exp_avg_absmax"), raw.get("exp_avg_sq_absmax"),
+            _MAPS["exp_avg"] if int8 else None, _MAPS["exp_avg_sq"] if int8 else None)
 
     @contextmanager
     def edit(self, param_groups: list[dict[str, Any]], model: torch.nn.Module | None = None,
@@ -69,6 +116,9 @@ class StateAccess:
                 raise ValueError(f"step of parameter {sh.index} ({sh.name}) must be an int "
                                  f">= 0, got {sh.step!r}")
         with torch.no_grad():
+            for sh in shards:  # compressed: the copies written in place, stored
+                for r in sh.ranges:
+                    r.store_written()
             self.slot.engine.sync_params(gather)
         self.slot.mark_params()
         for sh in shards:
@@ -95,7 +145,8 @@ class StateAccess:
                 "rank": self.comm.rank, "local_numel": None if L is None else L.local_numel,
                 "flat_numel": None if L is None else L.flat_numel,
                 "ready_order": None if L is None else list(L.ready_order),
-                "shapes": [list(sh) for sh in self.table.shapes]}
+                "shapes": [list(sh) for sh in self.table.shapes],
+                "state_format": _format_entry(self.slot.fmt, self.slot.seed)}
 
     def state_dict(self, param_groups: list[dict[str, Any]],
                    scaler: LossScaler | None) -> dict[str, Any]:
@@ -114,6 +165,12 @@ class StateAccess:
             "master": None if eng.master is None else eng.master.clone(),
             "steps": torch.tensor(self.table.steps, dtype=torch.int64),
         }
+        if eng is not None and not eng.state.fmt.is_default:
+            # Every stored buffer as it is (codes and absmax, bf16 moments, the fp32 side
+            # buffers of small parameters): the state round-trips bit for bit.
+            for key in _STORED[2:]:
+                t = getattr(eng.state, key)
+                state[key] = None if t is None else t.clone()
         return {
             "state": state, "param_groups": groups,
             "scaler": None if scaler is None else scaler.state_dict(),
@@ -149,6 +206,7 @@ class StateAccess:
                 "state dict loads only on the rank (world size and stage) that saved it: save "
                 "opt.state_dict() on every rank, or use opt.full_state_dict() (torch AdamW "
                 "format, loadable anywhere) or zerokern.save_checkpoint")
+        saved_fmt = self._check_format(meta)
         if st:
             self.slot.build(param_groups, list(meta.get("ready_order") or []) or None)
             mine = self.meta()
@@ -158,11 +216,15 @@ class StateAccess:
                         f"state_dict was saved with {k}={meta[k]}, this optimizer has {k}="
                         f"{mine[k]}; use zerokern.load_checkpoint to change world size or "
                         "stage")
+            self._check_buffers(st)
         eng = self.slot.engine
+        if saved_fmt.get("master") == "none":
+            set_seed(self.slot, saved_fmt["seed"])  # the rounding continues where it was
         with torch.no_grad():
             if st:
-                eng.exp_avg.copy_(st["exp_avg"])
-                eng.exp_avg_sq.copy_(st["exp_avg_sq"])
+                for key in _STORED:  # every stored buffer as saved (checked above)
+                    if getattr(eng.state, key) is not None:
+                        getattr(eng.state, key).copy_(st[key])
                 if eng.master is not None and st.get("master") is not None:
                     eng.master.copy_(st["master"])
                 elif eng.master is not None:
@@ -171,8 +233,7 @@ class StateAccess:
                     eng.init_master()
                 self.table.steps = [int(x) for x in st["steps"].tolist()]
             elif eng is not None:  # a state saved before any step: a fresh state
-                eng.exp_avg.zero_()
-                eng.exp_avg_sq.zero_()
+                eng.state.zero_moments()
                 eng.init_master()
                 self.table.steps = [0] * len(self.table.params)
         for g, sg in zip(param_groups, state_dict["param_groups"]):
@@ -183,3 +244,49 @@ class StateAccess:
             scaler.load_state_dict(state_dict["scaler"])
         self.slot.mark_params()  # the loaded master is the one to train from
         self.view.refresh_steps()
+
+    def _check_format(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """The saved state's format (state dicts of zerokern before issue 27 have none: fp32
+        moments and master), refused unless it is this optimizer's: the per-rank state dict
+        holds the buffers as stored, in a layout that depends on the format (int8 pads
+        parameters to 256-element blocks), so it is not converted here."""
+        saved = meta.get("state_format") or {"moments": "fp32", "master": "fp32", "seed": 0}
+        fmt = self.slot.fmt
+        if not isinstance(saved, dict) or any(k not in saved for k in ("moments", "master")):
+            raise ValueError(f"state_dict: 'state_format' must name moments and master, got "
+                             f"{saved!r}")
+        if (saved["moments"], saved["master"]) != (fmt.moments, fmt.master):
+            raise ValueError(
+                f"state_dict holds a state with moments={saved['moments']!r}, "
+                f"master={saved['master']!r}; this optimizer has moments={fmt.moments!r}, "
+                f"master={fmt.master!r}. A per-rank state dict loads only into the format "
+                "that saved it (its buffers are kept as stored); to change the format load "
+                "opt.full_state_dict() (fp32, quantized on load) or use "
+                "zerokern.save_checkpoint / load_checkpoint, which convert through fp32")
+        maps = saved.get("maps")
+        if fmt.moments == "int8" and maps is not None and maps != _MAPS:
+            raise ValueError(f"state_dict: int8 moments quantized with the code maps {maps}, "
+                             f"this zerokern uses {_MAPS}")
+        if saved["master"] == "none":
+            seed = saved.get("seed")
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+                raise ValueError(f"state_dict: the seed must be an int in [0, 2**63), got "
+                                 f"{seed!r}")
+        return saved
+
+    def _check_buffers(self, st: dict[str, Any]) -> None:
+        """Each stored buffer of the state dict matches this state's (dtype and length), before
+        any is copied."""
+        state = self.slot.engine.state
+        for key in _STORED:
+            mine = getattr(state, key)
+            if mine is None:
+                continue
+            got = st.get(key)
+            if not torch.is_tensor(got):
+                raise ValueError(f"state_dict: the state has no tensor {key!r} (this "
+                                 f"optimizer stores {mine.numel()} elements of {mine.dtype})")
+            if got.dtype != mine.dtype or tuple(got.shape) != tuple(mine.shape):
+                raise ValueError(f"state_dict: {key!r} is {got.dtype} of shape "
+                                 f"{tuple(got.shape)}, this optimizer stores {mine.dtype} of "
+                                 f"shape {tuple(mine.shape)}")
