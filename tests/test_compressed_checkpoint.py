@@ -361,15 +361,29 @@ def test_checkpoint_stores_the_state_as_stored(tmp_path, moments, master):
     assert_stored_same(o2.state_dict(), opt.state_dict())
 
 
-def test_consolidate_writes_fp32_values(tmp_path):
+@pytest.mark.parametrize("moments,master", [("int8", "none"), ("bf16", "fp32")])
+def test_consolidate_writes_fp32_values(tmp_path, moments, master):
     from zerokern.cli import consolidate as cli
 
-    model, opt = _one("int8", "none")
+    model, opt = _one(moments, master)
     save_checkpoint(tmp_path / "ck", model, opt)
-    cli.consolidate(str(tmp_path / "ck"), str(tmp_path / "model.safetensors"))
+    cli.consolidate(str(tmp_path / "ck"), str(tmp_path / "model.safetensors"),
+                    str(tmp_path / "adamw.pt"))
     out = st.load_file(str(tmp_path / "model.safetensors"))
     for name, p in model.named_parameters():
-        assert out[name].dtype == torch.float32 and torch.equal(out[name], p.detach().float())
+        # master="none": the bf16 parameters are the values; else the fp32 master, whose
+        # nearest-even cast is the parameter
+        want = p.detach().float() if master == "none" else out[name].to(p.dtype).float()
+        assert out[name].dtype == torch.float32 and torch.equal(want, p.detach().float())
+        assert master != "none" or torch.equal(out[name], want)
+    # --optimizer: the moments dequantized to fp32, as full_state_dict gives them
+    adamw = torch.load(tmp_path / "adamw.pt", weights_only=True)
+    full = opt.full_state_dict()
+    assert adamw["state"].keys() == full["state"].keys()
+    for i, s in full["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = adamw["state"][i][key]
+            assert got.dtype == torch.float32 and torch.equal(got, s[key]), (i, key)
 
 
 def _edited(ck: Path, edit) -> None:

@@ -54,6 +54,7 @@ from ..checkpoint.format import (
 )
 from ..checkpoint.load import Opened, open_checkpoint
 from ..checkpoint.locks import lock_file, reading
+from ..checkpoint.moments import MomentIndex, has_table, read_fp32_into
 
 HELP = "turn a zerokern checkpoint into a plain fp32 state dict (+ AdamW state), streaming"
 DESCRIPTION = (
@@ -253,6 +254,8 @@ class _Source:
     def __init__(self, ck: Opened) -> None:
         self.ck, self.meta, self.readers = ck, ck.meta, {}
         self._scratch: Any = None
+        # Compressed moments (int8 codes, bf16): read as fp32 through their tables.
+        self.moments = MomentIndex(ck.meta, ck.dir) if has_table(ck.meta) else None
 
     def reader(self, fname: str) -> RangeReader:
         if fname not in self.readers:
@@ -296,6 +299,10 @@ class _Source:
         """exp_avg or exp_avg_sq of ``name`` (fp32), read straight into the scratch buffer."""
         shape = self.meta["params"][name]["shape"]
         out = self.scratch(math.prod(shape), torch.float32)
+        if self.moments is not None:  # dequantized or widened (checkpoint/moments.py)
+            read_fp32_into(self.moments, lambda f, t, a, b: self.reader(f).read(t, a, b),
+                           name, 0, out, what)
+            return out.view(shape)
         for rel, rd, tensor, a, b in self.spans(name, what):
             rd.read_into(tensor, a, out.narrow(0, rel, b - a))
         return out.view(shape)
