@@ -83,6 +83,94 @@ void adamw(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at::Ten
 #endif
 }
 
+// Fused AdamW over a flat range with compressed state (zerokern/ops/adamw_compressed.py, the
+// range contract): dtypes pick the formats, optional tensors are None where the format has no
+// use for them. Python validates first with argument-naming errors; these checks guard direct
+// callers.
+void adamw_compressed(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg,
+                      at::Tensor exp_avg_sq, std::optional<at::Tensor> exp_avg_absmax,
+                      std::optional<at::Tensor> exp_avg_sq_absmax,
+                      std::optional<at::Tensor> param_lp, std::optional<at::Tensor> sr_index,
+                      uint64_t seed, int64_t step, const at::Tensor& tables, double decay,
+                      double one_minus_beta1, double beta2, double one_minus_beta2,
+                      double step_size, double bc2_sqrt, double eps, double inv_grad_scale) {
+  const int64_t n = param.numel();
+  const auto dev = param.device();
+  const int64_t nb = (n + zk::kQuantBlock - 1) / zk::kQuantBlock;
+  check_flat(param, "param", n, dev);
+  check_flat(grad, "grad", n, dev);
+  check_flat(exp_avg, "exp_avg", n, dev);
+  check_flat(exp_avg_sq, "exp_avg_sq", n, dev);
+  check_flat(tables, "tables", 1024, dev);
+  TORCH_CHECK_TYPE(tables.scalar_type() == at::kFloat, "tables must be float32");
+  zk::CompressedArgs a{};
+  a.n = n;
+  a.pdt = to_dtype(param, "param");
+  TORCH_CHECK_TYPE(a.pdt != zk::DType::F16, "param must be float32 or bfloat16");
+  a.gdt = to_dtype(grad, "grad");
+  TORCH_CHECK_TYPE(exp_avg_sq.scalar_type() == exp_avg.scalar_type(),
+                   "exp_avg_sq must have exp_avg's dtype (", exp_avg.scalar_type(), ")");
+  switch (exp_avg.scalar_type()) {
+    case at::kFloat: a.mfmt = zk::MomentFmt::F32; break;
+    case at::kBFloat16: a.mfmt = zk::MomentFmt::BF16; break;
+    case at::kByte: a.mfmt = zk::MomentFmt::U8; break;
+    default: TORCH_CHECK_TYPE(false, "exp_avg must be float32, bfloat16 or uint8");
+  }
+  const bool u8 = a.mfmt == zk::MomentFmt::U8;
+  for (auto* opt : {&exp_avg_absmax, &exp_avg_sq_absmax}) {
+    const char* name = opt == &exp_avg_absmax ? "exp_avg_absmax" : "exp_avg_sq_absmax";
+    TORCH_CHECK(opt->has_value() == u8, name,
+                u8 ? " is required with uint8 moments" : " must be None unless moments are uint8");
+    if (u8) {
+      check_flat(**opt, name, nb, dev);
+      TORCH_CHECK_TYPE((*opt)->scalar_type() == at::kFloat, name, " must be float32");
+    }
+  }
+  if (u8) {
+    a.exp_avg_absmax = exp_avg_absmax->data_ptr<float>();
+    a.exp_avg_sq_absmax = exp_avg_sq_absmax->data_ptr<float>();
+  }
+  a.lpdt = zk::DType::BF16;
+  if (param_lp.has_value()) {
+    TORCH_CHECK(a.pdt == zk::DType::F32, "param_lp must be None with a bfloat16 param");
+    check_flat(*param_lp, "param_lp", n, dev);
+    a.lpdt = to_dtype(*param_lp, "param_lp");
+    TORCH_CHECK_TYPE(a.lpdt != zk::DType::F32, "param_lp must be bfloat16 or float16");
+    a.param_lp = param_lp->data_ptr();
+  }
+  const bool sr = a.pdt == zk::DType::BF16;
+  TORCH_CHECK(sr_index.has_value() == sr, "sr_index ",
+              sr ? "is required with a bfloat16 param" : "must be None with a float32 param");
+  if (sr) {
+    check_flat(*sr_index, "sr_index", nb, dev);
+    TORCH_CHECK_TYPE(sr_index->scalar_type() == at::kLong, "sr_index must be int64");
+    a.sr_index = sr_index->data_ptr<int64_t>();
+  }
+  TORCH_CHECK(step >= 0 && step < (int64_t(1) << 32), "step must be in [0, 2**32), got ", step);
+  a.seed = seed;
+  a.step = uint32_t(step);
+  a.tables = tables.data_ptr<float>();
+  a.param = param.data_ptr();
+  a.grad = grad.data_ptr();
+  a.exp_avg = exp_avg.data_ptr();
+  a.exp_avg_sq = exp_avg_sq.data_ptr();
+  const zk::AdamScalars s{float(decay),     float(one_minus_beta1), float(beta2),
+                          float(one_minus_beta2), float(step_size), float(bc2_sqrt),
+                          float(eps),       float(inv_grad_scale)};
+  if (n == 0) return;
+  if (dev.is_cpu()) {
+    zk::adamw_compressed_cpu(a, s);
+    return;
+  }
+#ifdef ZK_WITH_CUDA
+  TORCH_CHECK(dev.is_cuda(), "adamw_compressed: unsupported device ", dev);
+  c10::cuda::CUDAGuard guard(dev);
+  zk::adamw_compressed_cuda(a, s, c10::cuda::getCurrentCUDAStream().stream());
+#else
+  TORCH_CHECK(false, "adamw_compressed: zerokern._C was built without CUDA kernels");
+#endif
+}
+
 at::Tensor sq_norm(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 1 && x.is_contiguous(), "t must be 1-D and contiguous");
   const zk::DType dt = to_dtype(x, "t");
@@ -296,6 +384,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("decay"), py::arg("one_minus_beta1"), py::arg("beta2"),
         py::arg("one_minus_beta2"), py::arg("step_size"), py::arg("bc2_sqrt"), py::arg("eps"),
         py::arg("inv_grad_scale"));
+  m.def("adamw_compressed", &adamw_compressed,
+        "fused AdamW over one flat range with compressed state (in place)", py::arg("param"),
+        py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("exp_avg_absmax"),
+        py::arg("exp_avg_sq_absmax"), py::arg("param_lp"), py::arg("sr_index"), py::arg("seed"),
+        py::arg("step"), py::arg("tables"), py::arg("decay"), py::arg("one_minus_beta1"),
+        py::arg("beta2"), py::arg("one_minus_beta2"), py::arg("step_size"), py::arg("bc2_sqrt"),
+        py::arg("eps"), py::arg("inv_grad_scale"));
   m.def("sq_norm", &sq_norm, "sum of squares as a 0-dim float32 tensor", py::arg("t"));
   m.def("copy_segments", &copy_segments, "dsts[i].copy_(srcs[i]) for all i in one pass",
         py::arg("srcs"), py::arg("dsts"));
