@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -100,24 +101,70 @@ def wait_released(timeout: float = _EXIT_WAIT_S) -> bool:
 atexit.register(wait_released)
 
 
+def _exact(x: Fraction) -> int | float:
+    return int(x) if x.denominator == 1 else float(x)
+
+
 @dataclass
 class CommStats:
-    """Per-kind totals: elements as the paper counts them, bytes on the wire of our tensors."""
+    """Per-kind totals: elements as the paper counts them, bytes of our tensors, and
+    ``wire``: the elements each rank sends under the bandwidth-optimal algorithm, (n-1)/n of
+    a reduce-scatter's input or an all-gather's output and 2(n-1)/n of an all-reduce's tensor
+    over n ranks (what a link carries; exact fractions). ``replicate``: on a 2-D mesh, the
+    replicate dim's own totals (these are the shard dim's)."""
 
     elements: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    wire: dict[str, Fraction] = field(default_factory=lambda: defaultdict(Fraction))
+    replicate: CommStats | None = None
 
-    def add(self, kind: str, numel: int, element_size: int, factor: int = 1) -> None:
+    def add(self, kind: str, numel: int, element_size: int, factor: int = 1,
+            ranks: int = 1) -> None:
         self.elements[kind] += factor * numel
         self.bytes[kind] += factor * numel * element_size
         self.calls[kind] += 1
+        self.wire[kind] += Fraction(factor * numel * (ranks - 1), ranks)
 
-    def as_dict(self) -> dict[str, dict[str, int]]:
+    def as_dict(self) -> dict[str, dict[str, Any]]:
         return {
-            k: {"elements": self.elements[k], "bytes": self.bytes[k], "calls": self.calls[k]}
+            k: {"elements": self.elements[k], "bytes": self.bytes[k], "calls": self.calls[k],
+                "wire_elements": _exact(self.wire[k])}
             for k in sorted(self.calls)
         }
+
+
+PAPER_KINDS = ("reduce_scatter", "all_gather", "all_reduce")
+"""The collectives the paper counts (§7); broadcasts and the step's small all-reduce are not."""
+
+
+def _dim_summary(stats: CommStats) -> dict[str, Any]:
+    d = stats.as_dict()
+    paper = {k: v for k, v in d.items() if k in PAPER_KINDS}
+    return {"elements": sum(v["elements"] for v in paper.values()),
+            "bytes": sum(v["bytes"] for v in paper.values()),
+            "wire_elements": _exact(sum((stats.wire[k] for k in paper), Fraction())),
+            "per_kind": d}
+
+
+def comm_summary(stats: CommStats, numel: int) -> dict[str, Any]:
+    """ZeroAdamW.comm_stats() of one step's totals (``stats``, with the replicate dim's on a
+    2-D mesh) for a model of ``numel`` trained elements: every dim together (``per_kind``,
+    ``elements``, ``bytes`` of the paper's kinds, ``wire_elements``) and ``per_dim``."""
+    rep = stats.replicate if stats.replicate is not None else CommStats()
+    dims = {"shard": _dim_summary(stats), "replicate": _dim_summary(rep)}
+    kinds: dict[str, dict[str, Any]] = {}
+    for dim in dims.values():
+        for k, v in dim["per_kind"].items():
+            acc = kinds.setdefault(k, dict.fromkeys(v, 0))
+            for field_, x in v.items():
+                acc[field_] += x
+    return {"per_kind": kinds,
+            "elements": sum(d["elements"] for d in dims.values()),
+            "bytes": sum(d["bytes"] for d in dims.values()),
+            "wire_elements": _exact(sum((st.wire[k] for st in (stats, rep)
+                                         for k in PAPER_KINDS if k in st.calls), Fraction())),
+            "numel": numel, "per_dim": dims}
 
 
 class CollectiveError(RuntimeError):
@@ -216,10 +263,48 @@ class Comm:
         # Receive buffers of point-to-point reduce-scatters in flight (bytes now, and the
         # most ever held at once): transient, but memory all the same, so it is reported.
         self.scratch_bytes = self.scratch_peak = 0
+        # On a 2-D mesh (hybrid sharding, zerokern/comm/mesh.py) this Comm is the shard
+        # dim's group and ``replicate`` the replicate dim's: gradients reduced here are then
+        # summed across it, and the average divides by both sizes (``dp_size``).
+        self.replicate: Comm | None = None
+        self.mesh_ranks: list[list[int]] | None = None  # the mesh, in global ranks
+        self.mesh_dim_names: tuple[str, ...] | None = None
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel degree: the ranks whose gradients are averaged (this group's,
+        times the replicate group's on a 2-D mesh)."""
+        return self.world_size * (self.replicate.world_size if self.replicate else 1)
+
+    def replicate_all_reduce(self, t: torch.Tensor, label: str,
+                             async_op: bool = False) -> Handle | None:
+        """Hybrid sharding: sum ``t`` (this rank's reduced slice) across the replicate
+        group, in place; nothing on a flat group."""
+        if self.replicate is None:
+            return None
+        return self.replicate.all_reduce(t, f"{label} across replicas", async_op=async_op)
+
+    def broadcast_all(self, t: torch.Tensor, label: str) -> None:
+        """Every rank of the mesh (or group) takes global rank 0's ``t``: within this group
+        from its rank 0, then across the replicate group from its rank 0."""
+        self.broadcast(t, 0, label)
+        if self.replicate is not None:
+            self.replicate.broadcast(t, 0, label)
+
+    def all_gather_object_all(self, obj: Any, label: str = "objects") -> list[Any]:
+        """Every rank's ``obj`` over the whole mesh (flat: this group), replica by replica:
+        index ``replicate_rank * world_size + rank``."""
+        mine = self.all_gather_object(obj, label)
+        if self.replicate is None:
+            return mine
+        return [o for row in self.replicate.all_gather_object(mine, label) for o in row]
 
     # -- helpers ---------------------------------------------------------------------------
     def reset_stats(self) -> CommStats:
+        """This step's totals (with the replicate dim's, on a mesh), and new ones."""
         old, self.stats = self.stats, CommStats()
+        if self.replicate is not None:
+            old.replicate = self.replicate.reset_stats()
         return old
 
     @contextmanager
@@ -256,7 +341,7 @@ class Comm:
         mine = _hand(t)
         with self._guard("broadcast", label):
             work = dist.broadcast(mine, self.global_rank(src), group=self.group, async_op=True)
-        self.stats.add("broadcast", t.numel(), t.element_size())
+        self.stats.add("broadcast", t.numel(), t.element_size(), ranks=self.world_size)
         self._async("broadcast", label, [work], (mine,), False)
 
     def all_reduce(self, t: torch.Tensor, label: str = "tensor", *, count: bool = True,
@@ -269,7 +354,8 @@ class Comm:
             work = dist.all_reduce(mine, op=op or dist.ReduceOp.SUM, group=self.group,
                                    async_op=True)
         if count:
-            self.stats.add("all_reduce", t.numel(), t.element_size(), factor=2)
+            self.stats.add("all_reduce", t.numel(), t.element_size(), factor=2,
+                           ranks=self.world_size)
         else:
             self.stats.add("scalar_all_reduce", t.numel(), t.element_size())
         return self._async("all_reduce", label, [work], (mine,), async_op)
@@ -292,7 +378,7 @@ class Comm:
             with self._guard("reduce_scatter", label):
                 work = _reduce_scatter(*handed, group=self.group, async_op=True)
             h = self._async("reduce_scatter", label, [work], handed, async_op)
-        self.stats.add("reduce_scatter", inp.numel(), inp.element_size())
+        self.stats.add("reduce_scatter", inp.numel(), inp.element_size(), ranks=self.world_size)
         return h
 
     def _exchange_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
@@ -348,7 +434,8 @@ class Comm:
         with self._guard("all_gather", label):
             work = _all_gather(*handed, group=self.group, async_op=True)
         if count:
-            self.stats.add("all_gather", out.numel(), out.element_size())
+            self.stats.add("all_gather", out.numel(), out.element_size(),
+                           ranks=self.world_size)
         return self._async("all_gather", label, [work], handed, async_op)
 
     def all_gather_object(self, obj: Any, label: str = "objects") -> list[Any]:
