@@ -37,6 +37,18 @@ parameters large enough to compress (4,096 elements or more):
 These are what ``memory_stats()`` measures (tests/test_compressed_memory.py checks it); smaller
 parameters keep fp32 moments (8 more bytes an element), negligible in a large model.
 
+Hybrid sharding (``ZeroAdamW(mesh=)``, a 2-D mesh of R replicas x S ranks per shard group,
+docs/hybrid.md): memory is the formula above with N = S. Communication per step and rank,
+split by mesh dim (:func:`hybrid_comm_elements`, paper count; :func:`hybrid_wire_elements`,
+what each link carries under ring collectives):
+
+    stages 0-2   shard 2 Psi  (wire 2 Psi (S-1)/S)   replicate 2 Psi/S  (wire 2 Psi (R-1)/(R S))
+    stage 3      shard 3 Psi  (wire 3 Psi (S-1)/S)   replicate 2 Psi/S  (wire 2 Psi (R-1)/(R S))
+
+Gradients reduced in fp32 (``reduce_dtype=torch.float32``, g = 4 bytes for p = 2-byte
+parameters) change the gradient terms of the memory (:func:`coefficients`) and the bytes of
+the gradient collectives (:func:`hybrid_comm_bytes`), never the element counts.
+
 ZeRO-Offload (Ren et al. 2021; ``ZeroAdamW(..., offload="cpu")``) moves a rank's optimizer
 state (K Psi / N) and its gradient shard (p Psi / N) to host memory; ZeRO-Infinity's parameter
 offload (``shard_model(..., offload_params=True)``) moves stage 3's parameter shard there too.
@@ -87,13 +99,25 @@ def check_psi_n(psi: float, n: int) -> None:
 
 
 def coefficients(stage: int, param_bytes: int = PARAM_BYTES,
-                 k: float | None = None) -> tuple[float, float]:
+                 k: float | None = None, reduce_bytes: int | None = None) -> tuple[float, float]:
     """(bytes per parameter held by every rank, bytes per parameter divided over N) of a
     stage, with ``param_bytes``-byte parameters and gradients and K bytes of optimizer state
-    per parameter (default: ``optimizer_bytes_per_param(param_bytes)``)."""
+    per parameter (default: ``optimizer_bytes_per_param(param_bytes)``).
+
+    ``reduce_bytes`` (``ZeroAdamW(reduce_dtype=torch.float32)``: 4): gradients reduced in a
+    wider dtype g than the parameters' p. Stage 0 keeps autograd's p-byte gradient and a
+    g-byte averaged one (2p + g + K); stage 1 a g-byte gradient shard beside its p-byte
+    full gradient (2p + (g + K)/N); stages 2-3 hold the gradient shard in g bytes
+    (p + (g + K)/N, (p + g + K)/N).
+
+    >>> coefficients(2, 2, 12, reduce_bytes=4)
+    (2, 16)
+    """
     p = param_bytes
     k = optimizer_bytes_per_param(p) if k is None else k
-    return {0: (2 * p + k, 0), 1: (2 * p, k), 2: (p, p + k), 3: (0, 2 * p + k)}[stage]
+    g = p if reduce_bytes is None else reduce_bytes
+    x = g if g != p else 0  # a second gradient buffer, in the reduce dtype
+    return {0: (2 * p + x + k, 0), 1: (2 * p, x + k), 2: (p, g + k), 3: (0, p + g + k)}[stage]
 
 
 def _mem(stage: int, psi: float, n: int, k: float) -> float:
@@ -356,17 +380,25 @@ def _format_k(param_bytes: int, moments: str, master: str) -> Fraction:
 
 
 def expected_model_state_bytes(stage: int, psi: int, world: int, param_bytes: int,
-                               moments: str = "fp32", master: str = "fp32") -> int | float:
+                               moments: str = "fp32", master: str = "fp32", *,
+                               reduce_bytes: int | None = None) -> int | float:
     """Paper §5.4 model-state bytes per rank (an int whenever psi is divisible by world, and
-    by 64 for int8 moments), with the K of the state format (``moments``, ``master``).
+    by 64 for int8 moments), with the K of the state format (``moments``, ``master``) and
+    gradients reduced in ``reduce_bytes``-byte elements (:func:`coefficients`). On a 2-D
+    mesh ``world`` is the shard group's size S: replicas hold the same bytes.
 
     >>> [expected_model_state_bytes(s, 8, 4, 2) for s in range(4)]  # the paper's tiny example
     [128, 56, 44, 32]
     >>> expected_model_state_bytes(3, 256, 1, 2, "int8", "none")  # (2 + 2 + 2.03125) * 256
     1544
+    >>> expected_model_state_bytes(2, 8, 4, 2, reduce_bytes=4)  # 2*8 + (4 + 12)*8/4
+    48
     """
     _check(stage, psi, world, param_bytes)
-    rep, shard = coefficients(stage, param_bytes, _format_k(param_bytes, moments, master))
+    if reduce_bytes is not None and reduce_bytes not in (2, 4):
+        raise ValueError(f"reduce_bytes must be 2 or 4, got {reduce_bytes!r}")
+    rep, shard = coefficients(stage, param_bytes, _format_k(param_bytes, moments, master),
+                              reduce_bytes)
     return _exact(rep * Fraction(psi) + shard * Fraction(psi, world))
 
 
@@ -399,6 +431,76 @@ def expected_comm_elements(stage: int, psi: int, world: int) -> int:
     if world == 1:
         return 0
     return (3 if stage == 3 else 2) * psi
+
+
+# ------------------------------------------------------------------------------------------
+# Hybrid sharding on a 2-D mesh: R replicas x S ranks per shard group (ZeroAdamW(mesh=))
+# ------------------------------------------------------------------------------------------
+
+MESH_DIMS = ("shard", "replicate")
+"""The keys of ``comm_stats()["per_dim"]`` and of the hybrid formulas' results."""
+
+
+def _check_mesh(stage: int, psi: int, shard: int, replicate: int) -> None:
+    _check(stage, psi, shard, 2)
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
+        raise ValueError(f"replicate must be an int >= 1, got {replicate!r}")
+
+
+def hybrid_comm_elements(stage: int, psi: int, shard: int,
+                         replicate: int = 1) -> dict[str, int | float]:
+    """Elements per step and rank on each mesh dim, counted as the paper counts (§7: a
+    reduce-scatter or all-gather moves its full tensor's elements once, an all-reduce
+    twice), for ``psi`` elements (as laid out, padding included) over S = ``shard`` ranks
+    per shard group and R = ``replicate`` replicas.
+
+    Shard dim: the gradient reduce-scatter and the all-gather (stages 0-2: 2 Psi; stage 0
+    gathers the averaged gradient, stages 1-2 the new parameters), stage 3 gathering twice
+    (3 Psi); 0 when S = 1. Replicate dim: the all-reduce of this rank's reduced slice, 2 Psi
+    / S; 0 when R = 1. A flat group is R = 1 (stage 0's all-reduce counts as its 2 Psi).
+
+    >>> hybrid_comm_elements(2, 64, 2, 2)
+    {'shard': 128, 'replicate': 64}
+    """
+    _check_mesh(stage, psi, shard, replicate)
+    rs = 0 if shard == 1 else (3 if stage == 3 else 2) * psi
+    rep = 0 if replicate == 1 else _exact(Fraction(2 * psi, shard))
+    return {"shard": rs, "replicate": rep}
+
+
+def hybrid_wire_elements(stage: int, psi: int, shard: int,
+                         replicate: int = 1) -> dict[str, int | float]:
+    """Elements each rank sends per step on each mesh dim under bandwidth-optimal
+    collectives (ring reduce-scatter and all-gather send (n-1)/n of the full tensor, an
+    all-reduce twice that): what each link carries. Stages 0-2 move 2 Psi (S-1)/S inside the
+    shard group (stage 3: 3 Psi (S-1)/S) and 2 Psi (R-1)/(R S) across it.
+
+    >>> hybrid_wire_elements(2, 64, 2, 2)
+    {'shard': 64, 'replicate': 32}
+    """
+    _check_mesh(stage, psi, shard, replicate)
+    c = 3 if stage == 3 else 2
+    return {"shard": _exact(Fraction(c * psi * (shard - 1), shard)),
+            "replicate": _exact(Fraction(2 * psi * (replicate - 1), replicate * shard))}
+
+
+def hybrid_comm_bytes(stage: int, psi: int, shard: int, replicate: int = 1,
+                      param_bytes: int = PARAM_BYTES,
+                      reduce_bytes: int | None = None) -> dict[str, int | float]:
+    """Bytes of :func:`hybrid_comm_elements` per dim: gradients move in ``reduce_bytes``
+    (default ``param_bytes``), gathered parameters in ``param_bytes`` (stage 0 gathers the
+    averaged gradient, in ``reduce_bytes``).
+
+    >>> hybrid_comm_bytes(2, 64, 2, 2, 2, reduce_bytes=4)  # RS 64x4 + AG 64x2; AR 2x32x4
+    {'shard': 384, 'replicate': 256}
+    """
+    _check_mesh(stage, psi, shard, replicate)
+    p = param_bytes
+    g = p if reduce_bytes is None else reduce_bytes
+    gather = {0: psi * g, 1: psi * p, 2: psi * p, 3: 2 * psi * p}[stage]
+    rs = 0 if shard == 1 else psi * g + gather
+    rep = 0 if replicate == 1 else _exact(Fraction(2 * psi * g, shard))
+    return {"shard": rs, "replicate": rep}
 
 
 # ------------------------------------------------------------------------------------------
