@@ -43,8 +43,9 @@ class EngineSlot:
     def __init__(self, table: ParamTable, comm: Comm, *, stage: int, offload: str | None,
                  runtime: Any, bucket_numel: int | None, overlap: bool, backend: str | None,
                  dtype: torch.dtype, device: torch.device, fmt: StateFormat | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, reduce_dtype: torch.dtype | None = None) -> None:
         self.table, self.comm, self.rt = table, comm, runtime
+        self.reduce_dtype = reduce_dtype  # ZeroAdamW(reduce_dtype=): None, or torch.float32
         self.fmt, self.seed = fmt or StateFormat(), seed
         self.stage, self.offload, self.backend = stage, offload, backend
         self.bucket_numel, self.overlap = bucket_numel, overlap
@@ -76,7 +77,8 @@ class EngineSlot:
         self.engine = make_engine(
             self.stage, self.offload, layout, params, self.comm, dtype=self.dtype,
             device=self.device, overlap=self.overlap, backend=self.backend, runtime=self.rt,
-            fmt=self.fmt, seed=self.seed, param_numels=self.param_numels)
+            fmt=self.fmt, seed=self.seed, param_numels=self.param_numels,
+            grad_dtype=self.grad_dtype)
         self.engine.set_sync(self.sync)
         self.layout = layout
         self.mark_params()
@@ -123,7 +125,14 @@ class EngineSlot:
             return self.engine.memory_stats()
         L = self._flat_layout(None)
         return planned_memory(self.stage, self.offload, L, self.dtype, self.fmt,
-                              self.param_numels)
+                              self.param_numels, self.grad_dtype)
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in: ``reduce_dtype``, else the parameters'."""
+        if self.rt is not None:
+            return self.rt.grad_dtype
+        return self.reduce_dtype or self.dtype
 
     @property
     def param_numels(self) -> list[int]:

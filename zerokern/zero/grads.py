@@ -139,7 +139,9 @@ class GradReducer:
             )
             if same and self.rounds == 0 and not self.zeroed:
                 self.carried = True  # no zero_grad since the last step (torch accumulates)
-            if not same:  # stage 0/1 after the first round: autograd wrote in place already
+            if dst.dtype != flat_g.dtype:  # a bucket in the reduce dtype: cast on the copy
+                dst.narrow(0, boff, n).copy_(flat_g.narrow(0, poff, n))
+            elif not same:  # stage 0/1 after the first round: autograd wrote in place already
                 ops.flatten_into_([flat_g], dst, [boff], ranges=[(poff, n)], backend=self.backend)
             st = self.buckets[b]
             st.delivered.add(index)

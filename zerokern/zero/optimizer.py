@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from ..comm import Comm
+from ..comm.collectives import comm_summary
+from ..comm.mesh import check_same_mesh, mesh_comm
 from . import interop
 from .engine_slot import EngineSlot
 from .guard_set import GuardSet
@@ -50,6 +51,7 @@ from .validate import (
     check_hparams,
     check_master_dtype,
     check_offload_params,
+    check_reduce_dtype,
     check_same_on_all_ranks,
     check_seed,
     check_zero_args,
@@ -112,6 +114,22 @@ class ZeroAdamW(torch.optim.Optimizer):
             index in its parameter), the same bits on every backend, world size and stage).
         seed: the stochastic rounding key of ``master="none"``, in [0, 2**63); saved with
             the state.
+        mesh: instead of ``process_group``, a ``torch.distributed.device_mesh.DeviceMesh``.
+            2-D: hybrid sharding (FSDP2's HSDP convention, dim 0 replicate, dim 1 shard,
+            whatever the dims are named): the state (stage 2: and the gradients) is split
+            over the S ranks of this rank's shard group; gradients are reduce-scattered
+            within it, all-reduced across the R ranks of the replicate group and averaged
+            over S * R; the new parameters are all-gathered within the shard group only
+            (stage 0: the same three collectives per bucket). ``comm`` is then the shard
+            group's (``comm.replicate`` the replicate group's). A 1-D mesh is its group. At
+            stage 3 the model's mesh (``shard_model(mesh=)``) is used; one given here must
+            be the same. A wrong mesh raises ValueError naming ``mesh`` on every rank
+            before anything changes (docs/hybrid.md).
+        reduce_dtype: None (reduce gradients in the parameters' dtype) or ``torch.float32``:
+            16-bit parameters' gradients are reduced in fp32 (buckets, units' buffers and
+            the gradient shard in fp32) and reach the fused step in fp32, as FSDP2's
+            ``MixedPrecisionPolicy(reduce_dtype=)``; ``memory_stats()`` / ``comm_stats()``
+            count the extra bytes. Not with ``offload``.
 
     Attributes:
         stage: the ZeRO stage.
@@ -152,10 +170,13 @@ class ZeroAdamW(torch.optim.Optimizer):
         moments: str = "fp32",
         master: str = "fp32",
         seed: int = 0,
+        mesh: Any = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         check_hparams(lr, betas, eps, weight_decay)
         fmt = StateFormat(moments, master)  # ValueError naming moments or master
         check_seed(seed)
+        check_reduce_dtype(reduce_dtype, offload)
         # torch.optim.AdamW's signature, so that a script's AdamW(...) call works unchanged:
         # the flags that change the update are refused unless at AdamW's values; foreach,
         # fused and capturable choose torch's kernels, and ZeroAdamW has its own.
@@ -178,19 +199,26 @@ class ZeroAdamW(torch.optim.Optimizer):
         interop.check_no_ddp([p for g in self.param_groups for p in g["params"]], "ZeroAdamW")
         self._rt = stage3_runtime([p for ps in managed for p in ps], stage)
         check_offload_params(self._rt, offload)
-        self.comm = self._rt.comm if self._rt is not None else Comm(process_group)
+        if self._rt is not None:
+            check_same_mesh(mesh, self._rt.comm)
+            self.comm = self._rt.comm
+        else:
+            self.comm = mesh_comm(mesh, process_group)  # a wrong mesh: refused on every rank
         self._table = ParamTable(managed, frozen, self._rt)
         params = self._table.params
         dtype, device = common_dtype_device(params)
         check_master_dtype(fmt, dtype)
         check_same_on_all_ranks(self.comm, stage, bucket_numel, self._table.group_counts(),
-                                self._table.shapes, params, offload)
+                                self._table.shapes, params, offload, reduce_dtype)
         if self._rt is None:
             broadcast_params(self.comm, params)  # stage 3: shard_model did it
+        else:
+            self._rt.set_reduce_dtype(reduce_dtype or dtype)
         self._slot = EngineSlot(self._table, self.comm, stage=stage, offload=offload,
                                 runtime=self._rt, bucket_numel=bucket_numel,
                                 overlap=overlap_comm, backend=backend, dtype=dtype,
-                                device=device, fmt=fmt, seed=int(seed))
+                                device=device, fmt=fmt, seed=int(seed),
+                                reduce_dtype=reduce_dtype)
         self._reduction = GradReduction(self.comm, self._rt)
         self._guards = GuardSet(params, self._guard_measure)
         self._access = StateAccess(self._table, self._slot, self.comm, stage=stage,
@@ -554,14 +582,14 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     # -- introspection ----------------------------------------------------------------------
     def comm_stats(self) -> dict[str, Any]:
-        """Collectives of the last completed step, counted as the paper counts (§7)."""
-        d = self._last_comm.as_dict()
-        paper = sum(v["elements"] for k, v in d.items()
-                    if k in ("reduce_scatter", "all_gather", "all_reduce"))
-        return {"per_kind": d, "elements": paper,
-                "bytes": sum(v["bytes"] for k, v in d.items()
-                             if k in ("reduce_scatter", "all_gather", "all_reduce")),
-                "numel": sum(sh.numel() for sh in self._table.shapes)}
+        """Collectives of the last completed step, counted as the paper counts (§7): every
+        mesh dim together, and under ``per_dim`` the ``"shard"`` dim's (the whole group when
+        flat) and the ``"replicate"`` dim's (zero when flat), each with ``elements``,
+        ``bytes``, ``wire_elements`` (what each rank sends under bandwidth-optimal
+        algorithms, (n-1)/n of the paper's count) and ``per_kind``: what
+        ``zerokern.formulas.hybrid_comm_elements`` / ``hybrid_wire_elements`` /
+        ``hybrid_comm_bytes`` give."""
+        return comm_summary(self._last_comm, sum(sh.numel() for sh in self._table.shapes))
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds for model states, by kind, from the arenas' accounting.

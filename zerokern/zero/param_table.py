@@ -54,12 +54,13 @@ def stage3_runtime(params: list[torch.nn.Parameter], stage: int) -> Any:
 
 
 def broadcast_params(comm: Comm, params: list[torch.nn.Parameter]) -> None:
-    """Every rank starts from rank 0's values (stages 0-2; shard_model does it at stage 3)."""
-    if comm.world_size == 1:
+    """Every rank starts from rank 0's values (stages 0-2; shard_model does it at stage 3);
+    on a 2-D mesh, global rank 0's (within the shard group, then across replicas)."""
+    if comm.dp_size == 1:
         return
     with torch.no_grad():
         flat = torch.cat([p.detach().reshape(-1) for p in params])
-        comm.broadcast(flat, 0, "initial parameters")
+        comm.broadcast_all(flat, "initial parameters")
         off = 0
         for p in params:
             p.copy_(flat[off:off + p.numel()].view_as(p))

@@ -5,6 +5,10 @@ parameter's squared gradient norm, and with it the total norm. ``clip_grad_norm_
 norms torch's utilities read through ``p.grad`` and ``step()`` share that one reduction; its
 record (``Reduced``) keeps the clipping coefficient they asked for until the step ends.
 
+On a 2-D mesh (hybrid sharding) the vector is all-reduced within the shard group, then across
+the replicate group with the norm parts of every replica but the first zeroed: the same norm
+and flags, bit for bit, on every rank of the mesh.
+
 This part also keeps the bookkeeping that tells one step's gradients from the next: the
 gradient events of the backward, those seen when the last step ended (a step with no
 backward since is refused; no ``zero_grad()`` since is refused or warned by stage), and
@@ -171,6 +175,16 @@ class GradReduction:
             if need_norm:  # the same pass gives the total: no second read of the shard
                 vec[0] = vec[1 + n:].sum()
         self.comm.all_reduce(vec, "grad norm and grad flags", count=False)
+        if getattr(self.comm, "replicate", None) is not None:
+            # A 2-D mesh: the shards are the same on every replica (their gradients were
+            # all-reduced across it), so the norm is the shard group's sum, taken from the
+            # first replica exactly (the others add zeros); the flags are summed over the
+            # whole mesh, so every rank of the world skips or updates the same parameters.
+            if self.comm.replicate.rank != 0:
+                vec[0] = 0.0
+                if extra:
+                    vec[1 + n:] = 0.0
+            self.comm.replicate.all_reduce(vec, "grad norm and grad flags", count=False)
         if need_norm and engine.replicated_grads:  # every rank holds the full averaged grad
             vec[0] = engine.grad_sq_norm()
         vals = vec.tolist()

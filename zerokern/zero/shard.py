@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import Comm
+from ..comm.mesh import mesh_comm
 from . import gather_timeout as told
 from . import registry
 from .interop import check_no_ddp
@@ -61,6 +62,7 @@ def shard_model(
     reshard_after_forward: bool = True,
     offload_params: bool = False,
     gather_timeout: float | None = None,
+    mesh: Any = None,
 ) -> nn.Module:
     """Partition ``model``'s parameters in place for ZeRO stage 3 and return it.
 
@@ -81,10 +83,19 @@ def shard_model(
     run on some ranks only, e.g. evaluation under ``if rank == 0``). It bounds each wait, not
     the step. ``math.inf``: no bound of zerokern's own. On NCCL it applies only when given
     (here or in the environment): a bounded wait blocks the host until the gather is done.
+
+    ``mesh`` (instead of ``process_group``): a ``torch.distributed.device_mesh.DeviceMesh``.
+    2-D, hybrid sharding (FSDP2's HSDP convention: dim 0 replicate, dim 1 shard): each unit
+    is split over the S ranks of this rank's shard group and gathered within it; gradients
+    are reduce-scattered within it, then all-reduced across the R ranks of the replicate
+    group and averaged over all S * R. Every replica starts from global rank 0's values. A
+    1-D mesh is its group. Build the optimizer with ``ZeroAdamW(..., stage=3)`` (it takes
+    this mesh). A wrong mesh raises ValueError naming ``mesh`` on every rank, before
+    anything changes.
     """
     if not isinstance(offload_params, bool):
         raise TypeError(f"offload_params must be True or False, got {offload_params!r}")
-    comm = Comm(process_group)
+    comm = mesh_comm(mesh, process_group, where="shard_model")
     # Every rank selects its units, then all compare (or learn of a rank's error) before
     # anything is modified: a check that failed on one rank alone would leave the others
     # waiting in the first per-unit broadcast until the process-group timeout.
@@ -214,7 +225,7 @@ def _check_units_same_on_all_ranks(
         "units": [(uname, [(names[id(p)], tuple(p.shape), str(p.dtype)) for p in ps])
                   for uname, _, ps in units],
     }
-    sigs = comm.all_gather_object(sig, "shard_model unit signatures")
+    sigs = comm.all_gather_object_all(sig, "shard_model unit signatures")
     if failure is not None:
         raise failure
     for r, other in enumerate(sigs):

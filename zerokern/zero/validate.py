@@ -119,21 +119,38 @@ def common_dtype_device(params: list[torch.nn.Parameter]) -> tuple[torch.dtype, 
     return p0.dtype, p0.device
 
 
+def check_reduce_dtype(reduce_dtype: Any, offload: str | None) -> None:
+    """ZeroAdamW(reduce_dtype=): None (reduce in the parameters' dtype) or torch.float32
+    (16-bit parameters' gradients reduced, and stepped, in fp32; nothing changes for fp32
+    parameters). Not with offload: the host pipeline moves gradients in the parameters'
+    dtype."""
+    if reduce_dtype is None:
+        return
+    if reduce_dtype is not torch.float32:
+        raise ValueError(f"reduce_dtype must be None or torch.float32 (gradients of 16-bit "
+                         f"parameters reduced in fp32), got {reduce_dtype!r}")
+    if offload is not None:
+        raise ValueError("reduce_dtype=torch.float32 with offload='cpu' is not supported: the "
+                         "offload pipeline moves gradients in the parameters' dtype; drop "
+                         "one of them")
+
+
 def check_same_on_all_ranks(comm: Comm, stage: int, bucket_numel: int | None,
                             group_counts: list[int], shapes: list[torch.Size],
                             params: list[torch.nn.Parameter],
-                            offload: str | None = None) -> None:
+                            offload: str | None = None, reduce_dtype: Any = None) -> None:
+    """Every rank (of the whole mesh, on a 2-D one) built its optimizer alike."""
     sig = {
         "stage": stage, "bucket_numel": bucket_numel, "groups": group_counts,
-        "offload": offload,
+        "offload": offload, "reduce_dtype": str(reduce_dtype),
         "params": [(tuple(sh), str(p.dtype)) for sh, p in zip(shapes, params)],
     }
-    sigs = comm.all_gather_object(sig, "parameter signatures")
+    sigs = comm.all_gather_object_all(sig, "parameter signatures")
     ref = sigs[0]
     for r, s in enumerate(sigs):
         if s == ref:
             continue
-        for key in ("stage", "bucket_numel", "offload", "groups"):
+        for key in ("stage", "bucket_numel", "offload", "reduce_dtype", "groups"):
             if s[key] != ref[key]:
                 raise ValueError(f"ZeroAdamW arguments differ across ranks: {key} is "
                                  f"{ref[key]} on rank 0 but {s[key]} on rank {r}")

@@ -26,15 +26,17 @@ GATHER_ALIGN = 256  # bytes: every gather buffer starts aligned for vector loads
 
 
 def gather_arena_bytes(root_numels: list[int], unit_numels: list[int], prefetch: int,
-                       element_size: int) -> int:
+                       element_size: int, grad_element_size: int | None = None) -> int:
     """Capacity of the gather arena: the root (held through the whole forward), the
     ``prefetch + 1`` biggest other units (gathered at once), and one gradient buffer of the
-    biggest unit (the reduce-scatter in flight); plus one alignment's slack per buffer."""
+    biggest unit (the reduce-scatter in flight, ``grad_element_size`` bytes an element: the
+    reduce dtype's); plus one alignment's slack per buffer."""
     sizes = sorted(unit_numels, reverse=True)
     root = sum(root_numels)
     biggest = sizes[0] if sizes else root
-    elems = root + sum(sizes[: prefetch + 1]) + biggest
-    return elems * element_size + GATHER_ALIGN * (prefetch + 4)
+    gsz = element_size if grad_element_size is None else grad_element_size
+    elems = root + sum(sizes[: prefetch + 1])
+    return elems * element_size + biggest * gsz + GATHER_ALIGN * (prefetch + 4)
 
 
 class UnitContext:
@@ -55,6 +57,9 @@ class UnitContext:
                  local_numel: int, gather_bytes: int, offload_params: bool,
                  gather_timeout: tuple[float, bool]) -> None:
         self.comm, self.dtype, self.device = comm, dtype, device
+        # The dtype gradients are reduced in and kept in (local_grads): the parameters' until
+        # an optimizer asks for another (ZeroAdamW(reduce_dtype=), set_grad_dtype).
+        self.grad_dtype = dtype
         self.local_numel = local_numel
         # Prefetched gathers (and gradient reduce-scatters) run asynchronously on every
         # backend (NCCL stream, gloo threads).
@@ -85,32 +90,53 @@ class UnitContext:
         self.adopted: list[torch.nn.Parameter] = []
         self.param_names: dict[int, str] = {}
 
-    def _alloc_local(self, on_host: bool) -> tuple[Arena, torch.Tensor]:
-        esz = torch.empty(0, dtype=self.dtype).element_size()
+    def _alloc_local(self, on_host: bool,
+                     dtype: torch.dtype | None = None) -> tuple[Arena, torch.Tensor]:
+        dtype = dtype or self.dtype
+        esz = torch.empty(0, dtype=dtype).element_size()
         arena = Arena(max(self.local_numel * esz + 512, 512), HOST if on_host else self.device,
                       pin_memory=on_host and pin_host_memory(self.device))
-        return arena, arena.alloc(self.local_numel, self.dtype).tensor
+        return arena, arena.alloc(self.local_numel, dtype).tensor
+
+    def set_grad_dtype(self, dtype: torch.dtype, gather_bytes: int) -> None:
+        """Gradients are reduced and kept in ``dtype`` from now on: new gradient slices (the
+        values so far carried over) and a gather arena of ``gather_bytes`` whose gradient
+        buffer is in that dtype. Only between steps, with no unit gathered or reducing."""
+        if dtype == self.grad_dtype:
+            return
+        if self.inflight is not None or self.gather_arena.stats()["in_use"]:
+            raise RuntimeError("reduce_dtype: the sharded model is in a forward or backward "
+                               "(units gathered or reducing); build the optimizer between "
+                               "steps")
+        self.grad_arena, grads = self._alloc_local(self.grads_on_host, dtype)
+        grads.copy_(self.local_grads)
+        self.local_grads = grads
+        self.grad_dtype = dtype
+        self.gather_arena = Arena(gather_bytes, self.device, alignment=GATHER_ALIGN)
 
     def offload_grads(self, sink: OffloadPipeline) -> None:
         """ZeRO-Offload: the gradient slices move to host memory (a fresh, zeroed buffer: no
         step is in progress when an optimizer is built) and every unit's reduced gradients
         are landed there through ``sink``."""
         if not self.grads_on_host:
-            self.grad_arena, self.local_grads = self._alloc_local(True)
+            self.grad_arena, self.local_grads = self._alloc_local(True, self.grad_dtype)
             self.local_grads.zero_()
             self.grads_on_host = True
         self.grad_sink = sink
 
-    def alloc(self, numel: int) -> tuple[torch.Tensor, Block | None]:
-        """A buffer of ``numel`` elements from the gather arena (its block), or, when the
-        arena is full, a plain tensor (block None) counted in ``overflow_bytes``."""
+    def alloc(self, numel: int,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, Block | None]:
+        """A buffer of ``numel`` elements (of ``dtype``, default the parameters') from the
+        gather arena (its block), or, when the arena is full, a plain tensor (block None)
+        counted in ``overflow_bytes``."""
+        dtype = dtype or self.dtype
         try:
-            blk = self.gather_arena.alloc(numel, self.dtype)
+            blk = self.gather_arena.alloc(numel, dtype)
             return blk.tensor, blk
         except ArenaOutOfMemory:
             # Unusual call orders can need more at once; allowed, and counted in the stats.
-            self.overflow_bytes += numel * torch.empty(0, dtype=self.dtype).element_size()
-            return torch.empty(numel, dtype=self.dtype, device=self.device), None
+            self.overflow_bytes += numel * torch.empty(0, dtype=dtype).element_size()
+            return torch.empty(numel, dtype=dtype, device=self.device), None
 
     def check_usable(self) -> None:
         """Raise once a collective timed out: it is still pending on this process group."""
@@ -132,7 +158,7 @@ class UnitContext:
         a = self.gather_arena.stats()
         return {
             "local_params": self.local_numel * esz,
-            "local_grads": self.local_numel * esz,
+            "local_grads": self.local_numel * self.local_grads.element_size(),
             "local_params_on_host": int(self.copier is not None),
             "local_grads_on_host": int(self.grads_on_host),
             "gather_capacity": int(a["capacity"]),

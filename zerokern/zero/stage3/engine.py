@@ -38,10 +38,11 @@ class Stage3(Engine):
                  dtype: torch.dtype, device: torch.device, overlap: bool,
                  backend: str | None, runtime: Stage3Runtime, offload: bool = False,
                  fmt: StateFormat | None = None, seed: int = 0,
-                 param_numels: list[int] | None = None) -> None:
+                 param_numels: list[int] | None = None,
+                 grad_dtype: torch.dtype | None = None) -> None:
         super().__init__(layout, params, comm, dtype=dtype, device=device, overlap=overlap,
                          backend=backend, offload=offload, fmt=fmt, seed=seed,
-                         param_numels=param_numels)
+                         param_numels=param_numels, grad_dtype=grad_dtype)
         self.rt = runtime
         # fp32 parameters kept in host memory are their own master; with offload every other
         # case updates a host fp32 copy and sends the result to the device slice.
@@ -68,7 +69,8 @@ class Stage3(Engine):
 
     @classmethod
     def device_specs(cls, layout: Layout, dtype: torch.dtype, offload: bool,
-                     fmt: StateFormat | None = None, side_numel: int = 0) -> list[BufferSpec]:
+                     fmt: StateFormat | None = None, side_numel: int = 0,
+                     grad_dtype: torch.dtype | None = None) -> list[BufferSpec]:
         if offload:
             return []  # nothing of the optimizer on the device
         fmt = fmt or StateFormat()

@@ -67,12 +67,12 @@ class Stage3Runtime:
             starts.append(starts[-1] + plan.shard_numel)
         self.local_numel = starts[-1]
         is_root = [mod is root for _, mod, _ in units]
-        esz = torch.empty(0, dtype=self.dtype).element_size()
+        # The gather arena's sizes: the root's and the other units' padded numels.
+        self._gather_sizes = ([pl.padded_numel for pl, r in zip(plans, is_root) if r],
+                              [pl.padded_numel for pl, r in zip(plans, is_root) if not r])
         self.ctx = UnitContext(
             comm, self.dtype, self.device, local_numel=self.local_numel,
-            gather_bytes=gather_arena_bytes(
-                [pl.padded_numel for pl, r in zip(plans, is_root) if r],
-                [pl.padded_numel for pl, r in zip(plans, is_root) if not r], prefetch, esz),
+            gather_bytes=self._gather_bytes(self.dtype),
             offload_params=offload_params, gather_timeout=gather_timeout)
         self.units: list[Unit] = [
             Unit(i, name, mod, ps, [p.shape for p in ps], plan, start, self.ctx, is_root=r)
@@ -120,6 +120,29 @@ class Stage3Runtime:
     def param_names(self, names: dict[int, str]) -> None:
         self.ctx.param_names = names
 
+    def _gather_bytes(self, grad_dtype: torch.dtype) -> int:
+        esz = torch.empty(0, dtype=self.dtype).element_size()
+        return gather_arena_bytes(*self._gather_sizes, self.prefetch, esz,
+                                  torch.empty(0, dtype=grad_dtype).element_size())
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in and kept in (``local_grads``)."""
+        return self.ctx.grad_dtype
+
+    def set_reduce_dtype(self, dtype: torch.dtype) -> None:
+        """ZeroAdamW(reduce_dtype=): gradients are reduced and kept in ``dtype`` from now on
+        (UnitContext.set_grad_dtype). An optimizer built on this model already that reduces
+        in another dtype is refused (one model has one gradient dtype)."""
+        if dtype == self.ctx.grad_dtype:
+            return
+        if self._managed is not None:
+            raise ValueError(
+                f"reduce_dtype: another ZeroAdamW on this model reduces its gradients in "
+                f"{self.ctx.grad_dtype}; every optimizer of one sharded model must reduce in "
+                f"the same dtype (this one: {dtype})")
+        self.ctx.set_grad_dtype(dtype, self._gather_bytes(dtype))
+
     def offload_grads(self, sink: OffloadPipeline) -> None:
         """ZeRO-Offload: gradients land in host memory through ``sink`` (UnitContext)."""
         self.ctx.offload_grads(sink)
@@ -134,6 +157,9 @@ class Stage3Runtime:
                     full.narrow(0, off, n).copy_(p.detach().reshape(-1))
                 self.comm.broadcast(full, 0, f"initial parameters of unit {u.name}")
                 u.take_shard(full)
+            # A 2-D mesh: every replica takes the first replica's slices (global rank 0's).
+            if getattr(self.comm, "replicate", None) is not None:
+                self.comm.replicate.broadcast(self.local_params, 0, "initial parameter slices")
         self.comm.reset_stats()
 
     def local_shard(self, u: Unit, t: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,12 @@ offloading optimizer (``offload="cpu"``, which attaches its OffloadPipeline) ``l
 lives in host memory: reduce scatters in place in the gradient buffer, and finish_reduce lands
 the averaged slice on the host through the pipeline's staging slots (zero/offload.py).
 
+Hybrid sharding (``shard_model(mesh=)``, a 2-D mesh): the context's comm is the shard group,
+so gathers and reduce-scatters stay within it, and finish_reduce first all-reduces the slice
+across the replicate group (``comm.replicate``) and then averages it by S * R. With a reduce
+dtype (``ZeroAdamW(reduce_dtype=)``) the gradient buffer and ``local_grads`` are in that dtype:
+the gradients are cast as they are flattened.
+
 A wait in a unit's collective beyond ``gather_timeout`` breaks the context: CollectiveTimeout
 names the unit and the likely cause, buffers a pending collective may still write never return
 to the arena, and every later gather refuses (gather_timeout.py).
@@ -81,7 +87,7 @@ from ... import ops
 from ...memory import Block
 from ..offload import Ticket
 from ..plan import UnitPlan
-from ..stages.base import average_
+from ..stages.base import across_replicas_, average_
 from .adopt import adopt
 from .context import UnitContext
 
@@ -246,10 +252,13 @@ class Unit:
         ctx.finish_reduce()
         grads = [(p, off) for p, off in zip(self.params, self.plan.param_offsets)
                  if p.grad is not None and reduces(p)]
-        buf, blk = ctx.alloc(self.plan.padded_numel)
+        buf, blk = ctx.alloc(self.plan.padded_numel, ctx.grad_dtype)
         if len(grads) < len(self.params) or self.plan.padding:
             buf.zero_()  # params without a gradient on this rank, and the padding
-        if grads:
+        if grads and buf.dtype != ctx.dtype:  # the reduce dtype: cast on the copy
+            for p, off in grads:
+                buf.narrow(0, off, p.numel()).copy_(p.grad.detach().reshape(-1))
+        elif grads:
             ops.flatten_into_([p.grad.detach().reshape(-1).contiguous() for p, _ in grads], buf,
                               [off for _, off in grads])
         shard = self.slice_of(ctx.local_grads)
@@ -282,6 +291,7 @@ class Unit:
             if ctx.broken is not None:
                 return  # its buffer stays out of the arena: the collective is pending
             ctx.wait(rs.work, self.name, "reduce-scatter of the gradients")
+        across_replicas_(rs.out, ctx.comm, f"gradients of unit {self.name}")
         average_(rs.out, ctx.comm)
         if ctx.grad_sink is not None:
             # The gather buffer is reused once the copy out of it is done (device order).

@@ -29,20 +29,23 @@ def make_engine(stage: int, offload: str | None, layout: Layout,
                 params: list[torch.nn.Parameter], comm: Any, *, dtype: torch.dtype,
                 device: torch.device, overlap: bool, backend: str | None,
                 runtime: Any = None, fmt: StateFormat | None = None, seed: int = 0,
-                param_numels: list[int] | None = None) -> Engine:
+                param_numels: list[int] | None = None,
+                grad_dtype: torch.dtype | None = None) -> Engine:
     """The engine of ``stage`` with its state on the device (``offload`` None) or on the host
     (``"cpu"``), allocated for ``layout``; ``runtime``: stage 3's shard_model runtime;
     ``fmt``: how the state is stored (``seed``: its stochastic rounding key);
-    ``param_numels``: the parameters' full sizes (stage 3's are released)."""
+    ``param_numels``: the parameters' full sizes (stage 3's are released); ``grad_dtype``:
+    the dtype gradients are reduced in (None: the parameters')."""
     extra = {"runtime": runtime} if stage == 3 else {}
     return ENGINES[stage](layout, params, comm, dtype=dtype, device=device, overlap=overlap,
                           backend=backend, offload=bool(offload), fmt=fmt, seed=seed,
-                          param_numels=param_numels, **extra)
+                          param_numels=param_numels, grad_dtype=grad_dtype, **extra)
 
 
 def planned_memory(stage: int, offload: str | None, layout: Layout,
                    dtype: torch.dtype, fmt: StateFormat | None = None,
-                   param_numels: list[int] | None = None) -> dict[str, int]:
+                   param_numels: list[int] | None = None,
+                   grad_dtype: torch.dtype | None = None) -> dict[str, int]:
     """memory_stats() of stages 0-2 before the first step: the blocks the engine will take
     (nothing is allocated)."""
     cls = ENGINES[stage]
@@ -50,7 +53,7 @@ def planned_memory(stage: int, offload: str | None, layout: Layout,
     side = 0
     if fmt is not None and not fmt.is_default and param_numels is not None:
         side = plan_runs(layout.pieces, param_numels, fmt).side_numel
-    specs = cls.device_specs(layout, dtype, bool(offload), fmt, side)
+    specs = cls.device_specs(layout, dtype, bool(offload), fmt, side, grad_dtype)
     return planned_flat_memory(layout, dtype, specs,
                                cls.host_specs(layout, dtype, fmt, side) if offload else None)
 

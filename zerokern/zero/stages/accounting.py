@@ -105,12 +105,13 @@ def flat_memory(layout: Layout, dtype: torch.dtype, specs: list[BufferSpec], sta
     for s in specs:
         if s.kind != "grads":
             continue
-        if s.numel == layout.flat_numel:  # the full flat gradient (stages 0-1)
-            out["grads"] += psi * esz
-            out["padding"] += (layout.flat_numel - psi) * esz
-        else:  # the gradient shard (stage 2)
-            out["grads"] += local_real * esz
-            out["padding"] += (layout.local_numel - local_real) * esz
+        gsz = _esize(s.dtype)  # the parameters' dtype, or the reduce dtype
+        if s.numel == layout.flat_numel:  # a full flat gradient (stages 0-1)
+            out["grads"] += psi * gsz
+            out["padding"] += (layout.flat_numel - psi) * gsz
+        else:  # the gradient shard (stage 2; stage 1 with a reduce dtype)
+            out["grads"] += local_real * gsz
+            out["padding"] += (layout.local_numel - local_real) * gsz
     # Receive buffers of gloo's point-to-point reduce-scatter (stage 1 in place; stage 2
     # with more than 2 ranks): the most held at once. 0 on NCCL.
     out["comm_scratch"] = scratch
@@ -187,12 +188,13 @@ def stage3_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype, state: 
     (frozen parameters' included), the state of the trained ones (``state``: its buffers),
     the gather arena."""
     L, esz = layout, _esize(dtype)
+    gsz = rt.local_grads.element_size()  # the reduce dtype's (the parameters' by default)
     kinds, pad = state_bytes(state, _local_real(L))
     held = sum(pc.numel for pc in L.pieces)  # this rank's slice, frozen params too
-    out = {"params": held * esz, "grads": held * esz, **kinds, "buckets": 0,
-           "padding": pad + 2 * (rt.local_numel - held) * esz}
+    out = {"params": held * esz, "grads": held * gsz, **kinds, "buckets": 0,
+           "padding": pad + (rt.local_numel - held) * (esz + gsz)}
     out.update(_gather_stats(rt))
-    out["total"] = 2 * rt.local_numel * esz + arena_in_use
+    out["total"] = rt.local_numel * (esz + gsz) + arena_in_use
     out["device_total"] = out["total"]
     out["host_total"] = 0  # nothing offloaded
     return out

@@ -38,9 +38,27 @@ class Run:
 
 def average_(t: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Sum over the group -> mean, in the gradient dtype: the one division by N of every stage
-    (as DDP divides its buckets), so all stages compute the same numbers."""
-    if comm.world_size > 1:
-        t.div_(comm.world_size)
+    (as DDP divides its buckets), so all stages compute the same numbers. On a 2-D mesh N is
+    S * R, every rank whose gradient went into the sum (``comm.dp_size``)."""
+    n = comm.world_size * replicas(comm)
+    if n > 1:
+        t.div_(n)
+    return t
+
+
+def replicas(comm: Comm) -> int:
+    """R, the replicate group's size (1 on a flat group, or a stand-in comm without one)."""
+    rep = getattr(comm, "replicate", None)
+    return 1 if rep is None else rep.world_size
+
+
+def across_replicas_(t: torch.Tensor, comm: Comm, label: str) -> torch.Tensor:
+    """Hybrid sharding: ``t``, this rank's slice summed within its shard group, summed across
+    the replicate group too (in place, before ``average_``); nothing on a flat group. One
+    collective per slice and round, issued in the order the slices were reduced, so every
+    replicate group sees the same sequence."""
+    if getattr(comm, "replicate", None) is not None:
+        comm.replicate_all_reduce(t, label)
     return t
 
 
@@ -66,9 +84,13 @@ class Engine(ABC):
     def __init__(self, layout: Layout, params: list[torch.nn.Parameter], comm: Comm, *,
                  dtype: torch.dtype, device: torch.device, overlap: bool,
                  backend: str | None, offload: bool = False, fmt: StateFormat | None = None,
-                 seed: int = 0, param_numels: list[int] | None = None) -> None:
+                 seed: int = 0, param_numels: list[int] | None = None,
+                 grad_dtype: torch.dtype | None = None) -> None:
         self.layout, self.params, self.comm = layout, params, comm
         self.dtype, self.device, self.backend = dtype, device, backend
+        # The dtype gradients are reduced in and reach the step in (ZeroAdamW(reduce_dtype=):
+        # fp32 for 16-bit parameters, FSDP2's MixedPrecisionPolicy(reduce_dtype=)).
+        self.grad_dtype = grad_dtype or dtype
         self.offload = offload
         # How the state is stored (state_format.py); compressed formats step in runs.
         self.fmt, self.seed = fmt or StateFormat(), seed
@@ -78,7 +100,8 @@ class Engine(ABC):
         # Asynchronous collectives overlap backward on every backend: NCCL runs them on its
         # own stream, gloo on its worker threads (as DDP's reducer does).
         self.overlap = overlap and comm.world_size > 1
-        specs = self.device_specs(layout, dtype, offload, self.fmt, self.side_numel)
+        specs = self.device_specs(layout, dtype, offload, self.fmt, self.side_numel,
+                                  self.grad_dtype)
         self.arena = Arena(max(reserved_bytes(specs), ARENA_ALIGN), device,
                            alignment=ARENA_ALIGN)
         self.blocks: dict[str, Block] = {}
@@ -92,10 +115,11 @@ class Engine(ABC):
     @classmethod
     @abstractmethod
     def device_specs(cls, layout: Layout, dtype: torch.dtype, offload: bool,
-                     fmt: StateFormat | None = None, side_numel: int = 0) -> list[BufferSpec]:
+                     fmt: StateFormat | None = None, side_numel: int = 0,
+                     grad_dtype: torch.dtype | None = None) -> list[BufferSpec]:
         """Every block the engine will take from its device arena, its state's included
         when on the device (pure: memory_stats() before the first step reports these
-        without allocating anything)."""
+        without allocating anything); ``grad_dtype``: the reduce dtype (default ``dtype``)."""
 
     def alloc(self, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         blk = self.arena.alloc(numel, dtype)
@@ -109,7 +133,7 @@ class Engine(ABC):
         staging slots of ``slot_numel`` elements."""
         n = self.layout.local_numel
         if self.offload:
-            specs = ShardState.specs(n, self.dtype, master=master, own_grads=own_grads,
+            specs = ShardState.specs(n, self.grad_dtype, master=master, own_grads=own_grads,
                                      fmt=self.fmt, side_numel=self.side_numel)
             specs += [BufferSpec("staging", slot_numel, self.dtype)] * 2
             placement: OnDevice | OnHost = OnHost(
@@ -117,7 +141,7 @@ class Engine(ABC):
                 backend=self.backend, params_on_host=params_on_host)
         else:
             placement = OnDevice(self.alloc, self.backend)
-        return ShardState(n, self.dtype, placement, master=master, own_grads=own_grads,
+        return ShardState(n, self.grad_dtype, placement, master=master, own_grads=own_grads,
                           fmt=self.fmt, runs=self.run_plan, seed=self.seed)
 
     # The state's buffers under the names the rest of the package reads.

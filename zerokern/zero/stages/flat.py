@@ -22,7 +22,7 @@ from ..layout import Bucket, Layout
 from ..shard_state import BufferSpec, ShardState
 from ..state_format import StateFormat
 from .accounting import flat_memory, offload_flat_memory, slot_numel, state_buffers
-from .base import Engine, Run
+from .base import Engine, Run, across_replicas_, average_
 
 
 class FlatEngine(Engine):
@@ -32,10 +32,16 @@ class FlatEngine(Engine):
     def __init__(self, layout: Layout, params: list[torch.nn.Parameter], comm: Comm, *,
                  dtype: torch.dtype, device: torch.device, overlap: bool,
                  backend: str | None, offload: bool = False, fmt: StateFormat | None = None,
-                 seed: int = 0, param_numels: list[int] | None = None) -> None:
+                 seed: int = 0, param_numels: list[int] | None = None,
+                 grad_dtype: torch.dtype | None = None) -> None:
         super().__init__(layout, params, comm, dtype=dtype, device=device, overlap=overlap,
                          backend=backend, offload=offload, fmt=fmt, seed=seed,
-                         param_numels=param_numels)
+                         param_numels=param_numels, grad_dtype=grad_dtype)
+        # Gradients reduced in another dtype than the parameters' (reduce_dtype): autograd's
+        # buffers stay in the parameters' dtype, the reduction and the step's gradient are in
+        # grad_dtype.
+        self.cast = self.grad_dtype != dtype
+        self.hybrid = getattr(comm, "replicate", None) is not None
         with torch.no_grad():
             self.flat_param = self.alloc("params", layout.flat_numel, dtype)
             for i, p in enumerate(params):
@@ -45,9 +51,9 @@ class FlatEngine(Engine):
                 # the model, its state_dict() or a parameter writes each tensor's bytes, not
                 # the arena (memory/alias.py).
                 p.data = own_storage(view).view_as(p)
-            self.pool_blocks: list[Any] = []  # stage 2's bucket pool (alloc_grads)
+            self.pool_blocks: list[Any] = []  # the bucket pool (alloc_grads)
             self.alloc_grads()
-            master, own_grads = self.state_options(dtype, offload, self.fmt)
+            master, own_grads = self.state_options(dtype, offload, self.fmt, self.grad_dtype)
             # With offload the host keeps an fp32 master for fp32 parameters too: the kernel
             # runs on the host copy, the device parameters receive the result.
             self.state = self.make_state(master=master, own_grads=own_grads,
@@ -55,22 +61,31 @@ class FlatEngine(Engine):
                                          slot_numel=slot_numel(layout))
             self.init_master()
         self.overflow_bucket_bytes = 0
-        self._reducing: dict[int, tuple[torch.Tensor, bool]] = {}
+        self._reducing: dict[int, tuple[torch.Tensor, bool, torch.Tensor | None]] = {}
         self.reducer = GradReducer(layout, params, self, overlap=self.overlap, backend=backend,
                                    max_inflight=self.max_inflight())
 
     # -- buffers ----------------------------------------------------------------------------
     @classmethod
-    def state_options(cls, dtype: torch.dtype, offload: bool,
-                      fmt: StateFormat | None = None) -> tuple[bool, bool]:
-        """(master, own_grads) of this stage's state. ``master="none"``: the parameters are
-        updated in place, except that an offloaded state keeps their bf16 copy on the host."""
-        if fmt is not None and fmt.master == "none":
-            return offload, offload or cls.shards_grads
-        return offload or dtype != torch.float32, offload or cls.shards_grads
+    def cast_shards_grads(cls) -> bool:
+        """Whether, with gradients reduced in another dtype, the state keeps the reduced
+        gradient shard (stage 1: its flat gradient is autograd's, in the parameters' dtype)."""
+        return cls.shards_grads
 
     @classmethod
-    def stage_specs(cls, layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
+    def state_options(cls, dtype: torch.dtype, offload: bool,
+                      fmt: StateFormat | None = None,
+                      grad_dtype: torch.dtype | None = None) -> tuple[bool, bool]:
+        """(master, own_grads) of this stage's state. ``master="none"``: the parameters are
+        updated in place, except that an offloaded state keeps their bf16 copy on the host."""
+        shards = cls.cast_shards_grads() if grad_dtype not in (None, dtype) else cls.shards_grads
+        if fmt is not None and fmt.master == "none":
+            return offload, offload or shards
+        return offload or dtype != torch.float32, offload or shards
+
+    @classmethod
+    def stage_specs(cls, layout: Layout, dtype: torch.dtype,
+                    grad_dtype: torch.dtype | None = None) -> list[BufferSpec]:
         """What the stage itself keeps on the device; stages 0-1: the flat parameters and a
         full-size flat gradient (its buckets are what autograd accumulates into)."""
         return [BufferSpec("params", layout.flat_numel, dtype),
@@ -78,11 +93,13 @@ class FlatEngine(Engine):
 
     @classmethod
     def device_specs(cls, layout: Layout, dtype: torch.dtype, offload: bool,
-                     fmt: StateFormat | None = None, side_numel: int = 0) -> list[BufferSpec]:
-        specs = cls.stage_specs(layout, dtype)
+                     fmt: StateFormat | None = None, side_numel: int = 0,
+                     grad_dtype: torch.dtype | None = None) -> list[BufferSpec]:
+        gdt = grad_dtype or dtype
+        specs = cls.stage_specs(layout, dtype, gdt)
         if not offload:
-            master, own_grads = cls.state_options(dtype, offload, fmt)
-            specs += ShardState.specs(layout.local_numel, dtype, master=master,
+            master, own_grads = cls.state_options(dtype, offload, fmt, gdt)
+            specs += ShardState.specs(layout.local_numel, gdt, master=master,
                                       own_grads=own_grads, fmt=fmt, side_numel=side_numel)
         return specs
 
@@ -95,9 +112,77 @@ class FlatEngine(Engine):
                                   own_grads=own_grads, fmt=fmt, side_numel=side_numel),
                 *[BufferSpec("staging", slot_numel(layout), dtype)] * 2]
 
+    @staticmethod
+    def pool_specs(layout: Layout, dtype: torch.dtype, size: int) -> list[BufferSpec]:
+        """``size`` bucket buffers of the largest bucket, in ``dtype`` (the pool)."""
+        cap = max((b.numel for b in layout.buckets), default=0)
+        return [BufferSpec("buckets", cap, dtype)] * size
+
     def alloc_grads(self) -> None:
         self.flat_grad: torch.Tensor | None = self.alloc("grads", self.layout.flat_numel,
                                                          self.dtype)
+
+    # -- the bucket pool (stage 2; stage 1 with a reduce dtype) --------------------------------
+    def alloc_pool(self, size: int) -> None:
+        """Take the pool's blocks now, as planned: the arena reserves them anyway, and
+        memory_stats() then says the same before and after the first step whether one slot or
+        all get used (one, when every reduction completes at once: world size 1,
+        overlap_comm=False)."""
+        self.buffers: dict[int, torch.Tensor] = {}
+        numel = max((b.numel for b in self.layout.buckets), default=0)
+        self.pool_blocks = [self.arena.alloc(numel, self.grad_dtype) for _ in range(size)]
+        self.pool: list[torch.Tensor] = [blk.tensor for blk in reversed(self.pool_blocks)]
+        self.allocated = size
+        self.pool_cap = size
+
+    def take_buffer(self) -> torch.Tensor:
+        """A pool buffer. Fill the whole pool before waiting; past that, wait for the oldest
+        reduction to free its buffer; allocate beyond the pool only when nothing is in
+        flight (buckets held back behind an earlier, incomplete one), which memory_stats()
+        counts."""
+        if not self.pool:
+            if self.allocated >= self.pool_cap and self.reducer.inflight:
+                self.reducer.wait_oldest()
+            if not self.pool:
+                self.allocated += 1
+                return self._new_bucket()
+        return self.pool.pop()
+
+    def _new_bucket(self) -> torch.Tensor:
+        numel = max(b.numel for b in self.layout.buckets)
+        t = torch.empty(numel, dtype=self.grad_dtype, device=self.device)
+        self.overflow_bucket_bytes += t.numel() * t.element_size()
+        return t
+
+    def release_buffer(self, buf: torch.Tensor) -> None:
+        self.pool.append(buf)
+
+    def start_pooled_reduce(self, b: int, src: torch.Tensor, accumulate: bool,
+                            buf: torch.Tensor | None = None) -> Handle | None:
+        """Reduce-scatter bucket ``b`` (``src``, a pool buffer, or ``buf`` holding its copy)
+        into the state's gradient shard: added to it when an earlier backward of this step
+        was reduced already. finish_pooled_reduce averages and gives the buffer back."""
+        bk = self.layout.buckets[b]
+        send = src if buf is None else buf.narrow(0, 0, bk.numel)
+        out, may_async = self.state.reduce_target(bk.shard_start, self.own(b, send), accumulate)
+        self._reducing[b] = (out, accumulate, buf)
+        h = self.comm.reduce_scatter(out, send, self.bucket_label(b),
+                                     async_op=self.overlap and may_async)
+        if h is None:
+            self.finish_reduce(b, src)  # the stage's: it gives its buffer back
+        return h
+
+    def finish_pooled_reduce(self, b: int, src: torch.Tensor) -> None:
+        out, accumulate, buf = self._reducing.pop(b)
+        across_replicas_(out, self.comm, self.bucket_label(b))
+        average_(out, self.comm)
+        self.state.receive(b, self.layout.buckets[b].shard_start, out, accumulate)
+        if buf is not None:
+            self.release_buffer(buf)
+
+    def bucket_label(self, b: int) -> str:
+        bk = self.layout.buckets[b]
+        return f"bucket {b} (group {bk.group}, {bk.numel} elements)"
 
     def max_inflight(self) -> int | None:
         return None
@@ -244,7 +329,7 @@ class FlatEngine(Engine):
         a = self.arena.stats()
         pool = sum(b.nbytes for b in self.pool_blocks) + self.overflow_bucket_bytes
         specs = type(self).device_specs(self.layout, self.dtype, self.offload, self.fmt,
-                                        self.side_numel)
+                                        self.side_numel, self.grad_dtype)
         # The state's kinds from its buffers as allocated (on the device or on the host).
         state = state_buffers(self.state)
         kw = dict(buckets=pool, overflow=self.overflow_bucket_bytes,

@@ -4,6 +4,12 @@ Buffers: the flat parameters, a persistent full-size flat gradient whose buckets
 all-reduced in place as they fill (DDP's gradient_as_bucket_view), and the optimizer state of
 every parameter (local space == flat space). The update runs over everything on every rank,
 so nothing is gathered afterwards.
+
+Hybrid sharding (a 2-D mesh): each bucket's all-reduce is done hierarchically, reduce-scatter
+within the shard group, the own slice all-reduced across the replicate group and averaged,
+all-gathered back within the shard group (the traffic of stages 1-2 per mesh dim). With a
+reduce dtype the bucket is copied into a flat gradient in that dtype and reduced there:
+(2p + 4 + K) Psi bytes with fp32.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import torch
 
 from ... import ops
 from ...comm import Handle
-from .base import Run, average_
+from ..layout import Layout
+from ..shard_state import BufferSpec
+from .base import Run, across_replicas_, average_
 from .flat import FlatEngine
 
 
@@ -22,23 +30,62 @@ class Stage0(FlatEngine):
     stage = 0
     replicated_grads = True
 
+    @classmethod
+    def stage_specs(cls, layout: Layout, dtype: torch.dtype,
+                    grad_dtype: torch.dtype | None = None) -> list[BufferSpec]:
+        specs = super().stage_specs(layout, dtype, grad_dtype)
+        if grad_dtype not in (None, dtype):  # the averaged gradient in the reduce dtype
+            specs.append(BufferSpec("grads", layout.flat_numel, grad_dtype))
+        return specs
+
+    def alloc_grads(self) -> None:
+        super().alloc_grads()
+        # The averaged gradient the step reads: autograd's flat gradient itself, or its copy
+        # in the reduce dtype, which every round overwrites (the 16-bit buckets keep this
+        # rank's own sum, so each round's all-reduce gives the step's total).
+        self.avg_grad = (self.alloc("reduced grads", self.layout.flat_numel, self.grad_dtype)
+                         if self.cast else self.flat_grad)
+
+    def max_inflight(self) -> int | None:
+        # Hybrid: the in-place reduce-scatter of gloo's point-to-point path holds a receive
+        # buffer per bucket in flight (as stage 1).
+        return 2 if self.hybrid and self.overlap and self.comm.in_place_scratch() else None
+
+    def _reduced(self, b: int) -> torch.Tensor:
+        bk = self.layout.buckets[b]
+        return self.avg_grad.narrow(0, bk.flat_start, bk.numel)
+
     # -- gradients: all-reduce each bucket in place --------------------------------------------
     def start_reduce(self, b: int, src: torch.Tensor, accumulate: bool) -> Handle | None:
-        bk = self.layout.buckets[b]
-        h = self.comm.all_reduce(src, f"bucket {b} (group {bk.group}, {bk.numel} elements)",
-                                 async_op=self.overlap)
+        t = self._reduced(b)
+        if self.cast:
+            t.copy_(src)
+        if self.hybrid:
+            # Hierarchical all-reduce: reduce-scatter within the shard group (in place), the
+            # own slice all-reduced across replicas, all-gathered back (finish_reduce).
+            h = self.comm.reduce_scatter(self.own(b, t), t, self.bucket_label(b),
+                                         async_op=self.overlap)
+        else:
+            h = self.comm.all_reduce(t, self.bucket_label(b), async_op=self.overlap)
         if h is None:
-            average_(src, self.comm)
+            self.finish_reduce(b, src)
         return h
 
     def finish_reduce(self, b: int, src: torch.Tensor) -> None:
-        average_(src, self.comm)
+        t = self._reduced(b)
+        if not self.hybrid:
+            average_(t, self.comm)
+            return
+        own = self.own(b, t)
+        across_replicas_(own, self.comm, self.bucket_label(b))
+        average_(own, self.comm)
+        self.comm.all_gather(t, own, f"averaged gradients of {self.bucket_label(b)}")
 
     def grad_sq_norm(self) -> torch.Tensor:
-        return ops.sq_norm(self.flat_grad, backend=self.backend)
+        return ops.sq_norm(self.avg_grad, backend=self.backend)
 
     def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
-        return [self.flat_grad.narrow(0, start, numel)]  # local space = flat space
+        return [self.avg_grad.narrow(0, start, numel)]  # local space = flat space
 
     # -- update: everything, on every rank ----------------------------------------------------
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
@@ -46,7 +93,7 @@ class Stage0(FlatEngine):
         for r in runs:
             s, n = r.start, r.stop - r.start
             self.state.step(0, groups[r.group], s, n, r.step, grad_scale,
-                            grad=self.flat_grad.narrow(0, s, n),
+                            grad=self.avg_grad.narrow(0, s, n),
                             param=self.flat_param.narrow(0, s, n))
 
     # -- sharded state (local == flat) ---------------------------------------------------------

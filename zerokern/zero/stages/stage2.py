@@ -1,4 +1,5 @@
-"""Stage 2, P_os+g: gradients sharded as well (2 Psi + (2 + K) Psi / N).
+"""Stage 2, P_os+g: gradients sharded as well (2 Psi + (2 + K) Psi / N; with an fp32 reduce
+dtype the pool and the shard are fp32: 2 Psi + (4 + K) Psi / N).
 
 Buffers: the flat parameters and a pool of two constant-size bucket buffers; the gradient
 shard is the state's. A gradient is copied into its bucket and freed at once (param.grad =
@@ -22,7 +23,7 @@ import torch
 from ...comm import Handle
 from ..layout import Bucket, Layout
 from ..shard_state import BufferSpec
-from .base import Run, average_
+from .base import Run
 from .flat import FlatEngine
 
 
@@ -32,22 +33,14 @@ class Stage2(FlatEngine):
     shards_grads = True
 
     @classmethod
-    def stage_specs(cls, layout: Layout, dtype: torch.dtype) -> list[BufferSpec]:
-        cap = max((b.numel for b in layout.buckets), default=0)
+    def stage_specs(cls, layout: Layout, dtype: torch.dtype,
+                    grad_dtype: torch.dtype | None = None) -> list[BufferSpec]:
         return [BufferSpec("params", layout.flat_numel, dtype),
-                *[BufferSpec("buckets", cap, dtype)] * cls.pool_size]
+                *cls.pool_specs(layout, grad_dtype or dtype, cls.pool_size)]
 
     def alloc_grads(self) -> None:
         self.flat_grad = None
-        self.buffers: dict[int, torch.Tensor] = {}
-        # The pool's blocks are taken now, as planned: the arena reserves them anyway, and
-        # memory_stats() then says the same before and after the first step whether one
-        # slot or both get used (one, when every reduction completes at once: world size 1,
-        # overlap_comm=False).
-        numel = max((b.numel for b in self.layout.buckets), default=0)
-        self.pool_blocks = [self.arena.alloc(numel, self.dtype) for _ in range(self.pool_size)]
-        self.pool: list[torch.Tensor] = [blk.tensor for blk in reversed(self.pool_blocks)]
-        self.allocated = self.pool_size
+        self.alloc_pool(self.pool_size)
 
     @property
     def grad_shard(self) -> torch.Tensor | None:
@@ -58,7 +51,7 @@ class Stage2(FlatEngine):
         bk = self.layout.buckets[b]
         buf = self.buffers.get(b)
         if buf is None:
-            buf = self.buffers[b] = self._take_buffer()
+            buf = self.buffers[b] = self.take_buffer()
             plan = self.layout.plans[bk.group]
             if plan.padding > plan.tail_padding:
                 buf.zero_()  # gaps before aligned parameters: the buffer is reused
@@ -66,27 +59,6 @@ class Stage2(FlatEngine):
                 buf.narrow(0, bk.numel - plan.padding, plan.padding).zero_()
         # Pool buffers fit the largest group's bucket; groups may use smaller ones.
         return buf.narrow(0, 0, bk.numel)
-
-    def _take_buffer(self) -> torch.Tensor:
-        # Fill the whole pool before waiting. Past that, wait for the oldest reduction to
-        # free its buffer; allocate beyond the pool only when nothing is in flight (buckets
-        # held back behind an earlier, incomplete one), which memory_stats() counts.
-        if not self.pool:
-            if self.allocated >= self.pool_size and self.reducer.inflight:
-                self.reducer.wait_oldest()
-            if not self.pool:
-                self.allocated += 1
-                return self._new_bucket()
-        return self.pool.pop()
-
-    def _new_bucket(self) -> torch.Tensor:
-        numel = max(b.numel for b in self.layout.buckets)
-        t = torch.empty(numel, dtype=self.dtype, device=self.device)
-        self.overflow_bucket_bytes += t.numel() * t.element_size()
-        return t
-
-    def _release(self, b: int) -> None:
-        self.pool.append(self.buffers.pop(b))
 
     # -- gradients: reduce-scatter into the shard, free the bucket --------------------------------
     def after_delivery(self, index: int) -> None:
@@ -96,21 +68,11 @@ class Stage2(FlatEngine):
         return False
 
     def start_reduce(self, b: int, src: torch.Tensor, accumulate: bool) -> Handle | None:
-        bk = self.layout.buckets[b]
-        out, may_async = self.state.reduce_target(bk.shard_start, self.own(b, src), accumulate)
-        self._reducing[b] = (out, accumulate)
-        h = self.comm.reduce_scatter(out, src, f"bucket {b} (group {bk.group}, "
-                                     f"{bk.numel} elements)",
-                                     async_op=self.overlap and may_async)
-        if h is None:
-            self.finish_reduce(b, src)
-        return h
+        return self.start_pooled_reduce(b, src, accumulate)
 
     def finish_reduce(self, b: int, src: torch.Tensor) -> None:
-        out, accumulate = self._reducing.pop(b)
-        average_(out, self.comm)
-        self.state.receive(b, self.layout.buckets[b].shard_start, out, accumulate)
-        self._release(b)
+        self.finish_pooled_reduce(b, src)
+        self.release_buffer(self.buffers.pop(b))
 
     def zero_grad(self, set_to_none: bool) -> None:
         for p in self.params:
@@ -122,7 +84,9 @@ class Stage2(FlatEngine):
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:
         st = self.state
-        if st.on_host or st.master is None:  # new parameters into the flat buffer's slice
+        if st.on_host or st.master is None or self.cast:
+            # New parameters into the flat buffer's slice (a gradient in another dtype than
+            # the parameters' cannot take them in place).
             self.gather_buckets(runs, lambda run, bk: self.step_into_params(
                 run, bk, groups, grad_scale), self.params_source)
             return
