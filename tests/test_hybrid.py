@@ -278,6 +278,26 @@ def _one_dim(rank: int, world: int) -> None:
     assert aopt.comm_stats()["per_dim"]["replicate"]["elements"] == 0
 
 
+def _parallelize(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    base = ExactGradNet()
+    for stage in (2, 3):
+        by_hand, hopt = _build(base, stage, torch.float32, mesh=_mesh())
+        model = copy.deepcopy(base)
+        opt = zerokern.parallelize(model, stage=stage, mesh=_mesh(), lr=1e-2,
+                                   betas=(0.9, 0.95), weight_decay=0.05)
+        assert (opt.comm.world_size, opt.comm.replicate.world_size) == (2, 2)
+        for m, o in ((by_hand, hopt), (model, opt)):
+            m(0, rank).backward()
+            o.step()
+        a, b = _full(by_hand, stage), _full(model, stage)
+        assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_parallelize_passes_the_mesh(tmp_path):
+    run_ranks(4, _parallelize, tmp_path=tmp_path)
+
+
 # -- accounting, each rank in turn under the fake process group ---------------------------------
 def _accounting(rank: int, world: int, shape: tuple[int, int], stage: int,
                 reduce: bool) -> tuple[int, int, int]:

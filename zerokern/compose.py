@@ -36,6 +36,7 @@ from .zero.validate import (
     check_hparams,
     check_offload,
     check_offload_params,
+    check_reduce_dtype,
     check_zero_args,
 )
 
@@ -104,6 +105,7 @@ def shard_for(
     offload_params: bool = False,
     gather_timeout: float | None = None,
     process_group: Any = None,
+    mesh: Any = None,
 ) -> nn.Module:
     """Prepare ``model`` for a ZeroAdamW of ``stage``: the first half of ``parallelize``.
 
@@ -124,6 +126,8 @@ def shard_for(
         offload_params: stage 3 only: keep the parameter shards in host memory.
         gather_timeout: stage 3: the longest wait, in seconds, in one unit's collective.
         process_group: the group whose ranks share the work; default the world.
+        mesh: instead of ``process_group``, a 1-D or 2-D DeviceMesh (stage 3: the model is
+            sharded over its shard dim; docs/hybrid.md).
 
     Returns:
         ``model`` itself (partitioned in place at stage 3).
@@ -144,7 +148,7 @@ def shard_for(
     return shard_model(
         model, process_group=process_group, unit_classes=units, prefetch=prefetch,
         reshard_after_forward=reshard_after_forward, offload_params=offload_params,
-        gather_timeout=gather_timeout)
+        gather_timeout=gather_timeout, mesh=mesh)
 
 
 # ZeroAdamW's signature, for checking parallelize's keywords before the model is modified.
@@ -163,6 +167,7 @@ def parallelize(
     offload_params: bool = False,
     gather_timeout: float | None = None,
     process_group: Any = None,
+    mesh: Any = None,
     **adamw_kwargs: Any,
 ) -> ZeroAdamW:
     """Put ``model`` and its ZeroAdamW together for ``stage``; returns the optimizer.
@@ -193,6 +198,9 @@ def parallelize(
             memory too.
         gather_timeout: stage 3: the longest wait, in seconds, in one unit's collective.
         process_group: the group whose ranks share the work; default the world.
+        mesh: instead of ``process_group``, a 1-D or 2-D DeviceMesh: hybrid sharding (dim 0
+            replicate, dim 1 shard), given to ``shard_model`` at stage 3 and to ZeroAdamW
+            at stages 0-2 (docs/hybrid.md).
         **adamw_kwargs: the rest of ZeroAdamW's arguments (``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``bucket_numel``, ``max_grad_norm``, ``loss_scale``,
             ``overlap_comm``, ``backend``, ...).
@@ -220,7 +228,7 @@ def parallelize(
     check_offload_params(SimpleNamespace(offload_params=offload_params), offload)
     try:
         bound = _ADAMW_SIGNATURE.bind(params, stage=stage, offload=offload,
-                                      process_group=process_group, **adamw_kwargs)
+                                      process_group=process_group, mesh=mesh, **adamw_kwargs)
     except TypeError as exc:
         raise TypeError(f"parallelize: {exc} (the keywords after the stage-3 options are "
                         "ZeroAdamW's)") from None
@@ -233,8 +241,9 @@ def parallelize(
     check_adamw_flags(dict(amsgrad=a["amsgrad"], maximize=a["maximize"],
                            differentiable=a["differentiable"]), "")
     LossScaler.from_arg(a["loss_scale"])
+    check_reduce_dtype(a["reduce_dtype"], offload)
     shard_for(model, stage=stage, unit_classes=unit_classes, prefetch=prefetch,
               reshard_after_forward=reshard_after_forward, offload_params=offload_params,
-              gather_timeout=gather_timeout, process_group=process_group)
+              gather_timeout=gather_timeout, process_group=process_group, mesh=mesh)
     return ZeroAdamW(model.parameters() if params is None else params, stage=stage,
-                     offload=offload, process_group=process_group, **adamw_kwargs)
+                     offload=offload, process_group=process_group, mesh=mesh, **adamw_kwargs)
