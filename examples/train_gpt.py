@@ -13,6 +13,9 @@ Several nodes: run this on every node, HOST being the address of one of them:
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/train_gpt.py
 
+(examples/train_multinode.py adds hybrid sharding within nodes and checkpoints that let an
+elastic job resume after losing a node: docs/multinode.md.)
+
 The model and the data (a text corpus generated locally, nothing downloads) come from
 zerokern.demo. Compared with a DDP script, the ZeRO-specific line is the one marked "ZeRO":
 the model is not wrapped in DDP (ZeroAdamW averages the gradients over the ranks itself), and
