@@ -18,8 +18,8 @@
 // Where the time goes (measured on a 2-core AVX-512 VM): sweep 1 is bound by the divider (a
 // square root and two divisions per element, as in adam_cpu.cpp). Gathers, which this CPU
 // microcodes, do not overlap with divider work at all, so sweep 1 dequantizes 64 codes at a
-// time with byte permutes instead (dequant64), and sweep 2, which has the gathers, divides
-// without the divider (div_by_recip, exact: see there).
+// time with byte permutes instead (dequant64); sweep 2 keeps its gathers (one per moment
+// and 16 elements) and its two divisions.
 //
 // The code of n is #{t_k < n} for n >= 0 and #{t_k <= n} for n < 0 (NaN: 0), t the 255
 // thresholds of the map. A binary search per element costs eight dependent table lookups; the
@@ -192,7 +192,6 @@ struct L1 {
   static F fma(F a, F b, F c) { return std::fma(a, b, c); }    // a*b + c, one rounding
   static F fnma(F a, F b, F c) { return std::fma(-a, b, c); }  // c - a*b, one rounding
   static I bits(F a) { return float_to_bits(a); }
-  static F flt(I a) { return bits_to_float(a); }
   static I and_(I a, I b) { return a & b; }
   static I or_(I a, I b) { return a | b; }
   static I add(I a, I b) { return a + b; }
@@ -202,10 +201,8 @@ struct L1 {
   static I minu(I a, I b) { return std::min(a, b); }
   // Low 16 bits of u, complemented when the sign bit is set.
   static I low16_flip(I u) { return (u ^ (u >> 31 ? 0xFFFFu : 0u)) & 0xFFFFu; }
-  static M eq(F a, F b) { return a == b; }
   static M ilt(I a, I b) { return int32_t(a) < int32_t(b); }
   static M ieq(I a, I b) { return a == b; }
-  static F sel(M m, F t, F f) { return m ? t : f; }
   static I seli(M m, I t, I f) { return m ? t : f; }
   static F gather(const float* t, I idx) { return t[idx]; }
   static I gatheri(const int32_t* t, I idx) { return uint32_t(t[idx]); }
@@ -245,7 +242,6 @@ struct L8 {
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static I bits(F a) { return _mm256_castps_si256(a); }
-  static F flt(I a) { return _mm256_castsi256_ps(a); }
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
@@ -257,10 +253,8 @@ struct L8 {
     return _mm256_and_si256(_mm256_xor_si256(u, _mm256_srai_epi32(u, 31)),
                             _mm256_set1_epi32(0xFFFF));
   }
-  static M eq(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
   static M ilt(I a, I b) { return _mm256_cmpgt_epi32(b, a); }
   static M ieq(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
-  static F sel(M m, F t, F f) { return _mm256_blendv_ps(f, t, _mm256_castsi256_ps(m)); }
   static I seli(M m, I t, I f) { return _mm256_blendv_epi8(f, t, m); }
   static F gather(const float* t, I idx) { return _mm256_i32gather_ps(t, idx, 4); }
   static I gatheri(const int32_t* t, I idx) { return _mm256_i32gather_epi32(t, idx, 4); }
@@ -323,7 +317,6 @@ struct L16 {
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
   static I bits(F a) { return _mm512_castps_si512(a); }
-  static F flt(I a) { return _mm512_castsi512_ps(a); }
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
@@ -335,10 +328,8 @@ struct L16 {
     return _mm512_ternarylogic_epi32(u, _mm512_srai_epi32(u, 31), _mm512_set1_epi32(0xFFFF),
                                      0x28);
   }
-  static M eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
   static M ilt(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
   static M ieq(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
-  static F sel(M m, F t, F f) { return _mm512_mask_blend_ps(m, f, t); }
   static I seli(M m, I t, I f) { return _mm512_mask_blend_epi32(m, f, t); }
   static F gather(const float* t, I idx) { return _mm512_i32gather_ps(idx, t, 4); }
   static I gatheri(const int32_t* t, I idx) { return _mm512_i32gather_epi32(idx, t, 4); }
@@ -413,7 +404,7 @@ inline void dequant64(const uint8_t* codes, const uint8_t (*planes)[256], __m512
 #endif
 
 // Philox4x32-10's first output word for counters (c0 = lanes of `index`, c1 = step, 0, 0)
-// under the key (k0, k1), V::N elements at a time (the scalar philox_word0 lane-wise).
+// under the key (k0, k1), V::N elements at a time (zerokern.quant.philox.sr_bits).
 template <class V>
 inline typename V::I philox_lanes(typename V::I index, uint32_t step, uint32_t k0,
                                   uint32_t k1) {
@@ -481,18 +472,6 @@ inline typename V::I sr_bf16(typename V::F p, typename V::I r) {
   out = V::seli(V::ieq(mag, V::seti(0x7F800000u)), V::or_(V::seti(0x7F80u), sign),
                 V::seti(0x7FC0u));
   return V::seli(V::ilt(mag, V::seti(0x7F800000u)), fin, out);
-}
-
-// a / b correctly rounded without the divider (sweep 2's gathers would not overlap with it),
-// given y = RN(1/b): q0 = RN(a*y) is within 1.5 ulp of a/b, one
-// residual step makes it faithful, and a second is Markstein's: with y = RN(1/b) and a
-// faithful q, r = a - b*q is exact and RN(q + r*y) = RN(a/b). Valid while nothing underflows
-// or overflows; the callers keep b and the quotients in range (see where they are used).
-template <class V>
-inline typename V::F div_by_recip(typename V::F a, typename V::F b, typename V::F y) {
-  const typename V::F q0 = V::mul(a, y);
-  const typename V::F q1 = V::fma(V::fnma(b, q0, a), y, q0);
-  return V::fma(V::fnma(b, q1, a), y, q1);
 }
 
 // Code of n from the lookup words: word[top 16 bits] + low 16 bits (flipped for n < 0),
@@ -600,48 +579,17 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
   return j;
 }
 
-// How sweep 2 divides by one block's absmax A (the divisor: 1 when A is 0). With A a normal
-// number in [2**-100, 2**101), n = x / A is computed as (x * 2**k) / (A * 2**k) with A * 2**k
-// in [1, 2): both scalings are exact (a scaled x that underflows is below 2**-126, where the
-// quotient is far below the smallest threshold and any rounding of it codes alike), and then
-// every quotient that can reach a threshold (|n| >= 2**-32) and its residuals are normal, as
-// div_by_recip needs; smaller quotients stay below 2**-28 whatever it does, so they code as 0
-// does. Other blocks (0, subnormal, huge, inf, NaN absmax) divide with the divider.
-struct BlockDiv {
-  bool recip;
-  float divisor;  // recip: A * 2**k; else the divisor itself
-  float scale;    // 2**k
-  float inv;      // RN(1 / divisor)
-};
-
-inline BlockDiv block_div(float absmax) {
-  const uint32_t e = (float_to_bits(absmax) >> 23) & 0xFF;
-  if (e >= 27 && e <= 227) {
-    const float d = bits_to_float((float_to_bits(absmax) & 0x807FFFFFu) | 0x3F800000u);
-    return {true, d, bits_to_float((254 - e) << 23), 1.0f / d};
-  }
-  return {false, absmax == 0.0f ? 1.0f : absmax, 1.0f, 1.0f};
-}
-
-template <class V>
-inline typename V::F block_quotient(typename V::F x, const BlockDiv& d, typename V::F div,
-                                    typename V::F scale, typename V::F inv) {
-  if (d.recip) return div_by_recip<V>(V::mul(x, scale), div, inv);
-  return V::div(x, div);
-}
-
 // Sweep 2 (8-bit moments): codes of mb/vb over [j, L) into the block's code arrays.
 template <class V>
-int64_t sweep_quantize(const Derived& dw, const float* mb, const float* vb, const BlockDiv& md,
-                       const BlockDiv& vd, uint8_t* mc, uint8_t* vc, int64_t j, int64_t L) {
+int64_t sweep_quantize(const Derived& dw, const float* mb, const float* vb, float m_div,
+                       float v_div, uint8_t* mc, uint8_t* vc, int64_t j, int64_t L) {
   using F = typename V::F;
-  const F m_div = V::set1(md.divisor), m_scale = V::set1(md.scale), m_inv = V::set1(md.inv);
-  const F v_div = V::set1(vd.divisor), v_scale = V::set1(vd.scale), v_inv = V::set1(vd.inv);
+  const F md = V::set1(m_div), vd = V::set1(v_div);
   const int32_t* wm = dw.m.words.data();
   const int32_t* wv = dw.v.words.data();
   for (; j + V::N <= L; j += V::N) {
-    V::st_u8(mc + j, quantize<V>(wm, block_quotient<V>(V::ld(mb + j), md, m_div, m_scale, m_inv)));
-    V::st_u8(vc + j, quantize<V>(wv, block_quotient<V>(V::ld(vb + j), vd, v_div, v_scale, v_inv)));
+    V::st_u8(mc + j, quantize<V>(wm, V::div(V::ld(mb + j), md)));
+    V::st_u8(vc + j, quantize<V>(wv, V::div(V::ld(vb + j), vd)));
   }
   return j;
 }
@@ -682,7 +630,8 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
       const float amf = bits_to_float(am), avf = bits_to_float(av);
       c.m_absmax[b] = amf;
       c.v_absmax[b] = avf;
-      const BlockDiv md = block_div(amf), vd = block_div(avf);
+      // IEEE divisions by the block absmax (1 for an all-zero block).
+      const float md = amf == 0.0f ? 1.0f : amf, vd = avf == 0.0f ? 1.0f : avf;
       uint8_t* mc = static_cast<uint8_t*>(c.m) + i0;
       uint8_t* vc = static_cast<uint8_t*>(c.v) + i0;
       const Derived& dw = *c.words;
@@ -696,10 +645,9 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
 #endif
         sweep_quantize<L1>(dw, mb, vb, md, vd, mc, vc, j, L);
       } else {  // a table without the one-step-per-bucket shape: exact search throughout
-        const float mdiv = amf == 0.0f ? 1.0f : amf, vdiv = avf == 0.0f ? 1.0f : avf;
         for (int64_t k = 0; k < L; ++k) {
-          mc[k] = uint8_t(code_exact(c.tables + kSignedThr, dw.m.sorted, mb[k] / mdiv));
-          vc[k] = uint8_t(code_exact(c.tables + kUnsignedThr, dw.v.sorted, vb[k] / vdiv));
+          mc[k] = uint8_t(code_exact(c.tables + kSignedThr, dw.m.sorted, mb[k] / md));
+          vc[k] = uint8_t(code_exact(c.tables + kUnsignedThr, dw.v.sorted, vb[k] / vd));
         }
       }
     }
