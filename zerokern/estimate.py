@@ -11,6 +11,23 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from .comm_model import (
+    DEFAULT_BUCKET_NUMEL,
+    DEFAULT_GPUS_PER_NODE,
+    DEFAULT_INTER_BW_GB_S,
+    DEFAULT_INTER_LATENCY_S,
+    DEFAULT_INTRA_BW_GB_S,
+    DEFAULT_INTRA_LATENCY_S,
+    MODEL_NOTE,
+    Cluster,
+    Link,
+    collective_link,
+    collective_seconds,
+    link_traffic,
+    ring_sent,
+    step_collectives,
+    step_seconds,
+)
 from .formulas import (
     ACT_BYTES,
     COMM_BYTES,
@@ -180,6 +197,91 @@ def _state(k: float | None, moments: str, master: str) -> dict[str, Any]:
     }
 
 
+# The cluster options of estimate(): name -> its default when nodes is given.
+CLUSTER_DEFAULTS = {
+    "gpus_per_node": DEFAULT_GPUS_PER_NODE,
+    "intra_bw_gb_s": DEFAULT_INTRA_BW_GB_S,
+    "inter_bw_gb_s": DEFAULT_INTER_BW_GB_S,
+    "intra_latency_s": DEFAULT_INTRA_LATENCY_S,
+    "inter_latency_s": DEFAULT_INTER_LATENCY_S,
+    "bucket_numel": DEFAULT_BUCKET_NUMEL,
+}
+
+
+def _check_cluster(nodes: int | None, hybrid: bool, opts: dict[str, Any]) -> Cluster | None:
+    """The Cluster of the options (None without ``nodes``); ValueError naming the option that
+    is wrong, or that was given without ``nodes``."""
+    if nodes is None:
+        given = [name for name, v in opts.items() if v is not None] + (
+            ["hybrid"] if hybrid else [])
+        if given:
+            raise ValueError(f"{given[0]} needs nodes (the cluster section)")
+        return None
+    for name in ("gpus_per_node", "bucket_numel"):
+        v = opts[name]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    o = {name: CLUSTER_DEFAULTS[name] if v is None else v for name, v in opts.items()}
+    for name in ("intra_bw_gb_s", "inter_bw_gb_s", "intra_latency_s", "inter_latency_s"):
+        v, least = o[name], ("a positive number" if "bw" in name else "a number >= 0")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+                v <= 0 if "bw" in name else v < 0):
+            raise ValueError(f"{name} must be {least}, got {v!r}")
+    return Cluster(nodes, o["gpus_per_node"],  # Cluster: ValueError naming nodes
+                   Link(o["intra_bw_gb_s"], o["intra_latency_s"]),
+                   Link(o["inter_bw_gb_s"], o["inter_latency_s"]))
+
+
+def _cluster(psi: float, k: float, cluster: Cluster, hybrid: bool, bucket_numel: int,
+             capacity: float | None) -> dict[str, Any]:
+    """Memory per GPU, traffic per link and communication time per step of every stage on
+    ``cluster``, flat and (``hybrid``) hybrid: the estimate's across-nodes section."""
+    r, g = cluster.nodes, cluster.gpus_per_node
+    layouts: dict[str, Any] = {}
+    for name in ("flat", "hybrid") if hybrid else ("flat",):
+        shard_n = cluster.world if name == "flat" else g  # ranks the state is divided over
+        stages = {}
+        for s in STAGES:
+            plan = step_collectives(s, psi, cluster, name == "hybrid", COMM_BYTES, COMM_BYTES,
+                                    bucket_numel)
+            mem = model_state_bytes(s, psi, shard_n, k)
+            secs = step_seconds(plan, cluster)
+            traffic = link_traffic(plan, cluster)
+            stages[f"stage{s}"] = {
+                "memory_bytes": mem,
+                "memory_gb": mem / GB,
+                "fits": None if capacity is None else fits(mem, capacity),
+                "traffic": {link: {**t, "gb": t["bytes"] / GB} for link, t in traffic.items()},
+                "seconds": secs["total"],
+                "seconds_by_link": {"intra": secs["intra"], "inter": secs["inter"]},
+                "collectives": [
+                    {"kind": c.kind, "what": c.what, "group": c.group, "ranks": c.ranks,
+                     "elements": c.elements, "bytes": c.nbytes, "calls": c.calls,
+                     "sent_per_rank_elements": ring_sent(c.kind, c.elements, c.ranks),
+                     "bandwidth_gb_s": collective_link(c, cluster).bandwidth_gb_s,
+                     "latency_s": collective_link(c, cluster).latency_s,
+                     "seconds": collective_seconds(c, cluster)}
+                    for c in plan],
+            }
+        layouts[name] = {"shard_ranks": shard_n, "replicate_ranks": 1 if name == "flat" else r,
+                         "stages": stages}
+    return {
+        "nodes": r,
+        "gpus_per_node": g,
+        "world": cluster.world,
+        "hybrid": hybrid,
+        "intra": {"bandwidth_gb_s": cluster.intra.bandwidth_gb_s,
+                  "latency_s": cluster.intra.latency_s},
+        "inter": {"bandwidth_gb_s": cluster.inter.bandwidth_gb_s,
+                  "latency_s": cluster.inter.latency_s},
+        "bytes_per_element": COMM_BYTES,
+        "bucket_numel": bucket_numel,
+        "calls_per_collective": max(1, math.ceil(psi / bucket_numel)),
+        "model": MODEL_NOTE,
+        "layouts": layouts,
+    }
+
+
 def estimate(
     psi: float,
     gpus: Iterable[int] = DEFAULT_GPUS,
@@ -195,6 +297,14 @@ def estimate(
     host_mem_gb: float | None = None,
     moments: str = "fp32",
     master: str = "fp32",
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    hybrid: bool = False,
+    intra_bw_gb_s: float | None = None,
+    inter_bw_gb_s: float | None = None,
+    intra_latency_s: float | None = None,
+    inter_latency_s: float | None = None,
+    bucket_numel: int | None = None,
 ) -> dict[str, Any]:
     """Compute everything the command reports. Bytes are exact; ``*_gb`` are bytes / 1e9.
 
@@ -207,10 +317,24 @@ def estimate(
     given; then the chosen variant (``checkpointing``) is subtracted from ``gpu_mem_gb`` before
     deciding what fits. ``param_source`` only labels where ``psi`` came from.
     ``host_mem_gb``: host memory per rank for the offload rows (None: not limited).
+
+    ``nodes`` adds the across-nodes section (``report["cluster"]``, else None): ``nodes`` x
+    ``gpus_per_node`` ranks (default 8), the flat layout (state divided over all of them, one
+    ring over every rank) and with ``hybrid`` the hybrid one (divided over a node's GPUs,
+    replicated across nodes): memory per GPU, traffic per link and communication time per
+    step of each stage (:mod:`zerokern.comm_model`). Links: ``intra_bw_gb_s`` /
+    ``inter_bw_gb_s`` per GPU and direction (default 200 and 25 GB/s), ``intra_latency_s`` /
+    ``inter_latency_s`` per ring step (default 2 and 5 us); ``bucket_numel`` elements per
+    collective call (default 2**21, ZeroAdamW's) set the latency term. These options without
+    ``nodes``: ValueError naming the first one.
     """
     gpus = [int(n) for n in gpus]
     for n in gpus:
         check_psi_n(psi, n)
+    cluster_opts = {"gpus_per_node": gpus_per_node, "intra_bw_gb_s": intra_bw_gb_s,
+                    "inter_bw_gb_s": inter_bw_gb_s, "intra_latency_s": intra_latency_s,
+                    "inter_latency_s": inter_latency_s, "bucket_numel": bucket_numel}
+    cluster = _check_cluster(nodes, hybrid, cluster_opts)
     state = _state(k, moments, master)
     k = state["k"]
 
@@ -252,6 +376,9 @@ def estimate(
         "offload": _offload(psi, gpus, state["offload_k"], capacity,
                             None if host_mem_gb is None else host_mem_gb * GB),
         "activations": activations,
+        "cluster": None if cluster is None else _cluster(
+            psi, k, cluster, hybrid,
+            DEFAULT_BUCKET_NUMEL if bucket_numel is None else bucket_numel, capacity),
     }
     # master="none": the offloaded step needs a host copy of the values (bf16), K + 2 there.
     host_k = state["offload_k"]["stage2_offload"]

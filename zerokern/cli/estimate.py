@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import estimate as _estimate_module
 from .. import formulas as _formulas
-from ..estimate import DEFAULT_GPUS, estimate
+from ..estimate import CLUSTER_DEFAULTS, DEFAULT_GPUS, estimate
 from ..formulas import DEFAULT_K, MASTER_MODES, MOMENT_FORMATS, gpt_params
 from . import estimate_report as _report
 from .estimate_report import PlotUnavailable, format_report, import_pyplot, plot_memory
@@ -98,8 +98,10 @@ DESCRIPTION = (
     "Per-GPU model-state memory of plain data parallelism and ZeRO stages 1-3 (the ZeRO "
     "paper's §5.4 / Table 1), per-step communication volume (§7) and, optionally, activation "
     "memory. GB = 1e9 bytes. --moments/--master give K of a compressed optimizer state "
-    "(ZeroAdamW(moments=, master=)). Example: --params 7.5e9 --gpus 1 4 16 64 256 1024 "
-    "--gpu-mem 32"
+    "(ZeroAdamW(moments=, master=)). --nodes (with --gpus-per-node, --hybrid and the links' "
+    "bandwidths and latencies) adds memory, traffic per link and communication time per step "
+    "across nodes, flat vs hybrid. Example: --params 7.5e9 --gpus 1 4 16 64 256 1024 "
+    "--gpu-mem 32; --params 7.5e9 --nodes 4 --gpus-per-node 8 --hybrid"
 )
 
 
@@ -164,6 +166,28 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="GB/s",
         help="per-GPU link bandwidth in GB/s, to turn communication volume into time",
     )
+    nodes = p.add_argument_group(
+        "across nodes (optional; need --nodes)",
+        "memory, traffic per link and communication time per step, flat vs hybrid")
+    nodes.add_argument("--nodes", type=_positive_int, metavar="R",
+                       help="nodes; adds the across-nodes section (flat: the state divided "
+                       "over all nodes x GPUs)")
+    d = CLUSTER_DEFAULTS
+    nodes.add_argument("--gpus-per-node", type=_positive_int, metavar="G",
+                       help=f"GPUs (ranks) per node (default {d['gpus_per_node']})")
+    nodes.add_argument("--hybrid", action="store_true",
+                       help="also the hybrid layout (FSDP2's HSDP): state sharded over a "
+                       "node's GPUs, replicated across nodes")
+    for link, note in (("intra", ": NVLink-class"), ("inter", " = 200 Gb/s; 400 Gb/s is 50")):
+        nodes.add_argument(f"--{link}-bw", type=_positive_float, metavar="GB/s",
+                           help=f"{link}-node bandwidth per GPU and direction (default "
+                           f"{d[f'{link}_bw_gb_s']:g}{note})")
+        nodes.add_argument(f"--{link}-latency", type=_nonneg_float, metavar="US",
+                           help=f"{link}-node latency per ring step in microseconds (default "
+                           f"{d[f'{link}_latency_s'] * 1e6:g})")
+    nodes.add_argument("--bucket-numel", type=_positive_int, metavar="N",
+                       help="elements per collective call, for the latency term (default "
+                       f"{d['bucket_numel']}, ZeroAdamW's bucket_numel)")
     act = p.add_argument_group("activations (optional; need --layers and --hidden)")
     act.add_argument("--batch", type=_positive_int, metavar="B", help="micro-batch per GPU")
     act.add_argument("--seq", type=_positive_int, metavar="S", help="sequence length")
@@ -203,6 +227,11 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--checkpointing needs --batch, --seq, --layers and --hidden"
     if args.k is not None and (args.moments, args.master) != ("fp32", "fp32"):
         return "give --k or --moments/--master, not both (the format decides K)"
+    if args.nodes is None:
+        for flag in ("gpus_per_node", "hybrid", "intra_bw", "inter_bw", "intra_latency",
+                     "inter_latency", "bucket_numel"):
+            if getattr(args, flag) not in (None, False):
+                return f"--{flag.replace('_', '-')} needs --nodes (the across-nodes section)"
     return None
 
 
@@ -239,6 +268,14 @@ def run(args: argparse.Namespace) -> int:
         host_mem_gb=args.host_mem,
         moments=args.moments,
         master=args.master,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        hybrid=args.hybrid,
+        intra_bw_gb_s=args.intra_bw,
+        inter_bw_gb_s=args.inter_bw,
+        intra_latency_s=None if args.intra_latency is None else args.intra_latency / 1e6,
+        inter_latency_s=None if args.inter_latency is None else args.inter_latency / 1e6,
+        bucket_numel=args.bucket_numel,
     )
 
     # Do the plot (the only step that can fail) before printing anything.

@@ -174,7 +174,53 @@ def format_report(r: dict[str, Any]) -> str:
     for cells in rows:
         lines.append("  " + "   ".join(x.ljust(w) for x, w in zip(cells, widths, strict=True)))
     lines.extend(_wrap("  " + c["counting"], 96, "  "))
+    lines.extend(_cluster_lines(r))
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _link_text(link: dict[str, float]) -> str:
+    return f"{link['bandwidth_gb_s']:g} GB/s, {link['latency_s'] * 1e6:g} us"
+
+
+def _cluster_lines(r: dict[str, Any]) -> list[str]:
+    """The across-nodes table: per stage and layout, memory per GPU, what one intra-node and
+    one inter-node link carry per step, and the step's communication time."""
+    c = r.get("cluster")
+    if not c:
+        return []
+    lines = ["", f"Across nodes: {c['nodes']} nodes x {c['gpus_per_node']} GPUs = {c['world']} "
+             f"ranks, per step ({c['bytes_per_element']} B/element)"]
+    lines.extend(_wrap(f"  links per GPU: intra-node {_link_text(c['intra'])}; inter-node "
+                       f"{_link_text(c['inter'])} (bandwidth per direction, latency per ring "
+                       "step)", 96, "    "))
+    lines.append(f"  buckets of {c['bucket_numel']:,} elements: {c['calls_per_collective']:,} "
+                 "calls per collective")
+    marks = r["gpu_mem_gb"] is not None
+    head = ["stage", "layout", "GB/GPU", "intra el / GB", "inter el / GB",
+            "comm time", "inter part"]
+    rows = []
+    for s in STAGES:
+        for name, lay in c["layouts"].items():
+            e = lay["stages"][f"stage{s}"]
+            what = (f"flat, N={lay['shard_ranks']}" if name == "flat" else
+                    f"hybrid, N={lay['shard_ranks']} x{lay['replicate_ranks']}")
+            traffic = [f"{fmt_count(t['elements'])} / {fmt_gb(t['bytes'])}" if t["bytes"]
+                       else "0" for t in (e["traffic"]["intra"], e["traffic"]["inter"])]
+            mem = fmt_gb(e["memory_bytes"]) + ((" *" if e["fits"] else "  ") if marks else "")
+            first = name == next(iter(c["layouts"]))
+            rows.append([f"{STAGE_NAMES[s]} ({s})" if first else "", what, mem, *traffic,
+                         fmt_seconds(e["seconds"]),
+                         fmt_seconds(e["seconds_by_link"]["inter"])])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+    for cells in (head, ["-" * w for w in widths], *rows):
+        lines.append("  " + "  ".join(x.ljust(w) for x, w in zip(cells, widths, strict=True)))
+    if marks:
+        lines.append(f"  * = model states fit in --gpu-mem {r['gpu_mem_gb']:g} GB")
+    lines.extend(_wrap("  intra / inter el / GB: elements and GB (1e9 bytes) one intra-node "
+                       "/ inter-node link carries per step. N: ranks the sharded state is "
+                       "divided over (hybrid: a node's GPUs, x the nodes it is replicated on). "
+                       + c["model"], 96, "  "))
+    return lines
 
 
 def _offload_lines(r: dict[str, Any]) -> list[str]:
