@@ -116,6 +116,11 @@ def plan_runs(pieces: Sequence[object], param_numels: Sequence[int],
         AssertionError: an int8 piece not on its parameter's block boundaries (the layout
             was not aligned for int8).
     """
+    if fmt.master == "none":
+        big = [i for i, n in enumerate(param_numels) if n > 2**32]
+        if big:  # the stochastic rounding counter holds an element index in 32 bits
+            raise ValueError(f"master='none' supports parameters of up to 2**32 elements; "
+                             f"parameter {big[0]} has {param_numels[big[0]]}")
     runs: list[StateRun] = []
     side = 0
     cur: dict | None = None
