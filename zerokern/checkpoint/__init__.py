@@ -16,6 +16,12 @@ ZeroAdamW derives them). ``python -m zerokern consolidate PATH OUT`` turns a che
 plain fp32 state dict (and a torch.optim.AdamW state dict), one parameter at a time.
 See format.py for the layout on disk.
 
+With hybrid sharding (``ZeroAdamW(mesh=)``, a 2-D mesh) the saved layout is the shard group's:
+the first replica writes one file per shard rank, the others write nothing but still call
+save_checkpoint (errors are agreed on, and it returns, over the whole mesh); on load every
+replica reads its shard rank's ranges. A checkpoint moves freely between flat and mesh runs
+and world sizes: only the files and their pieces matter, not the mesh that saved them.
+
 A compressed state (``ZeroAdamW(moments="int8" | "bf16", master="none")``) is saved as it is
 stored (int8 codes with one absmax per 256-element block of the parameter, bf16 moments as
 bf16, small parameters' fp32 moments as fp32; with ``master="none"`` the bf16 parameters are

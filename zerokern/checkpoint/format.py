@@ -5,7 +5,9 @@ A checkpoint is a directory::
     PATH/
       meta.json                  written LAST: what is in the checkpoint and where
       rank00000.safetensors      what rank 0 owned: fp32 master values, exp_avg, exp_avg_sq
-      rank00001.safetensors      ... one file per saving rank
+      rank00001.safetensors      ... one file per saving rank (on a 2-D mesh: per shard rank,
+                                 written by the first replica; meta.json's ``mesh`` entry
+                                 records the mesh shape, for information only)
 
 Each rank file holds 1-D tensors ``master``, ``exp_avg``, ``exp_avg_sq`` (fp32, the same
 length): the pieces of parameters the rank owned, compacted one after another (no padding, no

@@ -7,7 +7,8 @@ Three phases, each ended by an all_gather of errors so that every rank raises to
    (validate.check_meta: every key and value, the piece tables, the meta_sha256 digest), check
    that every rank file is a regular file (no symbolic link) with the recorded size and a
    header that matches meta.json (validate.check_rank_file), and (``verify=True``) its sha256;
-   rank r hashes files r, r+N, ... so the checkpoint is read once in all, not N times;
+   rank r hashes files r, r+N, ... so the checkpoint is read once in all, not N times (on a
+   2-D mesh r and N count every rank of the mesh, replica by replica);
 2. match (no writes): the model's parameter and buffer names and shapes against meta.json,
    optimizer parameters against saved optimizer state, param groups against saved groups;
 3. apply: lay out the optimizer (``_ensure_layout``, with the saved gradient order when the
@@ -62,7 +63,7 @@ from .moments import (
     has_table,
     read_fp32_into,
 )
-from .save import ModelNames, agree, attempt, model_names, stage3_runtime
+from .save import ModelNames, Team, agree, attempt, model_names, stage3_runtime
 from .validate import check_meta, check_rank_file
 
 
@@ -446,18 +447,22 @@ def load_checkpoint(
     # A plain model needs no other rank (each reads the full parameters): this also works on
     # one rank alone (evaluation under `if rank == 0`). A sharded one reads its slices.
     comm = opt.comm if opt is not None else rt.comm if rt is not None else _ONE_RANK
+    # On a 2-D mesh every replica reads its shard rank's ranges (the same for every replica,
+    # so all end with the same state), the files are hashed once over the whole mesh, and
+    # every agreement spans the mesh: an error on any replica is raised on all of them.
+    team = Team(comm)
     path = os.path.normpath(os.fspath(path))
     what = f"load_checkpoint({path})"
     # Shared with other loads, exclusive of a save publishing at this path: the files read
     # are those of one checkpoint from meta.json to the last byte.
     with reading(path):
         msg, exc, ck = attempt(
-            lambda: open_checkpoint(path, rank=comm.rank, world=comm.world_size, verify=verify)
+            lambda: open_checkpoint(path, rank=team.rank, world=team.world_size, verify=verify)
         )
-        agree(comm, what, msg, exc)
+        agree(team, what, msg, exc)
         msg, exc, m = attempt(lambda: match(ck, model, opt))
-        agree(comm, what, msg, exc)
+        agree(team, what, msg, exc)
         msg, exc, _ = attempt(lambda: apply(ck, m, model, opt))
-        agree(comm, what + " failed part-way; the model and optimizer are partially loaded",
+        agree(team, what + " failed part-way; the model and optimizer are partially loaded",
               msg, exc)
     return ck.meta.get("extra")

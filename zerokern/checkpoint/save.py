@@ -1,7 +1,7 @@
 """save_checkpoint: every rank writes what it owns; rank 0 writes meta.json last and publishes.
 
-Sequence (the same on every rank, errors agreed on with all_gather_object so that a failure on
-one rank makes every rank raise instead of hanging in the next collective):
+Sequence (the same on every rank, errors gathered with all_gather_object after each step so
+that a failure on one rank makes every rank raise instead of hanging in the next collective):
 
 1. plan (no I/O): the pieces this rank owns, by parameter name; rank 0 creates
    ``PATH.tmp-<nonce>`` and shares the nonce;
@@ -9,7 +9,17 @@ one rank makes every rank raise instead of hanging in the next collective):
    the way; the piece tables, sizes and sha256 go to rank 0;
 3. rank 0 checks it can see every file with its size (the directory must be on a filesystem
    all ranks share), writes meta.json (fsync, rename), fsyncs the directory and publishes it at
-   PATH (format.publish), then removes leftovers of earlier interrupted saves.
+   PATH (format.publish), then removes leftovers of earlier interrupted saves; if any step
+   failed anywhere it removes the staging directory instead;
+4. every rank learns the outcome of 3 and returns (or raises the first error) only then: no
+   rank leaves before the checkpoint is published or a failed save's directory is gone.
+
+On a 2-D mesh (hybrid sharding) ``opt.comm`` is the shard group and every replica holds the
+same shards: only replica 0 writes (one file per shard rank; "rank 0" above is replica 0's
+shard rank 0), the other replicas plan, take part in every agreement and return when the
+checkpoint is published, like the writers. The agreements span the whole mesh (``Team``), so
+an error on any rank of any replica is raised on every rank. The saved layout is the shard
+group's (``world_size`` = S); meta.json records the mesh shape for information only.
 
 A crash before step 3's publish leaves PATH untouched (the previous checkpoint, if any); the
 incomplete ``PATH.tmp-*`` directory has no meta.json and is deleted by the next save.
@@ -142,6 +152,17 @@ def _jsonable(key: str, v: Any) -> Any:
     return v
 
 
+def mesh_entry(comm: Any) -> dict[str, Any]:
+    """meta.json's ``mesh`` entry on a 2-D mesh (nothing on a flat group): its shape (R, S) and
+    dim names. For information only: a load lays out from the files and pieces, at any mesh."""
+    rep = getattr(comm, "replicate", None)
+    if rep is None:
+        return {}
+    names = getattr(comm, "mesh_dim_names", None)
+    return {"mesh": {"shape": [rep.world_size, comm.world_size],
+                     "dim_names": None if names is None else [str(n) for n in names]}}
+
+
 # -- what this rank writes ----------------------------------------------------------------------
 @dataclass
 class Plan:
@@ -215,6 +236,7 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
         "torch_version": torch.__version__,
         "created_ns": time.time_ns(),
         "world_size": world,
+        **mesh_entry(opt.comm),
         "stage": opt.stage,
         "param_dtype": dtype_name(opt.dtype),
         "params": params,
@@ -370,14 +392,74 @@ def attempt(fn: Callable[[], Any]) -> tuple[str | None, BaseException | None, An
         return msg, exc, None
 
 
-def agree(comm: Any, what: str, msg: str | None, exc: BaseException | None) -> list[Any]:
-    """All-gather each rank's error (or None); raise the first on every rank."""
-    msgs = comm.all_gather_object(msg, "checkpoint status")
+class Team:
+    """Every rank a checkpoint operation spans: ``comm``'s group, times its replicate group on
+    a 2-D mesh (hybrid sharding), where the replicas hold the same shards but must still agree:
+    a rank that raised alone would leave the others in the next collective. Ranks are numbered
+    ``replica * S + shard rank``, so on a flat group they are the group's ranks."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.rep = getattr(comm, "replicate", None)
+        self.shards = comm.world_size
+        self.replica = 0 if self.rep is None else self.rep.rank
+        self.rank = self.replica * self.shards + comm.rank
+        self.world_size = self.shards * (1 if self.rep is None else self.rep.world_size)
+
+    @property
+    def writer(self) -> bool:
+        """Whether this rank writes its shard rank's file: every rank of a flat group, the
+        first replica of a mesh (the others hold copies of the same state)."""
+        return self.replica == 0
+
+    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
+        """Every rank's ``obj``, in team rank order (a collective of every rank)."""
+        mine = self.comm.all_gather_object(obj, what)
+        if self.rep is None:
+            return mine
+        return [o for row in self.rep.all_gather_object(mine, what) for o in row]
+
+    def where(self, r: int) -> str:
+        if self.world_size == 1:
+            return ""
+        if self.rep is None:
+            return f" (on rank {r})"
+        replica, shard = divmod(r, self.shards)
+        return f" (on replica {replica}, shard rank {shard})"
+
+
+def agree(team: Team, what: str, msg: str | None, exc: BaseException | None) -> list[Any]:
+    """All-gather each rank's error (or None) over the whole team; raise the first on every
+    rank."""
+    msgs = team.all_gather_object(msg, "checkpoint status")
     for r, m in enumerate(msgs):
         if m is not None:
-            where = f" (on rank {r})" if comm.world_size > 1 else ""
-            raise CheckpointError(f"{what}{where}: {m}") from (exc if r == comm.rank else None)
+            raise CheckpointError(f"{what}{team.where(r)}: {m}") \
+                from (exc if r == team.rank else None)
     return msgs
+
+
+Failure = tuple[int, str, "BaseException | None"]
+
+
+def first_failure(team: Team, msgs: list[str | None],
+                  exc: BaseException | None) -> Failure | None:
+    """The first rank's error among everyone's ``msgs`` (gathered over ``team``): its team
+    rank, the message, and this rank's exception if it is this rank's; None if none failed."""
+    for r, m in enumerate(msgs):
+        if m is not None:
+            return r, m, exc if r == team.rank else None
+    return None
+
+
+def _discard(tmp: str) -> None:
+    """Remove a failed save's staging directory. An error here is not raised over the save's
+    own: the directory has no meta.json, and the next save removes it once unclaimed."""
+    try:
+        if os.path.isdir(tmp):
+            remove_checkpoint_dir(tmp)
+    except OSError:
+        pass
 
 
 def _prepare(path: str) -> tuple[str, StagingClaim]:
@@ -447,43 +529,56 @@ def save_checkpoint(
     rank. Each rank writes only what it owns; nothing is gathered. ``extra`` (JSON-serialisable:
     step counters, scheduler state, data-loader position) comes back from load_checkpoint.
 
+    On a 2-D mesh (``ZeroAdamW(mesh=)``) the first replica writes one file per shard rank and
+    the other replicas, which hold the same state, write nothing; they still call it (it
+    agrees on errors across the whole mesh and returns on every rank together).
+
     Atomic: when this returns on any rank, ``path`` holds the complete new checkpoint; if it
     raises or the job dies before, ``path`` still holds the previous one (or nothing, if there
     was none). Needs a filesystem all ranks share. Returns the path."""
     opt = optimizer
     comm = opt.comm
+    team = Team(comm)
+    leader = team.rank == 0  # the first replica's shard rank 0: stages and publishes
     path = os.path.normpath(os.fspath(path))
     what = f"save_checkpoint({path})"
     msg, exc, plan = attempt(lambda: plan_save(model, opt, extra))
     nonce = claim = None
-    if comm.rank == 0 and msg is None:
+    if leader and msg is None:
         msg, exc, staged = attempt(lambda: _prepare(path))
         if staged is not None:
             nonce, claim = staged
+    failed: Failure | None = None
     try:
-        try:
-            agree(comm, what, msg, exc)
-        except CheckpointError:
-            if nonce is not None:  # rank 0 made the directory before another rank failed
-                remove_checkpoint_dir(tmp_dir(path, nonce))
-            raise
-        nonce = comm.all_gather_object(nonce, "checkpoint nonce")[0]
-        tmp = tmp_dir(path, nonce)
-        msg, exc, info = attempt(lambda: write_rank_file(tmp, comm.rank, opt, plan, nonce))
-        infos = comm.all_gather_object(info, "checkpoint file info")
-        try:
-            agree(comm, what, msg, exc)
-        except CheckpointError:
-            if comm.rank == 0:
-                remove_checkpoint_dir(tmp)
-            raise
+        # 1. every rank's plan, and the staging directory's nonce from the leader
+        status = team.all_gather_object((msg, nonce), "checkpoint plan")
+        failed = first_failure(team, [m for m, _ in status], exc)
+        if failed is None:
+            nonce = status[0][1]
+            tmp = tmp_dir(path, nonce)
+            # 2. the first replica writes; each shard group's file tables reach its rank 0
+            msg = exc = info = None
+            if team.writer:
+                msg, exc, info = attempt(
+                    lambda: write_rank_file(tmp, comm.rank, opt, plan, nonce))
+            infos = comm.all_gather_object(info, "checkpoint file info")
+            failed = first_failure(team, team.all_gather_object(msg, "checkpoint files"), exc)
+        # 3. the leader publishes, or removes what was staged (the previous checkpoint stays)
         msg = exc = None
-        if comm.rank == 0:
-            msg, exc, _ = attempt(lambda: _finish(path, tmp, nonce, plan.meta, infos))
-            if msg is not None and os.path.isdir(tmp):
-                remove_checkpoint_dir(tmp)  # not published: the previous checkpoint stays
+        if leader:
+            if failed is None:
+                msg, exc, _ = attempt(lambda: _finish(path, tmp, nonce, plan.meta, infos))
+            if nonce is not None and (failed is not None or msg is not None):
+                _discard(tmp_dir(path, nonce))
     finally:
         if claim is not None:
             claim.release()
-    agree(comm, what, msg, exc)
+    # Every rank leaves here, together: after the publish, or after the staging directory of
+    # a failed save is gone, and with the same error.
+    published = team.all_gather_object(msg, "checkpoint published")
+    if failed is None:
+        failed = first_failure(team, published, exc)
+    if failed is not None:
+        r, m, cause = failed
+        raise CheckpointError(f"{what}{team.where(r)}: {m}") from cause
     return path

@@ -67,6 +67,9 @@ KEYS = frozenset({
     "world_size", "stage", "param_dtype", "params", "aliases", "state_dict_keys", "buffers",
     "param_groups", "ready_order", "scaler", "extra", "save_id", "files",
 })
+# Optional: the 2-D mesh a hybrid-sharded run saved from (save.mesh_entry), for information.
+MESH = "mesh"
+MESH_KEYS = frozenset({"shape", "dim_names"})
 PARAM_KEYS = frozenset({"shape", "dtype", "managed", "group", "step"})
 BUFFER_KEYS = frozenset({"shape", "dtype"})
 GROUP_KEYS = frozenset({"hyper", "params"})
@@ -164,13 +167,15 @@ def check_meta(meta: Any, d: str) -> PieceIndex:
             f"reads up to {FORMAT_VERSION})"
         )
     _check_digest(c, meta, version)
-    c.keys(meta, "the top level", KEYS | {META_DIGEST, STATE_FORMAT},
+    c.keys(meta, "the top level", KEYS | {META_DIGEST, STATE_FORMAT, MESH},
            KEYS | ({META_DIGEST} if version >= 2 else frozenset()))
     for key in ("zerokern_version", "torch_version", "save_id"):
         c.require(isinstance(meta[key], str) and meta[key] != "", key, "a string", meta[key])
     c.require(is_count(meta["created_ns"]), "created_ns", "an integer >= 0", meta["created_ns"])
     world = meta["world_size"]
     c.require(is_count(world) and world >= 1, "world_size", "an integer >= 1", world)
+    if MESH in meta:
+        _check_mesh(c, meta[MESH], world)
     c.require(meta["stage"] in (0, 1, 2, 3) and is_count(meta["stage"]), "stage",
               "0, 1, 2 or 3", meta["stage"])
     c.require(_member(meta["param_dtype"], PARAM_DTYPES), "param_dtype",
@@ -213,6 +218,22 @@ def _check_digest(c: _Fields, meta: dict[str, Any], version: int) -> None:
     if digest != meta_digest(meta):
         raise c.error(META_DIGEST, "does not match the content: meta.json was edited or "
                                    "damaged after the save")
+
+
+def _check_mesh(c: _Fields, mesh: Any, world: int) -> None:
+    """The saving mesh (R, S): S is the number of files (``world_size``), the one number a
+    load uses; the rest only describes the run that saved."""
+    c.keys(mesh, MESH, MESH_KEYS, MESH_KEYS)
+    shape = mesh["shape"]
+    c.require(isinstance(shape, list) and len(shape) == 2
+              and all(is_count(n) and n >= 1 for n in shape), f"{MESH}.shape",
+              "[replicas, shard ranks], two integers >= 1", shape)
+    c.require(shape[1] == world, f"{MESH}.shape", f"[replicas, {world}] (world_size: the "
+              "shard ranks that wrote the files)", shape)
+    names = mesh["dim_names"]
+    c.require(names is None or (isinstance(names, list) and len(names) == 2
+                                and all(isinstance(n, str) for n in names)),
+              f"{MESH}.dim_names", "null or two strings", names)
 
 
 def _check_params(c: _Fields, params: Any, n_groups: int) -> None:
