@@ -8,6 +8,7 @@ DeepSpeed, side by side in one run on the same GPT, data, global batch, precisio
     python bench/bench_zero.py --repeats 3 --tree before=/path/to/old/checkout
     python bench/bench_zero.py --precision bf16 --policies ddp zk_stage2 zk_stage3 \
         zk_stage2_int8 zk_stage3_int8 --repeats 3        # 8-bit moments beside fp32 ones
+    python bench/bench_zero.py --mesh 2x2 --precision bf16 --repeats 2   # flat vs hybrid
 
 bench/README.md describes the workload, each policy and what each column measures. This file
 is the command line and the output; the policies are in zero_policies.py, the ranks that run
@@ -15,7 +16,9 @@ them in zero_ranks.py. The "_int8" policies are zerokern's stages with ZeroAdamW
 (issue 27), "_int8_nomaster" also master="none" (bf16 only; --compressed adds them). With
 --repeats N every policy (and every --tree variant) runs once per
 round, N rounds in turn, and each ratio is taken to ddp of the same round: the median of the
-N ratios is the result and their spread shows the noise.
+N ratios is the result and their spread shows the noise. --mesh RxS (issue 28, zero_mesh.py):
+flat against hybrid sharding (zerokern stages 1-3, FSDP2 HSDP) on an R x S mesh, in one set
+of R*S ranks.
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 from gpt import GPTConfig  # noqa: E402
+from zero_mesh import main_mesh, parse_mesh  # noqa: E402
 from zero_policies import (  # noqa: E402
     COMPRESSED_POLICIES,
+    HYBRID_OF,
+    MESH_POLICIES,
     OFFLOAD_POLICIES,
     POLICIES,
     Job,
@@ -148,7 +154,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--micro-batch", type=int, help="per rank (default 4; --quick: 2)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
     ap.add_argument("--policies", nargs="+", default=POLICIES,
-                    choices=list(dict.fromkeys(POLICIES + COMPRESSED_POLICIES + OFFLOAD_POLICIES)))
+                    choices=list(dict.fromkeys(POLICIES + COMPRESSED_POLICIES + OFFLOAD_POLICIES
+                                               + MESH_POLICIES)))
     ap.add_argument("--offload", action="store_true",
                     help="add the ZeRO-Offload rows (zerokern and DeepSpeed offload, stages 2-3; "
                     "model-state columns are device bytes; bench_offload.py adds host bytes)")
@@ -168,7 +175,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", help="folder for the CSV (default bench/results)")
     ap.add_argument("--bucket-numel", type=int,
                     help="zerokern stages 0-2: bucket_numel (default: ZeroAdamW's own)")
+    ap.add_argument("--mesh", metavar="RxS",
+                    help="flat vs hybrid sharding on a 2-D mesh of R replicas x S ranks "
+                    "(world size R*S; default policies: ddp, fsdp2 / fsdp2_hsdp, zk_stageN / "
+                    "zk_stageN_hybrid for N = 1-3), all in one set of ranks (zero_mesh.py)")
     args = ap.parse_args(argv)
+    if args.mesh is not None:
+        try:
+            args.mesh = parse_mesh(args.mesh)
+        except ValueError as exc:
+            ap.error(str(exc))
+        if args.world_size not in (2, args.mesh[0] * args.mesh[1]):
+            ap.error(f"--world-size {args.world_size} differs from --mesh's R*S")
+        args.world_size = args.mesh[0] * args.mesh[1]
+        if args.policies is POLICIES:  # not given: the mesh's own list
+            args.policies = MESH_POLICIES
+        bad = [p for p in args.policies if p not in MESH_POLICIES]
+        if bad or args.tree or args.offload or args.compressed:
+            ap.error(f"--mesh runs only {' '.join(MESH_POLICIES)}, without --tree, --offload "
+                     f"and --compressed (got policies {bad})")
+    elif any(p in HYBRID_OF for p in args.policies):
+        ap.error(f"policies {sorted(HYBRID_OF)} need --mesh RxS")
     for flag, extra in ((args.compressed, COMPRESSED_POLICIES), (args.offload, OFFLOAD_POLICIES)):
         if flag:
             args.policies = list(args.policies) + [p for p in extra if p not in args.policies]
@@ -338,6 +365,9 @@ def report(rows: list[dict[str, Any]], prec: str, device: torch.device, header: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.mesh is not None:
+        return main_mesh(args, QUICK if args.quick else None, "python bench/bench_zero.py "
+                         + " ".join(argv if argv is not None else sys.argv[1:]))
     ref = QUICK if args.quick else REFERENCE
     cfg: GPTConfig = ref["cfg"]
     steps = args.steps or ref["steps"]

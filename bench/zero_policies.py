@@ -52,6 +52,16 @@ OFFLOAD_POLICIES = [
     "ds_stage3_offload",
     "ds_stage3_offload_params",
 ]
+# bench_zero.py --mesh RxS (issue 28): the same policies on a 2-D mesh of R replicas of S
+# ranks (dim 0 replicates, dim 1 shards), each beside its flat run over all R*S ranks.
+# "_hybrid": ZeroAdamW / shard_model(mesh=); "fsdp2_hsdp": fully_shard(mesh=2-D mesh), HSDP.
+HYBRID_OF = {
+    "fsdp2_hsdp": "fsdp2",
+    "zk_stage1_hybrid": "zk_stage1",
+    "zk_stage2_hybrid": "zk_stage2",
+    "zk_stage3_hybrid": "zk_stage3",
+}
+MESH_POLICIES = ["ddp"] + [p for h, f in HYBRID_OF.items() for p in (f, h)]
 
 
 class Skip(Exception):
@@ -80,6 +90,8 @@ class Setup:
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # one training step -> loss
     state: Callable[[], dict[str, int]]  # model-state bytes held by this rank, by kind
     optim: str  # what does the update, for the CSV
+    # zerokern: its comm_stats() per mesh dim of the last step (bench_zero.py --mesh)
+    comm_dims: Callable[[], dict[str, float]] | None = None
 
 
 def unavailable(policy: str) -> str | None:
@@ -185,7 +197,9 @@ def _plain_step(
     return step
 
 
-def setup_fsdp2(job: Job, model: nn.Module, device: torch.device) -> Setup:
+def setup_fsdp2(job: Job, model: nn.Module, device: torch.device, mesh: Any = None) -> Setup:
+    """``mesh``: a 2-D DeviceMesh makes it HSDP (FSDP2's replicate x shard); None: its default
+    1-D mesh over the whole group."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp_policy = (
@@ -194,22 +208,27 @@ def setup_fsdp2(job: Job, model: nn.Module, device: torch.device) -> Setup:
         else MixedPrecisionPolicy()
     )
     for blk in model.blocks:
-        fully_shard(blk, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+        fully_shard(blk, mp_policy=mp_policy, mesh=mesh)
+    fully_shard(model, mp_policy=mp_policy, mesh=mesh)
     kw = adamw_impl(device)
     opt = torch.optim.AdamW(model.parameters(), **HP, **kw)
     name = f"AdamW({next(iter(kw))}) on DTensor shards"
+    if mesh is not None:
+        name += f", HSDP mesh {tuple(mesh.shape)}"
     if job.precision == "bf16":
         name += ", MixedPrecisionPolicy(bf16, reduce bf16)"
     return Setup(_plain_step(model, opt), generic_state(model, opt), name)
 
 
 def setup_zerokern(job: Job, model: nn.Module, stage: int, offload: bool = False,
-                   offload_params: bool = False, fmt: dict[str, str] | None = None) -> Setup:
+                   offload_params: bool = False, fmt: dict[str, str] | None = None,
+                   mesh: Any = None) -> Setup:
     import zerokern
 
     kw: dict[str, Any] = {"bucket_numel": job.bucket_numel} if job.bucket_numel else {}
     kw.update(fmt or {})  # moments= / master= of the compressed rows
+    if mesh is not None:  # hybrid sharding (only passed then: older trees lack the argument)
+        kw["mesh"] = mesh
     # Stage 3: shard_model's default units (the blocks), then the optimizer.
     opt = zerokern.parallelize(model, stage=stage, offload="cpu" if offload else None,
                                offload_params=offload_params, **HP, **kw)
@@ -234,7 +253,32 @@ def setup_zerokern(job: Job, model: nn.Module, stage: int, offload: bool = False
         name += f", {resolve_backend(None, next(model.parameters()).device)} kernels"
     if offload_params:
         name += " + shard_model(offload_params=True)"
-    return Setup(_plain_step(model, opt), state, name)
+    if mesh is not None:
+        name += f", hybrid mesh {tuple(mesh.shape)}"
+    return Setup(_plain_step(model, opt), state, name, lambda: comm_per_dim(opt))
+
+
+def comm_per_dim(opt: Any) -> dict[str, float]:
+    """Bytes and elements per mesh dim of ZeroAdamW's last step (``comm_stats()["per_dim"]``:
+    "shard", the whole group when flat, and "replicate"), the paper's collectives only:
+    ``<dim>_bytes`` / ``<dim>_elements`` as the paper counts them, ``<dim>_wire_bytes`` what
+    each rank sends under ring collectives ((n-1)/n of that), ``<dim>_calls`` how many
+    collectives. Empty on a tree without it."""
+    from zerokern.comm.collectives import PAPER_KINDS
+
+    per_dim = opt.comm_stats().get("per_dim")
+    if per_dim is None:
+        return {}
+    out: dict[str, float] = {}
+    for dim, d in per_dim.items():
+        out[f"{dim}_bytes"] = d["bytes"]
+        out[f"{dim}_elements"] = d["elements"]
+        out[f"{dim}_calls"] = sum(v["calls"] for k, v in d["per_kind"].items()
+                                  if k in PAPER_KINDS)
+        out[f"{dim}_wire_bytes"] = sum(
+            v["wire_elements"] * v["bytes"] / v["elements"]
+            for k, v in d["per_kind"].items() if k in PAPER_KINDS and v["elements"])
+    return out
 
 
 def setup_deepspeed(job: Job, model: nn.Module, device: torch.device, stage: int,
@@ -312,11 +356,18 @@ def _setup_deepspeed_offload(job: Job, model: nn.Module, stage: int,
                  + (" + offload_param=cpu" if offload_params else "") + ", DeepSpeedCPUAdam")
 
 
-def build(job: Job, device: torch.device) -> Setup:
-    """The seeded model of job.cfg on `device`, set up for job.policy."""
+def build(job: Job, device: torch.device, mesh: Any = None) -> Setup:
+    """The seeded model of job.cfg on `device`, set up for job.policy. ``mesh``: the 2-D
+    DeviceMesh the hybrid policies (HYBRID_OF) shard over; the others ignore it."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**job.cfg))
     pol = job.policy
+    hybrid = pol in HYBRID_OF
+    if hybrid and mesh is None:
+        raise ValueError(f"policy {pol!r} needs a 2-D mesh (bench_zero.py --mesh RxS)")
+    mesh = mesh if hybrid else None
+    if hybrid:
+        pol = HYBRID_OF[pol]  # the same setup as the flat policy, on the mesh
     # bf16: the model is bf16 except for fsdp2 (its fp32 shard is the master) and deepspeed
     # (it casts the model itself).
     keep_fp32 = pol == "fsdp2" or pol.startswith("ds_")
@@ -325,7 +376,7 @@ def build(job: Job, device: torch.device) -> Setup:
     if pol in ("ddp", "zero_redundancy"):
         return setup_ddp(job, model, device, zero1=pol == "zero_redundancy")
     if pol == "fsdp2":
-        return setup_fsdp2(job, model, device)
+        return setup_fsdp2(job, model, device, mesh)
     stage = int(pol.split("_")[1][-1]) if "_stage" in pol else -1
     offload, offload_params = "_offload" in pol, pol.endswith("_offload_params")
     if pol.startswith("zk_stage"):
@@ -334,7 +385,7 @@ def build(job: Job, device: torch.device) -> Setup:
             if not lowp:
                 raise Skip("master='none' needs 16-bit parameters (bf16 precision only)")
             fmt["master"] = "none"
-        return setup_zerokern(job, model, stage, offload, offload_params, fmt)
+        return setup_zerokern(job, model, stage, offload, offload_params, fmt, mesh)
     if pol.startswith("ds_stage"):
         return setup_deepspeed(job, model, device, stage, offload, offload_params)
     raise ValueError(f"unknown policy {pol!r}")

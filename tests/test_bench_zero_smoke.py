@@ -162,3 +162,86 @@ def test_bench_zero_int8_rows(tmp_path: Path) -> None:
     assert float(rows["zk_stage2"]["optim_mb"]) * MB == pytest.approx(12 * sum(sizes) / 2)
     assert float(rows["zk_stage2_int8"]["zk_comm_mb"]) == pytest.approx(
         float(rows["zk_stage2"]["zk_comm_mb"]), rel=2e-2)
+
+
+@pytest.mark.slow
+def test_bench_zero_mesh(tmp_path: Path) -> None:
+    """--mesh 2x2 (issue 28): 4 gloo ranks in one launch, 2 rounds. Flat and hybrid zerokern
+    stage 2, hybrid stage 3 and FSDP2's HSDP train the same model alike; the traffic per mesh
+    dim is what each algorithm must move (zerokern's comm_stats against the issue's formulas,
+    FSDP2's recorded collectives against its documented schedule: each block gathered in
+    forward and again in backward, the root once, every gradient reduce-scattered in the
+    shard group and its 1/S slice all-reduced across); model state per rank is the paper's
+    with N = S = 2; the hybrid row's time ratio is each round's step time over the flat one's."""
+    from zerokern.formulas import hybrid_comm_bytes
+
+    pols = ("zk_stage2", "zk_stage2_hybrid", "zk_stage3_hybrid", "fsdp2_hsdp")
+    stdout = run_bench(tmp_path, "--mesh", "2x2", "--repeats", "2", policies=pols)
+    rows = read_csv(tmp_path, "bench_zero_cpu_bf16_*_mesh2x2_quick.csv")
+    assert set(rows) == set(pols)
+    for name, row in rows.items():
+        assert row["status"] == "ok", f"{name}: {row['status']}"
+        assert row["rounds"] == "2" and row["world_size"] == "4" and row["mesh"] == "2x2"
+    model = GPT(QUICK["cfg"])
+    psi = sum(p.numel() for p in model.parameters())
+    blocks = sum(p.numel() for p in model.blocks.parameters())
+    loss = float(rows["zk_stage2"]["loss"])
+    for name in pols[1:]:
+        assert float(rows[name]["loss"]) == pytest.approx(loss, rel=1e-2), name
+
+    def got(name: str, col: str) -> float:
+        return float(rows[name][col]) * MB
+
+    # zerokern, bf16 (2 bytes): paper count per dim, for the model's Psi; the layout's padding
+    # adds a few elements per bucket, and at stage 3 up to an alignment block per unit and
+    # rank (1.3% of this tiny model).
+    for name, stage, (s, r) in (("zk_stage2", 2, (4, 1)), ("zk_stage2_hybrid", 2, (2, 2)),
+                                ("zk_stage3_hybrid", 3, (2, 2))):
+        want, tol = hybrid_comm_bytes(stage, psi, s, r, 2), 1e-2 if stage < 3 else 2e-2
+        assert got(name, "shard_mb") == pytest.approx(want["shard"], rel=tol), name
+        assert got(name, "replicate_mb") == pytest.approx(want["replicate"], rel=tol), name
+    # FSDP2 HSDP, bf16 gathers and reductions: the root's own parameters gathered once, the
+    # blocks' twice, the whole model reduce-scattered (S = 2), then half of it all-reduced
+    # (2x its size) across the R = 2 replicas.
+    assert got("fsdp2_hsdp", "shard_mb") == pytest.approx(2 * ((psi - blocks) + 2 * blocks + psi),
+                                                          rel=1e-2)
+    assert got("fsdp2_hsdp", "replicate_mb") == pytest.approx(2 * 2 * psi / 2, rel=1e-2)
+    # What one inter-node link carries: the flat ring's whole traffic against the hybrid
+    # all-reduce of a 1/S slice over R = 2 ranks (2 (R-1)/R of it).
+    assert got("zk_stage2", "inter_mb") == pytest.approx(2 * 2 * psi * 3 / 4, rel=1e-2)
+    for name in pols[1:]:
+        assert got(name, "inter_mb") == pytest.approx(2 * psi / 2, rel=2e-2), name
+    assert float(rows["zk_stage2_hybrid"]["x_inter_vs_flat"]) == pytest.approx(1 / 3, rel=1e-2)
+    # Model state per rank, N = S = 2: stage 3 (2 + 2 + 12) Psi / N with bf16 params and
+    # grads (plus padding and the gather scratch); FSDP2's fp32 shard, fp32 grad shard and
+    # two fp32 moments: 16 Psi / N.
+    assert 8 * psi <= got("zk_stage3_hybrid", "state_mb") <= 1.15 * 8 * psi
+    assert 8 * psi <= got("fsdp2_hsdp", "state_mb") <= 1.05 * 8 * psi
+    # Stage 2: the fp32 state over 2 ranks instead of 4, the bf16 params and grads whole.
+    assert got("zk_stage2_hybrid", "optim_mb") == pytest.approx(2 * got("zk_stage2", "optim_mb"),
+                                                                rel=2e-2)
+    runs = read_csv_rows(tmp_path, "bench_zero_cpu_bf16_*_mesh2x2_quick_rounds.csv")
+    assert sorted((r["round"], r["policy"]) for r in runs) == sorted(
+        (str(k), p) for k in (1, 2) for p in pols)
+    per_round = [float(x) for x in rows["zk_stage2_hybrid"]["x_time_vs_flat_rounds"].split()]
+    for rnd, ratio in zip(("1", "2"), per_round):
+        mine = next(r for r in runs if r["round"] == rnd and r["policy"] == "zk_stage2_hybrid")
+        flat = next(r for r in runs if r["round"] == rnd and r["policy"] == "zk_stage2")
+        assert ratio == pytest.approx(float(mine["step_ms"]) / float(flat["step_ms"]), abs=1e-3)
+    pred = read_csv_rows(tmp_path, "bench_zero_cpu_bf16_*_mesh2x2_quick_predicted.csv")
+    assert {(r["cluster"], r["stage"]) for r in pred} >= {("2 x 2", "2"), ("2 x 8", "3")}
+    assert "time / flat" in stdout and "Predicted communication per step" in stdout
+
+
+def test_bench_zero_mesh_refusals(capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad --mesh input stops the bench before any rank starts, naming the option."""
+    from bench_zero import parse_args
+
+    for argv in (["--mesh", "2"], ["--mesh", "0x4"], ["--mesh", "2x2", "--world-size", "8"],
+                 ["--mesh", "2x2", "--policies", "ds_stage1"],
+                 ["--policies", "zk_stage2_hybrid"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert "mesh" in capsys.readouterr().err, argv
+    args = parse_args(["--mesh", "2x3"])
+    assert args.mesh == (2, 3) and args.world_size == 6 and "fsdp2_hsdp" in args.policies
