@@ -239,7 +239,8 @@ def providers(device: torch.device, every: bool, only: list[str] | None
     base = "torch_fused" if fused_runs(device) else "torch_foreach"
 
     def wanted(name: str) -> bool:
-        return not only or name == base or any(name.startswith(o) for o in only)
+        return not only or name == base or any(name == o or name.startswith(o + "_")
+                                               for o in only)
 
     if base != "torch_fused":
         notes.append("torch_fused: AdamW(fused=True) does not run here; baseline torch_foreach")
@@ -345,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true",
                     help="also torch forloop/foreach and every working zerokern backend")
     ap.add_argument("--providers", nargs="+", metavar="PREFIX",
-                    help="only the rows whose name starts with one of these (and the baseline)")
+                    help="only the rows named PREFIX or PREFIX_... (and the baseline): "
+                    "torch, zk, zk_int8, bnb, torchao, ...")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (smoke test)")
     ap.add_argument("--out", help="folder for the CSV and markdown (default bench/results)")
     ap.add_argument("--tag", default="", help="appended to the file names (e.g. run1)")
