@@ -313,7 +313,8 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"{cand} final loss {by[cand]['final_loss']:.4f} vs zk_fp32 "
                    f"{by[REF]['final_loss']:.4f}: {pct:+.3f}% -> within 1%: "
                    f"{'yes' if abs(pct) <= 1 else 'NO'}")
-        for a in ANCHORS:
+        # master-free rows also beside torchao's master-free mode, when it ran
+        for a in ANCHORS + (("torchao_adamw8bit_sr",) if cand == "zk_int8_nomaster" else ()):
             if a not in by:
                 continue
             d = 100 * (by[cand]["final_loss"] / by[a]["final_loss"] - 1)
