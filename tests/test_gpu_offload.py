@@ -68,7 +68,16 @@ def test_gpu_offload_bitwise_without_clipping(stage, dtype):
     eng = opt._engine
     assert eng.host.arena.pinned and eng.host.arena.device.type == "cpu"
     assert eng.pipe.copier.cuda and eng.pipe.copier.stream is not None
-    assert eng.pipe.copier.d2h > 0 and eng.pipe.copier.h2d > 0
+    assert eng.pipe.copier.d2h > 0
+    if stage == 3:
+        # offload_params: the step updates the host parameters in place (nothing goes back
+        # through the optimizer's copier); each unit's gather uploads its host slice through
+        # the unit runtime's own copier (first H200 run: the old h2d > 0 on the pipe failed).
+        rt = zerokern.zero.shard.runtime_of(pairs[1][0])
+        assert eng.pipe.copier.h2d == 0
+        assert rt.copier.cuda and rt.copier.stream is not None and rt.copier.h2d > 0
+    else:
+        assert eng.pipe.copier.h2d > 0
     ms = opt.memory_stats()
     assert ms["master"] == ms["exp_avg"] == ms["exp_avg_sq"] == 0 and ms["host_total"] > 0
     for sh in opt.shards():

@@ -250,3 +250,15 @@ def test_sr_bits_validation():
         sr_bits(0, -1, torch.arange(3))
     with pytest.raises(TypeError):
         sr_bits(0, 0, torch.arange(3.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sr_bits_on_cuda_index_equals_cpu():
+    # int seed and step words against CUDA index words: the H200 run found the torch backend's
+    # stochastic rounding failing with a device mismatch (CPU scalars broadcast to CPU views).
+    idx = torch.arange(0, 5000, 7, dtype=torch.int64)
+    want = sr_bits(123, 9, idx)
+    got = sr_bits(123, 9, idx.cuda())
+    assert got.device.type == "cuda"
+    assert torch.equal(got.cpu(), want)

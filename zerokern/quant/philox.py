@@ -77,7 +77,12 @@ def _word(name: str, w: Word) -> torch.Tensor:
 
 
 def _as_words(*words: Word) -> list[torch.Tensor]:
-    return list(torch.broadcast_tensors(*(_word("a Philox word", w) for w in words)))
+    # Python ints become tensors on the device of the tensor words: broadcasting a CPU
+    # scalar against CUDA words gives expanded CPU views that CUDA arithmetic refuses (seen
+    # on an H200: the torch backend's stochastic rounding failed with a device mismatch).
+    dev = next((w.device for w in words if isinstance(w, torch.Tensor)), None)
+    ts = [_word("a Philox word", w) for w in words]
+    return list(torch.broadcast_tensors(*(t if dev is None else t.to(dev) for t in ts)))
 
 
 def philox4x32(c0: Word, c1: Word, c2: Word, c3: Word, k0: Word, k1: Word
