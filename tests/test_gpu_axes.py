@@ -33,6 +33,11 @@ def _run(world: int, case: str, tmp_path) -> None:
         mesh_shape(CASES[case], world)
     except ValueError as e:
         pytest.skip(str(e))
+    if world & (world - 1):
+        # The engines average by t.div_(N). torch's CUDA division by a Python scalar is a
+        # multiply by its fp32 reciprocal, the CPU's a true division: for N not a power of
+        # two the averaged gradients may differ in their last bit, and so the whole run.
+        pytest.skip(f"bitwise needs a power-of-two world size, this machine has {world} GPUs")
     compare_sides(world, case, tmp_path, device="cuda", backend="nccl")
 
 
