@@ -9,8 +9,9 @@ the right expectation, and what is compared).
 
 Marked gpu: skipped without CUDA; bench/gpu_check.sh runs it right after the build, on one GPU
 (world size 1) and on all of them when there are several (a power of two of them: the
-averaging's division is exact only then on both devices, see _run). tests/test_gpu_axes_harness.py runs
-the same harness CPU against CPU without a GPU (it passes equal runs, fails different ones).
+averaging's division is exact only then on both devices, see _run).
+tests/test_gpu_axes_harness.py runs the same harness CPU against CPU without a GPU (it passes
+equal runs, fails different ones).
 """
 
 from __future__ import annotations
