@@ -1,7 +1,7 @@
 """End-to-end training step: zerokern ZeRO stages vs DDP, ZeroRedundancyOptimizer, FSDP2 and
 DeepSpeed, side by side in one run on the same GPT, data, global batch, precision and device.
 
-    python bench/bench_zero.py                          # reference workload (DESIGN.md §7)
+    python bench/bench_zero.py  # the reference workload (docs/how-it-works/conventions.md)
     python bench/bench_zero.py --precision bf16 --policies ddp zk_stage2
     python bench/bench_zero.py --quick                  # tiny model, 4 steps: a smoke test
     python bench/bench_zero.py --precision bf16 --policies ddp zk_stage2 --repeats 3

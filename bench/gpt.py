@@ -1,17 +1,17 @@
 """A small GPT (nanoGPT style) and a deterministic synthetic token stream.
 
-This is the reference end-to-end workload (DESIGN.md §7) of the benchmarks: the model is
-``zerokern.demo.gpt.GPT`` (shared with the demo and the examples) with the reference shape;
-the token stream is below. Import it by putting its folder on the path:
+This is the benchmarks' reference end-to-end workload (docs/how-it-works/conventions.md): the
+model is ``zerokern.demo.gpt.GPT`` (shared with the demo and the examples) with the reference
+shape; the token stream is below. Import it by putting its folder on the path:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))   # or .../bench
     from gpt import GPT, GPTConfig, batch
 
-Parameter count: the 13.84M of DESIGN.md §7 for ``GPTConfig()`` (6 blocks, d_model 384,
+Parameter count: the reference workload's 13.84M for ``GPTConfig()`` (6 blocks, d_model 384,
 6 heads, vocab 4096, sequence 128) is the count with an *untied* LM head (13,842,432); tying
 the head to the token embedding gives 12,269,568. ``tie_head`` therefore defaults to False so
-that the reference workload is the one the design describes; ``GPTConfig(tie_head=True)``
-gives the nanoGPT-style tied model.
+that ``GPTConfig()`` is the reference workload as the docs define it;
+``GPTConfig(tie_head=True)`` gives the nanoGPT-style tied model.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One table of tolerances for the suite, by dtype (see DESIGN.md §6)."""
+"""One table of tolerances for the suite, by dtype (docs/how-it-works/conventions.md, Tolerances:
+when the tests compare bit for bit, against these, or against a derived bound)."""
 
 import torch
 

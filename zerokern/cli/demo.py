@@ -280,7 +280,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=("tiny", "small", "base"),
         default="small",
         help="model size preset: tiny (0.1M params, for tests), small (3.2M, default) or "
-        "base (10.7M, DESIGN.md's 6 x 384 shape; several times slower per step)",
+        "base (10.7M, the benchmarks' reference 6 x 384 shape; several times slower per step)",
     )
     p.add_argument(
         "--precision",

@@ -3,9 +3,9 @@
 Token + learned position embeddings, ``n_layer`` pre-LN blocks (causal self-attention through
 ``F.scaled_dot_product_attention``, then a 4x GELU MLP, each added to the residual stream), a
 final LayerNorm and an LM head tied to the token embedding (``tie_head=False`` unties it: the
-benchmarks' reference workload of DESIGN.md §7, 13.84M parameters, is the untied 6 x 384
-model). Seed the global RNG (``torch.manual_seed``) before building it for reproducible
-weights.
+benchmarks' reference workload, 13.84M parameters, is the untied 6 x 384 model:
+docs/how-it-works/conventions.md). Seed the global RNG (``torch.manual_seed``) before building
+it for reproducible weights.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ class GPTConfig:
 
 
 # --model presets. "small" (the demo's default) trains 4 policies x 50 steps in about half a
-# minute on two idle CPU cores; "tiny" is for tests; "base" is DESIGN.md's reference shape
-# (6 x 384).
+# minute on two idle CPU cores; "tiny" is for tests; "base" is the benchmarks'
+# reference shape (6 x 384; docs/how-it-works/conventions.md).
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layer=2, n_embd=64, n_head=2, seq=32),
     "small": GPTConfig(n_layer=4, n_embd=256, n_head=4, seq=64),

@@ -71,7 +71,7 @@ A wait in a unit's collective beyond ``gather_timeout`` breaks the context: Coll
 names the unit and the likely cause, buffers a pending collective may still write never return
 to the arena, and every later gather refuses (gather_timeout.py).
 
-(Over the ~300 lines of the design guide by this docstring: the story stays with its class.)
+(Over the ~300 lines a part aims for, by this docstring: the story stays with its class.)
 """
 
 from __future__ import annotations
