@@ -39,8 +39,7 @@ from zerokern.quant.adamw import (
     dequantize_moments,
     init_compressed_moments,
 )
-from zerokern.quant.maps import create_dynamic_map, dequantize_blockwise, quantize_blockwise
-from zerokern.quant.requantize import requantize_blockwise
+from zerokern.quant.maps import create_dynamic_map
 
 SIGNED = create_dynamic_map(True)
 UNSIGNED = create_dynamic_map(False)
@@ -192,3 +191,97 @@ def test_add_param_group_stage3_compressed_matches_oracle(world, tmp_path):
     configs = [(s, o, m, ma) for s, o in ENGINES for m, ma in FORMATS
                if world == 1 or s == 3 or (m, ma) == ("int8", "fp32")]
     run_ranks(world, add_group_case, configs, tmp_path=tmp_path)
+
+
+# -- 10: eps=0 with int8 moments is refused ------------------------------------------------------
+def _plain(dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(128, 64), nn.Linear(64, 2)).to(dtype)
+
+
+def _train(model: nn.Module, opt: zerokern.ZeroAdamW, steps: int = 2, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 128, generator=g).to(next(model.parameters()).dtype)
+        model(x).float().square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _stored(opt: zerokern.ZeroAdamW) -> dict[str, torch.Tensor]:
+    st = opt._engine.state
+    out = {k: getattr(st, k).detach().clone().view(torch.uint8) for k in STORED
+           if getattr(st, k) is not None}
+    if st.master is not None:
+        out["master"] = st.master.detach().clone().view(torch.uint8)
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+EPS_REFUSED = r"eps.* must be > 0 with moments='int8'"
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("how", ["argument", "group"])
+def test_eps_zero_with_int8_refused_at_construction(stage, how):
+    model = _plain()
+    if stage == 3:
+        model = zerokern.shard_model(model)
+    params: list[Any] = list(model.parameters())
+    kw: dict[str, Any] = {"eps": 0}
+    if how == "group":
+        params, kw = [{"params": params, "eps": 0.0}], {}
+    with pytest.raises(ValueError, match=EPS_REFUSED):
+        zerokern.ZeroAdamW(params, stage=stage, moments="int8", **kw)
+
+
+def test_eps_zero_with_int8_refused_by_parallelize_before_sharding():
+    model = _plain()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=EPS_REFUSED):
+        zerokern.parallelize(model, stage=3, moments="int8", eps=0.0)
+    assert zerokern.zero.shard.runtime_of(model) is None  # shard_model did not run
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_eps_zero_with_int8_refused_later_before_anything_changes(stage):
+    """add_param_group, a param group edited to eps=0, and a torch-format state dict with
+    eps=0: refused with the state, the parameters and the groups as they were."""
+    model = _plain()
+    if stage == 3:
+        model = zerokern.shard_model(model)
+    first, second = list(model[0].parameters()), list(model[1].parameters())
+    opt = zerokern.ZeroAdamW(first, **HP, stage=stage, moments="int8")
+    _train(model, opt)
+    stored, groups = _stored(opt), [dict(g) for g in opt.param_groups]
+    with pytest.raises(ValueError, match=r"eps \(param group 1\) must be > 0.*moments"):
+        opt.add_param_group({"params": second, "eps": 0.0})
+    assert len(opt.param_groups) == 1 and _same(_stored(opt), stored)
+    sd = opt.full_state_dict(rank0_only=False)
+    sd["param_groups"][0]["eps"] = 0.0
+    with pytest.raises(ValueError, match=r"eps \(state_dict param group 0\).*moments"):
+        opt.load_state_dict(sd)
+    assert [dict(g) for g in opt.param_groups] == groups and _same(_stored(opt), stored)
+    params = {k: v.clone() for k, v in zerokern.full_state_dict(model, rank0_only=False).items()}
+    opt.param_groups[0]["eps"] = 0.0
+    model(torch.randn(8, 128).to(torch.bfloat16)).float().sum().backward()
+    with pytest.raises(ValueError, match=r"eps \(param group 0\) must be > 0.*moments"):
+        opt.step()
+    assert _same(_stored(opt), stored)
+    after = zerokern.full_state_dict(model, rank0_only=False)
+    assert all(torch.equal(after[k], v) for k, v in params.items())
+    opt.param_groups[0]["eps"] = 1e-8  # and it trains on once eps is set back
+    opt.step()
+    assert opt.shards_step(0) == 3
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_eps_zero_still_accepted_without_int8(moments):
+    """What torch's AdamW accepts (eps=0 divides by sqrt(v) alone): unchanged there."""
+    model = _plain()
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=2, moments=moments, eps=0.0)
+    _train(model, opt, steps=1)
