@@ -40,8 +40,8 @@ from zerokern.quant.maps import (
     UNSIGNED_MAP_ID,
     code_map,
     dequantize_blockwise,
-    quantize_blockwise,
 )
+from zerokern.quant.requantize import requantize_blockwise
 
 st = pytest.importorskip("safetensors.torch")  # the [checkpoint] extra
 
@@ -163,9 +163,11 @@ def assert_stored_same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 def requantized(x: torch.Tensor, key: str) -> torch.Tensor:
     """What storing the fp32 values ``x`` (a whole parameter) as int8 and reading them back
-    gives: blocks of 256 of the flattened parameter (independent of any layout)."""
+    gives: blocks of 256 of the flattened parameter (independent of any layout), stored by
+    ``requantize_blockwise`` (the oracle's quantizer, but a block of decoded values, such as
+    half of a decoded block, is stored exactly)."""
     code = code_map(MAPS[key])
-    codes, absmax = quantize_blockwise(x.float().reshape(-1), code)
+    codes, absmax = requantize_blockwise(x.float().reshape(-1), code)
     return dequantize_blockwise(codes, absmax, code).reshape(x.shape)
 
 

@@ -33,6 +33,7 @@ from .zero import ZeroAdamW, shard_model
 from .zero.interchange import check_adamw_flags
 from .zero.scaler import LossScaler
 from .zero.validate import (
+    check_eps_moments,
     check_hparams,
     check_offload,
     check_offload_params,
@@ -235,6 +236,7 @@ def parallelize(
     bound.apply_defaults()
     a = bound.arguments
     check_hparams(a["lr"], a["betas"], a["eps"], a["weight_decay"])
+    check_eps_moments(a["eps"], a["moments"])
     # ZeroAdamW's own checks, run here too so that nothing it would refuse reaches
     # shard_model (which changes the model).
     check_zero_args(stage, offload, a["bucket_numel"], a["max_grad_norm"])

@@ -9,5 +9,7 @@ Nothing here is exported from ``zerokern``; the optimizer imports the parts it n
 - ``maps``: the dynamic-exponent 8-bit code maps of the Adam moments (signed for ``exp_avg``,
   unsigned for ``exp_avg_sq``, each with a stable id that checkpoints store) and block-wise
   ``quantize_blockwise`` / ``dequantize_blockwise`` (blocks of 256, one fp32 absmax each).
+- ``requantize``: ``requantize_blockwise``, the quantizer of fp32 moments stored from outside
+  the step (state dicts, ``opt.state``): a decoded block gets its own codes back.
 - ``adamw``: the compressed AdamW step of one parameter's shard, the fused kernels' oracle.
 """

@@ -25,6 +25,7 @@ from ..comm import Comm
 from . import rebind
 from .layout import ALIGN_ELEMS, Layout, build_layout, build_stage3_layout
 from .param_table import ParamTable
+from .shard_state import ShardState
 from .stages import Engine, make_engine, planned_memory
 from .state_format import StateFormat
 from .validate import check_master_dtype, common_dtype_device
@@ -105,18 +106,10 @@ class EngineSlot:
         order = list(self.layout.ready_order) + list(range(first_new, len(self.table.params)))
         self.layout, self.engine = None, None
         self.build(param_groups, order)
-        eng = self.engine
         with torch.no_grad():
-            n = old.layout.local_numel
-            for key in ("exp_avg", "exp_avg_sq", "master", "exp_avg_absmax",
-                        "exp_avg_sq_absmax", "exp_avg_side", "exp_avg_sq_side"):
-                # The old local space (blocks, side buffers) is a prefix of the new one.
-                src = getattr(old.state, key)
-                if src is not None:
-                    getattr(eng.state, key).narrow(0, 0, src.numel()).copy_(src)
-            assert old.layout.local_numel == n
+            _carry_state(old.state, self.engine.state)
         if zero_kept:
-            eng.zero_grad(set_to_none=False)
+            self.engine.zero_grad(set_to_none=False)
 
     def memory_stats(self) -> dict[str, int]:
         """The engine's, or before it exists (stages 0-2) what it will allocate, laid out in
@@ -218,3 +211,27 @@ class EngineSlot:
             with torch.no_grad():
                 self.engine.init_master()
             self.mark_params()
+
+
+def _carry_state(old: ShardState, new: ShardState) -> None:
+    """add_param_group: ``old``'s state into ``new``, laid out for the same parameters plus
+    the new group's. The old local space is a prefix of the new one (stage 3: the same
+    space, the new parameters' pieces were holes), so the master, the moments and the int8
+    blocks' absmax (one per 256 local elements) keep their offsets. The fp32 side buffers of
+    small parameters do not: they are packed in local order, so at stage 3 a new small
+    parameter placed before an old one shifts the old one's side offset. Those are copied run
+    by run, at the offsets of the new plan."""
+    for key in ("exp_avg", "exp_avg_sq", "master", "exp_avg_absmax", "exp_avg_sq_absmax"):
+        src = getattr(old, key)
+        if src is not None:
+            getattr(new, key).narrow(0, 0, src.numel()).copy_(src)
+    if old.runs is None or old.exp_avg_side is None:
+        return
+    for r in old.runs.runs:
+        if r.side_start < 0:
+            continue
+        for nr, o, n in new.runs_in(r.local_start, r.stop):
+            at = r.side_start + nr.local_start + o - r.local_start
+            for key in ("exp_avg_side", "exp_avg_sq_side"):
+                getattr(new, key).narrow(0, nr.side_start + o, n).copy_(
+                    getattr(old, key).narrow(0, at, n))

@@ -26,7 +26,7 @@ import torch
 from ..comm import Comm
 from .optimizer_state import StateAccess, set_seed
 from .param_table import ParamTable
-from .validate import check_hparams
+from .validate import check_eps_moments, check_hparams
 
 _TORCH_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
@@ -182,6 +182,8 @@ class TorchFormat:
             hp = {k: sg.get(k, g[k]) for g in [param_groups[gi]] for k in _HPARAMS}
             check_hparams(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"],
                           f" (state_dict param group {gi})")
+            check_eps_moments(hp["eps"], self.access.slot.fmt.moments,
+                              f" (state_dict param group {gi})")
             check_adamw_flags({**sg, **hp}, f" (state_dict param group {gi})")
         saved_fmt = sd.get("state_format")
         seed = saved_fmt.get("seed") if isinstance(saved_fmt, dict) else None

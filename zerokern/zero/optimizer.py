@@ -48,6 +48,7 @@ from .shards import ParamShard
 from .stages import Engine
 from .state_format import StateFormat
 from .validate import (
+    check_eps_moments,
     check_hparams,
     check_master_dtype,
     check_offload_params,
@@ -82,6 +83,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         lr: learning rate (per group, and schedulers may change it).
         betas: coefficients of the running averages of the gradient and its square.
         eps: added to the denominator after the square root, as torch's AdamW adds it.
+            Must be > 0 with ``moments="int8"`` (in every param group too, also when
+            edited later): a second moment can decode to 0 there.
         weight_decay: decoupled weight decay, applied before the moments are updated.
         amsgrad: as torch's; only False (AdamW without AMSGrad) is implemented, True is
             refused.
@@ -175,6 +178,7 @@ class ZeroAdamW(torch.optim.Optimizer):
     ) -> None:
         check_hparams(lr, betas, eps, weight_decay)
         fmt = StateFormat(moments, master)  # ValueError naming moments or master
+        check_eps_moments(eps, fmt.moments)
         check_seed(seed)
         check_reduce_dtype(reduce_dtype, offload)
         # torch.optim.AdamW's signature, so that a script's AdamW(...) call works unchanged:
@@ -186,7 +190,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         check_zero_args(stage, offload, bucket_numel, max_grad_norm)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
-        check_groups(self.param_groups, flags=False)
+        check_groups(self.param_groups, flags=False, moments=fmt.moments)
         self.stage = stage
         self.offload = offload
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -447,7 +451,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         else:
             self._reduction.check_backward_since_step(events)
             # Nothing below changes anything until every group and parameter is checked.
-            check_groups(self.param_groups, flags=True)
+            check_groups(self.param_groups, flags=True, moments=self.state_format.moments)
             self._table.check_frozen()
             if self.layout is None:
                 self._slot.build_at_first_step(self.param_groups)
@@ -513,7 +517,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     def _adopt_group(self, group: dict[str, Any]) -> None:
         new, shapes = check_new_group(group, self._table, self._rt, self.comm, stage=self.stage,
                                       bucket_numel=self._slot.bucket_numel,
-                                      gi=len(self.param_groups) - 1)
+                                      gi=len(self.param_groups) - 1,
+                                      moments=self.state_format.moments)
         if self._rt is None and new:
             broadcast_params(self.comm, new)
         first = self._table.append(new, shapes,

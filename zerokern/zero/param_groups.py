@@ -15,6 +15,7 @@ from .interchange import check_adamw_flags
 from .param_table import ParamTable
 from .registry import runtime_of_param
 from .validate import (
+    check_eps_moments,
     check_hparams,
     check_no_duplicates,
     check_same_on_all_ranks,
@@ -22,25 +23,29 @@ from .validate import (
 )
 
 
-def check_groups(param_groups: list[dict[str, Any]], *, flags: bool) -> None:
+def check_groups(param_groups: list[dict[str, Any]], *, flags: bool, moments: str) -> None:
     """Every group's hyperparameters before any group is touched (a NaN lr in the second
-    group must not leave the first one updated); with ``flags``, a torch AdamW flag set on a
-    group afterwards (``g["amsgrad"] = True``) is not dropped in silence either."""
+    group must not leave the first one updated), ``eps`` against the ``moments`` format
+    (int8: eps > 0); with ``flags``, a torch AdamW flag set on a group afterwards
+    (``g["amsgrad"] = True``) is not dropped in silence either."""
     for gi, g in enumerate(param_groups):
         check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"],
                       f" (param group {gi})")
+        check_eps_moments(g["eps"], moments, f" (param group {gi})")
         if flags:
             check_adamw_flags(g, f" (param group {gi})")
 
 
 def check_new_group(group: dict[str, Any], table: ParamTable, runtime: Any, comm: Comm, *,
-                    stage: int, bucket_numel: int | None, gi: int,
+                    stage: int, bucket_numel: int | None, gi: int, moments: str,
                     ) -> tuple[list[torch.nn.Parameter], list[torch.Size]]:
     """Param group ``gi``, added after construction: its trained parameters and their full
-    shapes, once it is checked against the table (same kind of model, dtype and device) and
-    across ranks (a collective: every rank adds the same group)."""
+    shapes, once it is checked (its hyperparameters, ``eps`` against ``moments``) against the
+    table (same kind of model, dtype and device) and across ranks (a collective: every rank
+    adds the same group)."""
     check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                   f" (param group {gi})")
+    check_eps_moments(group["eps"], moments, f" (param group {gi})")
     check_no_duplicates(group["params"], gi)
     new = [p for p in group["params"] if p.requires_grad]
     owners = {id(rt) for rt in map(runtime_of_param, new)}

@@ -342,13 +342,15 @@ class ShardState:
     def write_moments(self, start: int, numel: int, exp_avg: torch.Tensor,
                       exp_avg_sq: torch.Tensor) -> None:
         """Store fp32 moments for local range [start, start + numel) of whole pieces in this
-        state's format: quantized per block of each run part (absmax recomputed), rounded to
-        nearest even (bf16), or copied."""
+        state's format: quantized per block of each run part (absmax recomputed; a decoded
+        block gets its own codes back, ``requantize_blockwise``), rounded to nearest even
+        (bf16), or copied."""
         if self.fmt.moments == "fp32" or self.runs is None:
             self.exp_avg.narrow(0, start, numel).copy_(exp_avg)
             self.exp_avg_sq.narrow(0, start, numel).copy_(exp_avg_sq)
             return
-        from ..quant.maps import SIGNED_MAP_ID, UNSIGNED_MAP_ID, code_map, quantize_blockwise
+        from ..quant.maps import SIGNED_MAP_ID, UNSIGNED_MAP_ID, code_map
+        from ..quant.requantize import requantize_blockwise
 
         for r, o, n in self.runs_in(start, start + numel):
             at = r.local_start + o - start
@@ -356,10 +358,11 @@ class ShardState:
             src_m = exp_avg.narrow(0, at, n).to(torch.float32)
             src_v = exp_avg_sq.narrow(0, at, n).to(torch.float32)
             if am is not None and avm is not None:
-                codes, absmax = quantize_blockwise(src_m, code_map(SIGNED_MAP_ID, m.device))
+                codes, absmax = requantize_blockwise(src_m, code_map(SIGNED_MAP_ID, m.device))
                 m.copy_(codes)
                 am.copy_(absmax)
-                codes, absmax = quantize_blockwise(src_v, code_map(UNSIGNED_MAP_ID, v.device))
+                codes, absmax = requantize_blockwise(src_v,
+                                                     code_map(UNSIGNED_MAP_ID, v.device))
                 v.copy_(codes)
                 avm.copy_(absmax)
             else:

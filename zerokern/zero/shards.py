@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..quant.maps import code_map, dequantize_blockwise, quantize_blockwise
+from ..quant.maps import code_map, dequantize_blockwise
+from ..quant.requantize import requantize_blockwise
 
 if TYPE_CHECKING:  # type names only: the public types here import nothing of the optimizer
     from .engine_slot import EngineSlot
@@ -35,9 +36,9 @@ _KEYS = ("values", *MOMENTS)
 class StoredRange:
     """A range's optimizer state exactly as a compressed ZeroAdamW stores it: writable views of
     its buffers, for consumers that must move the state without changing a bit (checkpoints,
-    resharding). int8 codes must travel as codes with their absmax: quantizing the dequantized
-    values does not always give them back (the signed map has no -1, so a block whose largest
-    magnitude is negative comes back with a smaller absmax).
+    resharding). int8 codes travel as codes with their absmax; ``write`` stores fp32 values
+    with ``requantize_blockwise``, so values read here and written back unchanged keep their
+    decoded values bit for bit (and, but for ties in the subnormal range, their codes).
 
     ``moments``: how this parameter's moments are stored: "int8" (uint8 codes, one fp32 absmax
     per 256-element block of the parameter; the range starts on a block), "bf16", or "fp32"
@@ -75,14 +76,15 @@ class StoredRange:
 
     def write(self, key: str, x: torch.Tensor) -> None:
         """Store the fp32 values ``x`` (numel elements) as ``key`` is stored: quantized per
-        block (absmax recomputed), rounded to nearest even (bf16), or copied."""
+        block (absmax recomputed; a decoded block gets its own codes back), rounded to nearest
+        even (bf16), or copied."""
         raw = getattr(self, key)
         absmax = self.absmax(key) if key != "values" else None
         if absmax is None:
             raw.copy_(x)
             return
-        codes, am = quantize_blockwise(x.to(raw.device, torch.float32).reshape(-1),
-                                       code_map(self.map_id(key), raw.device))
+        codes, am = requantize_blockwise(x.to(raw.device, torch.float32).reshape(-1),
+                                         code_map(self.map_id(key), raw.device))
         raw.copy_(codes)
         absmax.copy_(am)
 

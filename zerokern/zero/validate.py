@@ -31,6 +31,16 @@ def check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_deca
         raise ValueError(f"weight_decay{where} must be a finite number >= 0, got {weight_decay!r}")
 
 
+def check_eps_moments(eps: Any, moments: str, where: str = "") -> None:
+    """int8 moments need ``eps > 0``. An ``exp_avg_sq`` below about 1.6e-7 of its block's
+    absmax decodes to exactly 0 (the unsigned map's smallest nonzero value is about 3.25e-7),
+    while its ``exp_avg`` keeps a nonzero code: with ``eps=0`` the update divides by zero and
+    writes inf/NaN into the parameters (docs/compressed-state.md). Call after check_hparams."""
+    if moments == "int8" and float(eps) == 0.0:
+        raise ValueError(f"eps{where} must be > 0 with moments='int8' (an exp_avg_sq that "
+                         f"decodes to 0 would divide by zero), got {eps!r}")
+
+
 def finite_ge0(x: Any) -> bool:
     try:
         v = float(x)
