@@ -3,13 +3,13 @@ oracle, and its ops zerokern.ops.quantize_blocks_ / dequantize_blocks_).
 
 Every value is checked against float64 arithmetic written here, not against the oracle itself:
 the scale is the correctly rounded absmax / L, the codes are round-half-even of the correctly
-rounded, clamped x / s, the decoded value is the correctly rounded q * s (exact in float64; saturated at fp32's largest
-value, so that a finite block never decodes to inf),
-and |decoded - x| stays within the bound derived in the module docstring, for fp32/bf16/fp16
-inputs, odd sizes, several segments, adversarial blocks (ties, the block's own absmax,
-subnormal and underflowing scales, fp32's largest values) and random ones (hypothesis).
-Non-finite blocks decode to the canonical NaN, other blocks untouched. The Triton kernels
-are compared with this oracle bit for bit in test_triton_comm_quant.py.
+rounded, clamped x / s, the decoded value is the correctly rounded q * s (exact in float64),
+saturated at fp32's largest value (a finite block never decodes to inf), and |decoded - x|
+stays within the bound derived in the module docstring, for fp32/bf16/fp16 inputs, odd sizes,
+several segments, adversarial blocks (ties, the block's own absmax, subnormal and underflowing
+scales, fp32's largest values) and random ones (hypothesis). Non-finite blocks decode to the
+canonical NaN, other blocks untouched. The Triton kernels are compared with this oracle bit for
+bit in test_triton_comm_quant.py.
 """
 
 from __future__ import annotations
@@ -195,7 +195,8 @@ def test_int4_layout_and_padding():
 def test_reduce_sums_in_fp32_in_segment_order():
     g = torch.Generator().manual_seed(3)
     n, segs = 100, 4
-    x = torch.randn(segs * n, generator=g) * torch.tensor([1e4, 1.0, 1e-4, 1e2]).repeat_interleave(n)
+    mags = torch.tensor([1e4, 1.0, 1e-4, 1e2]).repeat_interleave(n)
+    x = torch.randn(segs * n, generator=g) * mags
     for bits in (8, 4):
         p = cc.quantize(x, segs, bits, 16)
         parts = cc.dequantize(p, n, segs, bits, 16).reshape(segs, n)

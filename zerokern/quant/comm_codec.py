@@ -31,10 +31,10 @@ Other blocks are unaffected.
 **Dequantize**: ``y_i = fl(q_i * s)``, one fp32 multiply (NaN where ``s`` is NaN), saturated
 to ``[-FLT_MAX, FLT_MAX]`` (the product exceeds fp32's largest value only when ``a`` is within
 ``2**-23`` of it and ``s`` was rounded up: a finite block decodes to finite values), then
-rounded to nearest even into the output dtype. A reduce sums the segments' fp32 ``y`` in segment order
-(``((y_0 + y_1) + y_2) + ...``, each add rounded in fp32; never in 8 or 4 bits), and rounds the
-sum once into the output dtype; a NaN sum is written as the canonical NaN. ``-0.0`` and
-values below half a step decode to ``+0.0``.
+rounded to nearest even into the output dtype. A reduce sums the segments' fp32 ``y`` in
+segment order (``((y_0 + y_1) + y_2) + ...``, each add rounded in fp32; never in 8 or 4 bits)
+and rounds the sum once into the output dtype. Every NaN written is the canonical NaN of the
+output dtype (:data:`NAN_BITS`). ``-0.0`` and values below half a step decode to ``+0.0``.
 
 **Bytes.** One segment's payload is ``scales | codes | pad``: ``ceil(n / block)`` fp32 scales
 (little-endian, as the tensor's memory holds them), then the codes, one int8 (two's complement)
@@ -49,15 +49,16 @@ element of a block of absmax ``a`` satisfies
     |y_i - x_i| <= a / (2 L) + 2**-22 * a + (L + 1) / 2 * eta      (:func:`error_bound`).
 
 Proof. If ``|t| <= L``: ``|q - t| <= 1/2``; ``|t - x/s| <= u |x/s|`` when ``x/s`` is normal
-(otherwise ``|x/s| < 2**-126``, ``q = 0`` and the error ``|x| < s/2``), so
-``|q s - x| <= s/2 + u |x|``, with ``s/2 <= a/(2L) (1 + u)`` (normal ``s``) or
-``a/(2L) + eta/4`` (subnormal ``s``). If ``t > L`` (only an ``s`` rounded down): ``x/s > L``,
-``q = L`` and ``0 < x - L s <= a - L s``, which is at most ``u a`` (normal ``s``) or
-``L eta / 2`` (subnormal ``s``: ``|s - a/L| <= eta/2``); likewise for ``t < -L``. When ``s = 0``
-the codes are 0 and ``|x| <= a <= L eta / 2``. The multiply adds at most ``u |q s| <= u a (1 +
-u)`` or ``eta/2``. Altogether the relative slack is ``(2 + 1/(2L)) u + O(u**2) < 4u = 2**-22``
-and the absolute slack at most ``(L + 1) eta / 2``. For 8 bits that is ``a/254`` up to a
-relative ``2**-22 * 254 < 7e-5`` of it (plus ``64 * 2**-149``, below ``1e-43``).
+(otherwise ``|x/s| < 2**-126``, ``q = 0`` and the error ``|x| < s/2``), so ``|q s - x| <= s/2 +
+u |x|``, with ``s/2 <= a/(2L) (1 + u)`` (normal ``s``) or ``a/(2L) + eta/4`` (subnormal ``s``).
+If ``t > L`` (only an ``s`` rounded down): ``x/s > L``, ``q = L`` and ``0 < x - L s <= a - L
+s``, which is at most ``u a`` (normal ``s``) or ``L eta / 2`` (subnormal ``s``: ``|s - a/L| <=
+eta/2``); likewise for ``t < -L``. When ``s = 0`` the codes are 0 and ``|x| <= a <= L eta /
+2``. The multiply adds at most ``u |q s| <= u a (1 + u)`` or ``eta/2``; the saturation only
+moves ``y`` towards ``x`` (``|x| <= FLT_MAX``). Altogether the relative slack is ``(2 + 1/(2L))
+u + O(u**2) < 4u = 2**-22`` and the absolute slack at most ``(L + 1) eta / 2``. For 8 bits that
+is ``a/254`` up to a relative ``2**-22 * 254 < 7e-5`` of it (plus ``64 * 2**-149``, below
+``1e-43``).
 """
 
 from __future__ import annotations
@@ -82,8 +83,18 @@ FLT_MAX = torch.finfo(torch.float32).max
 
 
 def check_format(bits: object, block: object) -> tuple[int, int]:
-    """``(bits, block)`` validated: ``bits`` 8 or 4, ``block`` a power of two in
-    [MIN_BLOCK, MAX_BLOCK]; ValueError naming the argument otherwise."""
+    """``(bits, block)`` validated.
+
+    Args:
+        bits: 8 or 4.
+        block: a power of two in [MIN_BLOCK, MAX_BLOCK].
+
+    Returns:
+        ``(bits, block)``.
+
+    Raises:
+        ValueError: naming the argument that is off.
+    """
     if isinstance(bits, bool) or bits not in BITS:
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
     if (isinstance(block, bool) or not isinstance(block, int) or block & (block - 1)
@@ -159,7 +170,18 @@ def quantize(x: torch.Tensor, segments: int = 1, bits: int = 8,
 
 def split_payload(payload: torch.Tensor, n: int, segments: int, bits: int,
                   block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scales fp32 ``[segments, blocks]``, codes as int32 ``[segments, n]``) of the payloads."""
+    """The parts of ``segments`` payloads.
+
+    Args:
+        payload: uint8 tensor of ``segments * payload_nbytes(n, bits, block)`` bytes.
+        n: elements per segment.
+        segments: how many payloads ``payload`` holds.
+        bits: 8 or 4.
+        block: elements per block.
+
+    Returns:
+        (fp32 scales ``[segments, blocks]``, the codes as int32 ``[segments, n]``).
+    """
     bits, block = check_format(bits, block)
     nb = num_blocks(n, block)
     rows = payload.reshape(segments, payload_nbytes(n, bits, block))
@@ -213,8 +235,16 @@ conversions give other bit patterns, e.g. 0xFFFF for bf16 from torch 2.14 on CPU
 
 
 def to_dtype(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 ``y`` rounded to nearest even into ``dtype`` (fp32, bf16 or fp16), every NaN
-    written as ``NAN_BITS[dtype]``."""
+    """fp32 ``y`` rounded to nearest even into ``dtype``, every NaN written as
+    ``NAN_BITS[dtype]``.
+
+    Args:
+        y: fp32 tensor.
+        dtype: torch.float32, torch.bfloat16 or torch.float16.
+
+    Returns:
+        A new tensor of ``dtype``.
+    """
     out = y.to(dtype)
     ints = {4: torch.int32, 2: torch.int16}[out.element_size()]
     nan = torch.tensor(NAN_BITS[dtype], dtype=torch.int64).to(ints).view(dtype)
@@ -238,8 +268,17 @@ def error_bound(absmax: torch.Tensor, bits: int = 8) -> torch.Tensor:
 
 
 def block_absmax(x: torch.Tensor, segments: int = 1, block: int = DEFAULT_BLOCK) -> torch.Tensor:
-    """``max |x|`` of each block of each segment, per element (``[segments * n]``, float64):
-    the ``absmax`` each element's :func:`error_bound` is taken at."""
+    """``max |x|`` of each element's block: the ``absmax`` its :func:`error_bound` is
+    taken at.
+
+    Args:
+        x: 1-D floating tensor of ``segments * n`` elements.
+        segments: how many equal segments ``x`` holds (blocks restart at each).
+        block: elements per block.
+
+    Returns:
+        float64 tensor shaped like ``x`` (NaN in a block holding NaN).
+    """
     _, block = check_format(8, block)
     xs, n = _blocks(x, segments, block)
     a = xs.abs().amax(dim=-1, keepdim=True)

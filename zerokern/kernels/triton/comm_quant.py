@@ -46,8 +46,8 @@ NUM_WARPS = 8
 # Launch options; the compile tests use the same. fp fusion off: the reduce's q * s and the
 # add into the fp32 sum must round separately, as in the oracle.
 COMPILE_OPTIONS = dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
-_MAGIC = 12582912.0  # 1.5 * 2**23
-FLT_MAX: tl.constexpr = 3.4028234663852886e38
+_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
 
 
