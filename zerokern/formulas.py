@@ -58,6 +58,14 @@ Device and host bytes per rank, model states only (constant buffers aside: bucke
     stage 2 + offload           device p Psi         host (p + K) Psi / N
     stage 3 + offload           device p Psi / N     host (p + K) Psi / N
     stage 3 + offload + params  device 0             host (2p + K) Psi / N
+
+Quantized communication (ZeRO++ qwZ/qgZ, ``zerokern.comm.quantized``): a piece of n elements
+travels as one fp32 scale per block of B elements and an int8 (b = 8) or int4 (b = 4) code per
+element, the codes padded to whole 4-byte words: ``4 ceil(n/B) + 4 ceil(ceil(n b/8) / 4)``
+bytes (:func:`quantized_payload_bytes`; 1.0156 bytes an element for int8 and B = 256, 0.5156
+for int4, against 2 for bf16). A quantized all-gather or reduce-scatter over N ranks counts N
+such payloads (:func:`quantized_all_gather_bytes`, :func:`quantized_reduce_scatter_bytes`), the
+two-hop reduce of a 2-D mesh one per hop and dim (:func:`quantized_2hop_bytes`).
 """
 
 from __future__ import annotations
@@ -582,3 +590,81 @@ def offload_min_gpus_to_fit(variant: str, psi: float, device_bytes: float,
     nd = need(dr, ds, device_bytes)
     nh = 1 if host_bytes is None else need(hr, hs, host_bytes)
     return None if nd is None or nh is None else max(nd, nh)
+
+
+# ------------------------------------------------------------------------------------------
+# Quantized communication (ZeRO++ qwZ / qgZ): bytes of the quantized collectives
+# ------------------------------------------------------------------------------------------
+
+QUANT_BLOCK = 256  # elements per quantization block by default (zerokern.quant.comm_codec)
+
+
+def _check_quant(numel: int, world: int, bits: int, block: int) -> None:
+    for name, v, lo in (("numel", numel, 0), ("world", world, 1), ("block", block, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    if bits not in (8, 4) or isinstance(bits, bool):
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+
+
+def quantized_payload_bytes(numel: int, bits: int = 8, block: int = QUANT_BLOCK) -> int:
+    """Bytes of one quantized piece of ``numel`` elements: a 4-byte fp32 scale per block of
+    ``block`` elements (the last one partial) and ``bits`` per element of codes, rounded up to
+    whole bytes and then to whole 4-byte words.
+
+    >>> quantized_payload_bytes(1000, 8, 256), quantized_payload_bytes(1001, 4, 256)
+    (1016, 520)
+    """
+    _check_quant(numel, 1, bits, block)
+    code_bytes = -(-numel * bits // 8)
+    return 4 * -(-numel // block) + 4 * -(-code_bytes // 4)
+
+
+def quantized_all_gather_bytes(shard_numel: int, world: int, bits: int = 8,
+                               block: int = QUANT_BLOCK) -> int:
+    """Bytes a quantized all-gather of ``shard_numel`` elements per rank counts over
+    ``world`` ranks: the N gathered payloads (what ``CommStats`` records, as an all-gather
+    counts its output); each rank sends (N - 1)/N of them on a ring. 0 with one rank.
+
+    >>> quantized_all_gather_bytes(1000, 4)
+    4064
+    """
+    _check_quant(shard_numel, world, bits, block)
+    return 0 if world == 1 else world * quantized_payload_bytes(shard_numel, bits, block)
+
+
+def quantized_reduce_scatter_bytes(chunk_numel: int, world: int, bits: int = 8,
+                                   block: int = QUANT_BLOCK) -> int:
+    """Bytes a quantized reduce-scatter to ``chunk_numel`` elements per rank counts over
+    ``world`` ranks: the payloads of the input's N chunks (as a reduce-scatter counts its
+    input); each rank sends N - 1 of them. 0 with one rank.
+
+    >>> quantized_reduce_scatter_bytes(1000, 4, bits=4)
+    2064
+    """
+    _check_quant(chunk_numel, world, bits, block)
+    return 0 if world == 1 else world * quantized_payload_bytes(chunk_numel, bits, block)
+
+
+def quantized_2hop_bytes(chunk_numel: int, shard: int, replicate: int, bits: int = 8,
+                         gather_bits: int = 8, block: int = QUANT_BLOCK) -> dict[str, int]:
+    """Bytes of the two-hop quantized reduce (``quantized_reduce_scatter_2hop``) per mesh dim,
+    to ``chunk_numel`` elements per rank on R = ``replicate`` replicas of S = ``shard``
+    ranks: the shard dim's reduce-scatter of S chunks, then across the replicate dim a
+    reduce-scatter of the chunk's R parts and an all-gather of them (``gather_bits``).
+
+    >>> quantized_2hop_bytes(1024, 2, 2, bits=4)
+    {'shard': 1056, 'replicate': 1568}
+    """
+    _check_quant(chunk_numel, shard, bits, block)
+    _check_quant(chunk_numel, replicate, gather_bits, block)
+    if replicate == 1:
+        return {"shard": quantized_reduce_scatter_bytes(chunk_numel, shard, bits, block),
+                "replicate": 0}
+    if chunk_numel % replicate:
+        raise ValueError(f"chunk_numel ({chunk_numel}) must be a multiple of replicate "
+                         f"({replicate})")
+    part = chunk_numel // replicate
+    return {"shard": quantized_reduce_scatter_bytes(chunk_numel, shard, bits, block),
+            "replicate": quantized_reduce_scatter_bytes(part, replicate, bits, block)
+            + quantized_all_gather_bytes(part, replicate, gather_bits, block)}

@@ -120,9 +120,12 @@ class CommStats:
     replicate: CommStats | None = None
 
     def add(self, kind: str, numel: int, element_size: int, factor: int = 1,
-            ranks: int = 1) -> None:
+            ranks: int = 1, *, nbytes: int | None = None) -> None:
+        """Count one call: ``factor * numel`` elements; their bytes are ``numel *
+        element_size`` each time, or ``nbytes`` in all when given (a quantized collective
+        moves fewer bytes than its elements' dtype: codes and scales)."""
         self.elements[kind] += factor * numel
-        self.bytes[kind] += factor * numel * element_size
+        self.bytes[kind] += factor * numel * element_size if nbytes is None else nbytes
         self.calls[kind] += 1
         self.wire[kind] += Fraction(factor * numel * (ranks - 1), ranks)
 
@@ -437,6 +440,25 @@ class Comm:
             self.stats.add("all_gather", out.numel(), out.element_size(),
                            ranks=self.world_size)
         return self._async("all_gather", label, [work], handed, async_op)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, label: str = "chunks",
+                   async_op: bool = False, *, count: bool = True) -> Handle | None:
+        """Slice r of ``out`` (N equal slices) = slice ``self.rank`` of rank r's ``inp``;
+        counted as inp's numel, like a reduce-scatter (count=False: the caller counts)."""
+        if self.world_size == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return None
+        if inp.numel() != out.numel() or inp.numel() % self.world_size:
+            raise ValueError(f"all_to_all of {label}: input has {inp.numel()} elements and "
+                             f"output {out.numel()}; both must be the same multiple of "
+                             f"{self.world_size}")
+        handed = (_hand(out), _hand(inp))
+        with self._guard("all_to_all", label):
+            work = dist.all_to_all_single(*handed, group=self.group, async_op=True)
+        if count:
+            self.stats.add("all_to_all", inp.numel(), inp.element_size(), ranks=self.world_size)
+        return self._async("all_to_all", label, [work], handed, async_op)
 
     def all_gather_object(self, obj: Any, label: str = "objects") -> list[Any]:
         """Every rank's picklable ``obj``, in rank order. Built on all_gather (sizes, then the
