@@ -69,9 +69,15 @@ if [ "$QUICK" != bench ]; then
   step quick_compressed 150 "${PYTEST[@]}" --maxfail=5 tests/test_gpu_adamw_compressed.py
   # The offload paths (pinned host arena, side-stream copies, events) have never run on a
   # GPU: their gpu-marked tests come right after the quick subset.
+  # The quantized-communication codec (compiled Triton on CUDA against its oracle) and the
+  # Philox words on CUDA (the first H200 run found the torch backend's stochastic rounding
+  # mixing devices).
+  step quant_comm 120 "${PYTEST[@]}" -m gpu tests/test_gpu_comm_quant.py tests/test_philox.py
   step offload_tests 150 "${PYTEST[@]}" -m gpu tests/test_gpu_offload.py
   step gpu_tests 180 "${PYTEST[@]}" -m gpu tests/test_cuda_kernels.py tests/test_gpu_zero.py
-  step triton_tests 120 "${PYTEST[@]}" tests/test_triton_*.py
+  # Under the lent machine's Triton 3.6 + numpy 2.5 the interpreter tests skip (first H200 run:
+  # 3 passed, 15 skipped in 35 s); the compiled kernels run in the op and axes tests above.
+  [ "$QUICK" = 1 ] || step triton_tests 120 "${PYTEST[@]}" tests/test_triton_*.py
 fi
 # The CSVs are copied after every benchmark, so a call cut short keeps those that finished;
 # at most 6 (8 files come back in all, with the log and the summary).
@@ -79,7 +85,7 @@ keep_csvs() { ls -1 "$TMP"/*.csv 2>/dev/null | head -6 | while read -r f; do cp 
 if [ "$QUICK" != 1 ]; then
   step bench_adam 150 python3 bench/bench_adam.py --device cuda --out "$TMP"; keep_csvs
   step bench_memory 60 python3 bench/bench_memory.py --device cuda --quick --out "$TMP"; keep_csvs
-  step bench_zero 120 python3 bench/bench_zero.py --world-size 1 --steps 20 --out "$TMP"; keep_csvs
+  step bench_zero 200 python3 bench/bench_zero.py --world-size 1 --steps 20 --out "$TMP"; keep_csvs
   # ZeRO-Offload: step time and device/host memory with and without offload (DeepSpeed's
   # offload rows when it is installed), then the largest model fitting a 2 GB device budget.
   step bench_offload 180 python3 bench/bench_offload.py --device cuda --world-size 1 --steps 15 --repeats 1 --out "$TMP"; keep_csvs
