@@ -27,17 +27,20 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
+import torch
 from torch import nn
 
+from .comm.mesh import describe_mesh
 from .zero import ZeroAdamW, shard_model
+from .zero.agreement import NO_MESH, agree, agreement_comm
+from .zero.config import ZeroConfig
 from .zero.interchange import check_adamw_flags
-from .zero.scaler import LossScaler
+from .zero.param_table import trained_params
 from .zero.validate import (
     check_hparams,
-    check_offload,
+    check_master_dtype,
     check_offload_params,
-    check_reduce_dtype,
-    check_zero_args,
+    common_dtype_device,
 )
 
 __all__ = ["parallelize", "resolve_units", "shard_for"]
@@ -221,29 +224,85 @@ def parallelize(
         RuntimeError: the model is already sharded (``shard_model`` or ``parallelize`` at
             stage 3 called before), as ``shard_model`` refuses it.
     """
-    _check_stage(stage)
-    check_offload(offload, stage)
-    _check_offload_params_stage(offload_params, stage)
-    # The optimizer's own rule, checked here before shard_model changes the model.
-    check_offload_params(SimpleNamespace(offload_params=offload_params), offload)
+    # Every check first, on every rank, then one gather compares the options and carries
+    # any rank's refusal to all (zero/agreement.py): shard_model changes the model, so
+    # nothing it would not survive may reach it (a refusal after it would leave the model
+    # sharded, and the corrected call refused as "already sharded").
+    failure: BaseException | None = None
+    cfg: ZeroConfig | None = None
+    rest: dict[str, Any] = {}
+    listed = None if params is None else _listed(params)
     try:
-        bound = _ADAMW_SIGNATURE.bind(params, stage=stage, offload=offload,
-                                      process_group=process_group, mesh=mesh, **adamw_kwargs)
-    except TypeError as exc:
-        raise TypeError(f"parallelize: {exc} (the keywords after the stage-3 options are "
-                        "ZeroAdamW's)") from None
-    bound.apply_defaults()
-    a = bound.arguments
-    check_hparams(a["lr"], a["betas"], a["eps"], a["weight_decay"])
-    # ZeroAdamW's own checks, run here too so that nothing it would refuse reaches
-    # shard_model (which changes the model).
-    check_zero_args(stage, offload, a["bucket_numel"], a["max_grad_norm"])
-    check_adamw_flags(dict(amsgrad=a["amsgrad"], maximize=a["maximize"],
-                           differentiable=a["differentiable"]), "")
-    LossScaler.from_arg(a["loss_scale"])
-    check_reduce_dtype(a["reduce_dtype"], offload)
-    shard_for(model, stage=stage, unit_classes=unit_classes, prefetch=prefetch,
+        try:
+            bound = _ADAMW_SIGNATURE.bind(listed, stage=stage, offload=offload,
+                                          process_group=process_group, mesh=mesh,
+                                          **adamw_kwargs)
+        except TypeError as exc:
+            raise TypeError(f"parallelize: {exc} (the keywords after the stage-3 options "
+                            "are ZeroAdamW's)") from None
+        bound.apply_defaults()
+        a = bound.arguments
+        cfg = ZeroConfig.merge(a["config"], {n: a[n] for n in ZeroConfig.names()},
+                               "parallelize").validate()
+        _check_offload_params_stage(offload_params, cfg.stage)
+        # The optimizer's own rule, checked here before shard_model changes the model.
+        check_offload_params(SimpleNamespace(offload_params=offload_params), cfg.offload)
+        check_hparams(a["lr"], a["betas"], a["eps"], a["weight_decay"])
+        check_adamw_flags(dict(amsgrad=a["amsgrad"], maximize=a["maximize"],
+                               differentiable=a["differentiable"]), "")
+        _check_params(model if listed is None else listed, cfg)
+        if cfg.stage == 3:
+            resolve_units(model, unit_classes)  # errors name shard_for, as before
+        rest = {k: v for k, v in adamw_kwargs.items()
+                if k not in ZeroConfig.names() and k != "config"}
+    except (ValueError, TypeError, RuntimeError) as exc:
+        failure = exc
+    agree(agreement_comm(mesh=mesh, process_group=process_group), "parallelize",
+          options=None if failure is not None else cfg.agreed(), failure=failure,
+          mesh=NO_MESH if mesh is None else describe_mesh(mesh, process_group, "parallelize"))
+    assert cfg is not None  # else agree raised
+    shard_for(model, stage=cfg.stage, unit_classes=unit_classes, prefetch=prefetch,
               reshard_after_forward=reshard_after_forward, offload_params=offload_params,
               gather_timeout=gather_timeout, process_group=process_group, mesh=mesh)
-    return ZeroAdamW(model.parameters() if params is None else params, stage=stage,
-                     offload=offload, process_group=process_group, mesh=mesh, **adamw_kwargs)
+    return ZeroAdamW(model.parameters() if listed is None else listed, config=cfg,
+                     process_group=process_group, mesh=mesh, **rest)
+
+
+def _listed(params: Any) -> list[Any]:
+    """``params`` as a list that can be read twice (the checks, then ZeroAdamW): a generator,
+    or a group's generator, would be used up by the first reading."""
+    out = []
+    for item in params:
+        if isinstance(item, dict) and "params" in item and not torch.is_tensor(item["params"]):
+            item = {**item, "params": list(item["params"])}
+        out.append(item)
+    return out
+
+
+def _check_params(source: nn.Module | list[Any], cfg: ZeroConfig) -> None:
+    """What ZeroAdamW checks of its parameters, before shard_model changes them: something
+    to train, listed once, one dtype and device, not on the meta device, and bf16 for
+    ``master="none"``."""
+    if isinstance(source, nn.Module):
+        groups = [{"params": list(source.parameters())}]
+    elif source and all(isinstance(g, dict) for g in source):
+        groups = [{"params": _tensors(g.get("params", []))} for g in source]
+    else:
+        groups = [{"params": _tensors(source)}]
+    managed, _ = trained_params(groups)
+    dtype, _ = common_dtype_device([p for ps in managed for p in ps])
+    check_master_dtype(cfg.state_format, dtype)
+
+
+def _tensors(ps: Any) -> list[torch.Tensor]:
+    """A group's parameters: a tensor, tensors, or (name, tensor) pairs."""
+    if torch.is_tensor(ps):
+        return [ps]
+    out = []
+    for x in ps:
+        t = x[1] if isinstance(x, tuple) and len(x) == 2 else x
+        if not torch.is_tensor(t):
+            raise TypeError(f"params: expected parameters, (name, parameter) pairs or "
+                            f"param-group dicts, got a {type(t).__name__}")
+        out.append(t)
+    return out

@@ -33,8 +33,10 @@ from typing import Any
 import torch
 
 from ..comm.collectives import comm_summary
-from ..comm.mesh import check_same_mesh, mesh_comm
+from ..comm.mesh import check_same_mesh
 from . import interop
+from .agreement import agree_at_construction
+from .config import ZeroConfig
 from .engine_slot import EngineSlot
 from .guard_set import GuardSet
 from .interchange import TorchFormat, check_adamw_flags, is_torch_format, strip_adamw_flags
@@ -51,10 +53,7 @@ from .validate import (
     check_hparams,
     check_master_dtype,
     check_offload_params,
-    check_reduce_dtype,
-    check_same_on_all_ranks,
     check_seed,
-    check_zero_args,
     common_dtype_device,
     finite_ge0,
 )
@@ -172,58 +171,72 @@ class ZeroAdamW(torch.optim.Optimizer):
         seed: int = 0,
         mesh: Any = None,
         reduce_dtype: torch.dtype | None = None,
+        config: ZeroConfig | None = None,
     ) -> None:
-        check_hparams(lr, betas, eps, weight_decay)
-        fmt = StateFormat(moments, master)  # ValueError naming moments or master
-        check_seed(seed)
-        check_reduce_dtype(reduce_dtype, offload)
         # torch.optim.AdamW's signature, so that a script's AdamW(...) call works unchanged:
         # the flags that change the update are refused unless at AdamW's values; foreach,
         # fused and capturable choose torch's kernels, and ZeroAdamW has its own.
         del foreach, fused, capturable
-        check_adamw_flags(dict(amsgrad=amsgrad, maximize=maximize,
-                               differentiable=differentiable), "")
-        check_zero_args(stage, offload, bucket_numel, max_grad_norm)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults)
-        check_groups(self.param_groups, flags=False)
-        self.stage = stage
-        self.offload = offload
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.scaler = LossScaler.from_arg(loss_scale)
+        # Every check runs first, then one gather compares the options across ranks and
+        # carries any rank's refusal to every rank (agreement.py); nothing is modified and
+        # no other collective runs before it.
+        cfg: ZeroConfig | None = None
+        rt: Any = None
+        table: ParamTable | None = None
+        failure: BaseException | None = None
+        try:
+            cfg = ZeroConfig.merge(config, dict(
+                stage=stage, bucket_numel=bucket_numel, max_grad_norm=max_grad_norm,
+                loss_scale=loss_scale, overlap_comm=overlap_comm, backend=backend,
+                offload=offload, moments=moments, master=master, seed=seed,
+                reduce_dtype=reduce_dtype)).validate()
+            check_hparams(lr, betas, eps, weight_decay)
+            check_adamw_flags(dict(amsgrad=amsgrad, maximize=maximize,
+                                   differentiable=differentiable), "")
+            defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+            super().__init__(params, defaults)
+            check_groups(self.param_groups, flags=False)
+            managed, frozen = trained_params(self.param_groups)
+            # A model wrapped in DDP first (DDP's constructor refuses the other order).
+            interop.check_no_ddp([p for g in self.param_groups for p in g["params"]],
+                                 "ZeroAdamW")
+            rt = stage3_runtime([p for ps in managed for p in ps], cfg.stage)
+            check_offload_params(rt, cfg.offload)
+            if rt is not None:
+                check_same_mesh(mesh, rt.comm)
+            table = ParamTable(managed, frozen, rt)
+            dtype, device = common_dtype_device(table.params)  # meta parameters refused
+            check_master_dtype(cfg.state_format, dtype)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            failure = exc
+        self.comm = agree_at_construction(
+            None if failure is not None else cfg.agreed(), failure, runtime=rt, mesh=mesh,
+            process_group=process_group, param_groups=getattr(self, "param_groups", []),
+            table=table)
+        assert cfg is not None and table is not None  # else agree raised
+        self.config = cfg
+        self.stage = cfg.stage
+        self.offload = cfg.offload
+        self.max_grad_norm = None if cfg.max_grad_norm is None else float(cfg.max_grad_norm)
+        self.scaler = LossScaler.from_arg(cfg.loss_scale)
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False  # the last step() skipped (loss-scaler overflow)
-
-        managed, frozen = trained_params(self.param_groups)
-        # A model wrapped in DDP first (DDP's constructor refuses the other order).
-        interop.check_no_ddp([p for g in self.param_groups for p in g["params"]], "ZeroAdamW")
-        self._rt = stage3_runtime([p for ps in managed for p in ps], stage)
-        check_offload_params(self._rt, offload)
-        if self._rt is not None:
-            check_same_mesh(mesh, self._rt.comm)
-            self.comm = self._rt.comm
-        else:
-            self.comm = mesh_comm(mesh, process_group)  # a wrong mesh: refused on every rank
-        self._table = ParamTable(managed, frozen, self._rt)
-        params = self._table.params
-        dtype, device = common_dtype_device(params)
-        check_master_dtype(fmt, dtype)
-        check_same_on_all_ranks(self.comm, stage, bucket_numel, self._table.group_counts(),
-                                self._table.shapes, params, offload, reduce_dtype)
-        if self._rt is None:
+        self._rt, self._table = rt, table
+        params = table.params
+        if rt is None:
             broadcast_params(self.comm, params)  # stage 3: shard_model did it
         else:
-            self._rt.set_reduce_dtype(reduce_dtype or dtype)
-        self._slot = EngineSlot(self._table, self.comm, stage=stage, offload=offload,
-                                runtime=self._rt, bucket_numel=bucket_numel,
-                                overlap=overlap_comm, backend=backend, dtype=dtype,
-                                device=device, fmt=fmt, seed=int(seed),
-                                reduce_dtype=reduce_dtype)
+            rt.set_reduce_dtype(cfg.reduce_dtype or dtype)
+        self._slot = EngineSlot(table, self.comm, stage=cfg.stage, offload=cfg.offload,
+                                runtime=rt, bucket_numel=cfg.bucket_numel,
+                                overlap=cfg.overlap_comm, backend=cfg.backend, dtype=dtype,
+                                device=device, fmt=cfg.state_format, seed=int(cfg.seed),
+                                reduce_dtype=cfg.reduce_dtype)
         self._reduction = GradReduction(self.comm, self._rt)
         self._guards = GuardSet(params, self._guard_measure)
-        self._access = StateAccess(self._table, self._slot, self.comm, stage=stage,
-                                   runtime=self._rt, shards=self.shards)
-        self._interchange = TorchFormat(self._table, self._access, self.comm, stage)
+        self._access = StateAccess(table, self._slot, self.comm, stage=cfg.stage,
+                                   runtime=rt, shards=self.shards)
+        self._interchange = TorchFormat(table, self._access, self.comm, cfg.stage)
         self._grad_hooks: list[Any] = []
         interop.register_params(params, self)
         self._watch_grads(params, 0)
@@ -511,8 +524,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             raise
 
     def _adopt_group(self, group: dict[str, Any]) -> None:
-        new, shapes = check_new_group(group, self._table, self._rt, self.comm, stage=self.stage,
-                                      bucket_numel=self._slot.bucket_numel,
+        new, shapes = check_new_group(group, self._table, self._rt, self.comm,
+                                      options=self.config.agreed(),
+                                      param_groups=self.param_groups,
                                       gi=len(self.param_groups) - 1)
         if self._rt is None and new:
             broadcast_params(self.comm, new)
