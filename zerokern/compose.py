@@ -206,21 +206,27 @@ def parallelize(
             at stages 0-2 (docs/hybrid.md).
         **adamw_kwargs: the rest of ZeroAdamW's arguments (``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``bucket_numel``, ``max_grad_norm``, ``loss_scale``,
-            ``overlap_comm``, ``backend``, ...).
+            ``overlap_comm``, ``backend``, ``moments``, ``master``, ``seed``, ...), or its
+            options as ``config=zerokern.ZeroConfig(...)`` (then ``stage`` and ``offload``
+            come from it).
 
     Returns:
         The ZeroAdamW (the model is the one given, partitioned in place at stage 3).
 
     Raises:
-        ValueError: a stage outside 0-3; ``offload`` other than None or ``"cpu"``, or at
-            stage 0; ``offload_params`` at stages 0-2 or without ``offload="cpu"``; a bad
-            ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bucket_numel``,
-            ``max_grad_norm`` or ``loss_scale``; a torch AdamW flag ZeroAdamW refuses
-            (``amsgrad``, ``maximize``, ``differentiable``); what ``shard_model`` refuses
-            (unit classes that match no module, a bad ``prefetch``). All of these are
-            checked before the model is modified.
-        TypeError: a keyword that ZeroAdamW does not take, or bad ``unit_classes``
-            entries (before the model is modified).
+        ValueError: a stage that is not an int 0-3; ``offload`` other than None or
+            ``"cpu"``, or at stage 0; ``offload_params`` at stages 0-2 or without
+            ``offload="cpu"``; a bad ``lr``, ``betas``, ``eps``, ``weight_decay``,
+            ``bucket_numel``, ``max_grad_norm``, ``loss_scale``, ``moments``, ``master``,
+            ``seed``, ``reduce_dtype`` or ``backend``; ``master="none"`` with parameters
+            that are not bf16; parameters on the meta device; a torch AdamW flag ZeroAdamW
+            refuses (``amsgrad``, ``maximize``, ``differentiable``); options that differ
+            across ranks (compared in one gather, as ZeroAdamW compares them; a refusal on
+            one rank is raised on every rank); what ``shard_model`` refuses (unit classes
+            that match no module, a bad ``prefetch``). All of these are checked before the
+            model is modified, so the corrected call works on the same model.
+        TypeError: a keyword that ZeroAdamW does not take, a ``config`` that is no
+            ZeroConfig, or bad ``unit_classes`` entries (before the model is modified).
         RuntimeError: the model is already sharded (``shard_model`` or ``parallelize`` at
             stage 3 called before), as ``shard_model`` refuses it.
     """

@@ -76,10 +76,22 @@ class ZeroConfig:
     @classmethod
     def merge(cls, config: ZeroConfig | None, given: dict[str, Any],
               where: str = "ZeroAdamW") -> ZeroConfig:
-        """The config of a call that got ``config`` and the option keywords ``given``
-        (name -> value): the keywords alone, or ``config`` when every keyword is at its
-        default. Raises ValueError naming a keyword that ``config`` would silently
-        override, and TypeError for a ``config`` that is no ZeroConfig."""
+        """The config of a call that got ``config`` and the option keywords ``given``.
+
+        Args:
+            config: the call's ``config=``, or None.
+            given: the call's option keywords, name -> value.
+            where: the call, named in the errors.
+
+        Returns:
+            A config of the keywords alone, or ``config`` when every keyword is at its
+            default.
+
+        Raises:
+            ValueError: a keyword, not at its default, that ``config`` would silently
+                override.
+            TypeError: a ``config`` that is no ZeroConfig.
+        """
         if config is None:
             return cls(**given)
         if not isinstance(config, ZeroConfig):
@@ -138,10 +150,19 @@ class ZeroConfig:
         return out
 
     def agree(self, comm: Any, *, where: str = "ZeroAdamW", **facts: Any) -> None:
-        """Compare these options (validated), and ``facts`` (see
-        ``zero.agreement.agree``), across the ranks of ``comm`` in one gather: a
-        collective. Raises ValueError on every rank, naming each option that differs and
-        every rank's value."""
+        """Compare these options (validated) across the ranks of ``comm`` in one gather:
+        a collective, call it on every rank.
+
+        Args:
+            comm: the group to compare over (``zero.agreement.agreement_comm``).
+            where: the call, named in the errors.
+            **facts: what else to compare in the same gather (``zero.agreement.agree``'s
+                ``failure``, ``mesh``, ``groups``, ``params``).
+
+        Raises:
+            ValueError: on every rank, naming each option that differs and every rank's
+                value (or another rank's refusal).
+        """
         from .agreement import agree
 
         agree(comm, where, options=self.agreed(), **facts)

@@ -90,7 +90,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         capturable: accepted and ignored, as ``foreach``.
         differentiable: only False (the step is not recorded by autograd).
         fused: accepted and ignored, as ``foreach``.
-        stage: the ZeRO stage, 0-3 (3 needs a model partitioned by ``shard_model``).
+        stage: the ZeRO stage, an int 0-3 (3 needs a model partitioned by
+            ``shard_model``).
         process_group: the group whose ranks share the work; default the world.
         bucket_numel: gradient bucket size in elements (stages 0-2); default 2**21.
         max_grad_norm: clip every step to this global 2-norm (None: no clipping).
@@ -129,8 +130,22 @@ class ZeroAdamW(torch.optim.Optimizer):
             the gradient shard in fp32) and reach the fused step in fp32, as FSDP2's
             ``MixedPrecisionPolicy(reduce_dtype=)``; ``memory_stats()`` / ``comm_stats()``
             count the extra bytes. Not with ``offload``.
+        config: a ``zerokern.ZeroConfig`` holding ZeroAdamW's own options (``stage``
+            through ``reduce_dtype`` above, except ``process_group`` and ``mesh``), instead
+            of those keywords; giving one of them as well, at another value than its
+            default, is refused.
+
+    Every rank must give the same ``stage``, ``bucket_numel``, ``offload``, ``moments``,
+    ``master``, ``seed``, ``reduce_dtype``, ``loss_scale``, ``max_grad_norm``, mesh,
+    per-group ``lr``, ``betas``, ``eps`` and ``weight_decay``, and the same parameters
+    (shapes and dtypes): the constructor compares them across ranks in one gather, before
+    any other collective, and raises ValueError on every rank naming each one that differs
+    and every rank's value. An argument refused on one rank is raised on every rank.
+    ``overlap_comm`` and ``backend`` may differ (the collectives are the same, and the
+    kernels agree bit for bit).
 
     Attributes:
+        config: the options as a ``ZeroConfig`` (validated and agreed across ranks).
         stage: the ZeRO stage.
         offload: ``"cpu"`` or None.
         max_grad_norm: the clipping norm of every step, or None.
