@@ -96,6 +96,12 @@ def _differing_options(rank: int, world: int) -> None:
     for name, a, b, words in two:
         kw = {"stage": 2, name: a if rank == 0 else b}
         _refused_everywhere(lambda kw=kw: zerokern.ZeroAdamW(model.parameters(), **kw), words)
+    # stage 3 on one rank, 2 on the other, over a sharded model: rank 1's own refusal (a
+    # sharded model needs stage=3) gives way to the difference that causes it.
+    sharded = _model(torch.bfloat16, 3)
+    _refused_everywhere(
+        lambda: zerokern.ZeroAdamW(sharded.parameters(), stage=3 if rank == 0 else 2),
+        "stage is 3 on rank 0, 2 on rank 1")
     # A second param group's learning rate.
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     other = [p for n, p in model.named_parameters() if not n.endswith("weight")]

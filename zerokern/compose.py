@@ -237,8 +237,9 @@ def parallelize(
     failure: BaseException | None = None
     cfg: ZeroConfig | None = None
     rest: dict[str, Any] = {}
-    listed = None if params is None else _listed(params)
+    listed: list[Any] | None = None
     try:
+        listed = None if params is None else _listed(params)
         try:
             bound = _ADAMW_SIGNATURE.bind(listed, stage=stage, offload=offload,
                                           process_group=process_group, mesh=mesh,
@@ -264,7 +265,7 @@ def parallelize(
     except (ValueError, TypeError, RuntimeError) as exc:
         failure = exc
     agree(agreement_comm(mesh=mesh, process_group=process_group), "parallelize",
-          options=None if failure is not None else cfg.agreed(), failure=failure,
+          options=None if cfg is None else cfg.agreed(), failure=failure,
           mesh=NO_MESH if mesh is None else describe_mesh(mesh, process_group, "parallelize"))
     assert cfg is not None  # else agree raised
     shard_for(model, stage=cfg.stage, unit_classes=unit_classes, prefetch=prefetch,
@@ -277,6 +278,9 @@ def parallelize(
 def _listed(params: Any) -> list[Any]:
     """``params`` as a list that can be read twice (the checks, then ZeroAdamW): a generator,
     or a group's generator, would be used up by the first reading."""
+    if torch.is_tensor(params) or not isinstance(params, Iterable):
+        raise TypeError(f"params must be an iterable of parameters or param-group dicts (as "
+                        f"for torch.optim.AdamW), got a {type(params).__name__}")
     out = []
     for item in params:
         if isinstance(item, dict) and "params" in item and not torch.is_tensor(item["params"]):

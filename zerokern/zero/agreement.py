@@ -113,7 +113,8 @@ def agree(comm: Comm, where: str, *, options: dict[str, Any] | None = None,
         comm: the group to compare over (``agreement_comm``).
         where: the call, named in the errors (``"ZeroAdamW"``, ``"parallelize"``, ...).
         options: ``ZeroConfig.agreed()``; None where the options were refused.
-        failure: this rank's refusal so far, or None.
+        failure: this rank's refusal so far, or None (raised here, after the gather,
+            unless the ranks' options differ: that is raised instead, on every rank).
         mesh: ``comm.mesh.describe_mesh(...)`` of a given mesh; ``NO_MESH`` without one.
         groups: ``group_facts``, or None where not known (compared only when every rank
             sent them).
@@ -128,9 +129,12 @@ def agree(comm: Comm, where: str, *, options: dict[str, Any] | None = None,
     mine = {"where": where, "error": None if failure is None else _describe(failure),
             "options": options, "mesh": mesh, "groups": groups, "params": params}
     gathered = comm.all_gather_object(mine, f"{where} options")
-    if failure is not None:
+    # Options that differ are the likelier cause of a refusal on some rank (a rank given
+    # stage=2 refuses a sharded model): every rank names them first.
+    message = _options_verdict(gathered, where)
+    if message is None and failure is not None:
         raise failure
-    message = verdict(gathered, where)
+    message = message or verdict(gathered, where)
     if message is not None:
         raise ValueError(message)
 
@@ -139,8 +143,24 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _options_verdict(gathered: list[dict[str, Any]], where: str) -> str | None:
+    """The options (and hyperparameters) that differ, where every rank sent its own."""
+    if any(f["options"] is None for f in gathered):
+        return None
+    diffs = _option_diffs(gathered)
+    if not diffs:
+        return None
+    return f"{where}: options differ across ranks (every rank must give the same): " + \
+        "; ".join(diffs)
+
+
 def verdict(gathered: list[dict[str, Any]], where: str) -> str | None:
-    """The first problem in every rank's facts (pure: the same on every rank), or None."""
+    """The first problem in every rank's facts (pure: the same on every rank), or None:
+    options that differ, a rank's refusal, ranks in different calls, a mesh mistake,
+    parameter lists that differ."""
+    message = _options_verdict(gathered, where)
+    if message is not None:
+        return message
     failed = [r for r, f in enumerate(gathered) if f["error"] is not None]
     if failed:
         r = failed[0]
@@ -153,10 +173,6 @@ def verdict(gathered: list[dict[str, Any]], where: str) -> str | None:
     message = _mesh_verdict([f["mesh"] for f in gathered], where)
     if message is not None:
         return message
-    diffs = _option_diffs(gathered)
-    if diffs:
-        return (f"{where}: options differ across ranks (every rank must give the same): "
-                + "; ".join(diffs))
     return _param_verdict(gathered)
 
 

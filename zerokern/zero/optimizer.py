@@ -225,7 +225,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         except (ValueError, TypeError, RuntimeError) as exc:
             failure = exc
         self.comm = agree_at_construction(
-            None if failure is not None else cfg.agreed(), failure, runtime=rt, mesh=mesh,
+            None if cfg is None else cfg.agreed(), failure, runtime=rt, mesh=mesh,
             process_group=process_group, param_groups=getattr(self, "param_groups", []),
             table=table)
         assert cfg is not None and table is not None  # else agree raised
