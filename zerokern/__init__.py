@@ -6,7 +6,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import CollectiveError, CollectiveTimeout
 from .compose import parallelize, shard_for
 from .memory import Arena, ArenaOutOfMemory, Block
-from .zero import ZeroAdamW, full_state_dict, shard_model
+from .zero import ZeroAdamW, ZeroConfig, full_state_dict, shard_model
 
 __version__ = "0.1.0"
 
@@ -18,6 +18,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeout",
     "ZeroAdamW",
+    "ZeroConfig",
     "full_state_dict",
     "shard_model",
     "__version__",

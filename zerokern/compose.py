@@ -27,18 +27,21 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
+import torch
 from torch import nn
 
+from .comm.mesh import describe_mesh
 from .zero import ZeroAdamW, shard_model
+from .zero.agreement import NO_MESH, agree, agreement_comm
+from .zero.config import ZeroConfig
 from .zero.interchange import check_adamw_flags
-from .zero.scaler import LossScaler
+from .zero.param_table import trained_params
 from .zero.validate import (
     check_eps_moments,
     check_hparams,
-    check_offload,
+    check_master_dtype,
     check_offload_params,
-    check_reduce_dtype,
-    check_zero_args,
+    common_dtype_device,
 )
 
 __all__ = ["parallelize", "resolve_units", "shard_for"]
@@ -204,48 +207,114 @@ def parallelize(
             at stages 0-2 (docs/hybrid.md).
         **adamw_kwargs: the rest of ZeroAdamW's arguments (``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``bucket_numel``, ``max_grad_norm``, ``loss_scale``,
-            ``overlap_comm``, ``backend``, ...).
+            ``overlap_comm``, ``backend``, ``moments``, ``master``, ``seed``, ...), or its
+            options as ``config=zerokern.ZeroConfig(...)`` (then ``stage`` and ``offload``
+            come from it).
 
     Returns:
         The ZeroAdamW (the model is the one given, partitioned in place at stage 3).
 
     Raises:
-        ValueError: a stage outside 0-3; ``offload`` other than None or ``"cpu"``, or at
-            stage 0; ``offload_params`` at stages 0-2 or without ``offload="cpu"``; a bad
-            ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bucket_numel``,
-            ``max_grad_norm`` or ``loss_scale``; a torch AdamW flag ZeroAdamW refuses
-            (``amsgrad``, ``maximize``, ``differentiable``); what ``shard_model`` refuses
-            (unit classes that match no module, a bad ``prefetch``). All of these are
-            checked before the model is modified.
-        TypeError: a keyword that ZeroAdamW does not take, or bad ``unit_classes``
-            entries (before the model is modified).
+        ValueError: a stage that is not an int 0-3; ``offload`` other than None or
+            ``"cpu"``, or at stage 0; ``offload_params`` at stages 0-2 or without
+            ``offload="cpu"``; a bad ``lr``, ``betas``, ``eps``, ``weight_decay``,
+            ``bucket_numel``, ``max_grad_norm``, ``loss_scale``, ``moments``, ``master``,
+            ``seed``, ``reduce_dtype`` or ``backend``; ``master="none"`` with parameters
+            that are not bf16; parameters on the meta device; a torch AdamW flag ZeroAdamW
+            refuses (``amsgrad``, ``maximize``, ``differentiable``); options that differ
+            across ranks (compared in one gather, as ZeroAdamW compares them; a refusal on
+            one rank is raised on every rank); what ``shard_model`` refuses (unit classes
+            that match no module, a bad ``prefetch``). All of these are checked before the
+            model is modified, so the corrected call works on the same model.
+        TypeError: a keyword that ZeroAdamW does not take, a ``config`` that is no
+            ZeroConfig, or bad ``unit_classes`` entries (before the model is modified).
         RuntimeError: the model is already sharded (``shard_model`` or ``parallelize`` at
             stage 3 called before), as ``shard_model`` refuses it.
     """
-    _check_stage(stage)
-    check_offload(offload, stage)
-    _check_offload_params_stage(offload_params, stage)
-    # The optimizer's own rule, checked here before shard_model changes the model.
-    check_offload_params(SimpleNamespace(offload_params=offload_params), offload)
+    # Every check first, on every rank, then one gather compares the options and carries
+    # any rank's refusal to all (zero/agreement.py): shard_model changes the model, so
+    # nothing it would not survive may reach it (a refusal after it would leave the model
+    # sharded, and the corrected call refused as "already sharded").
+    failure: BaseException | None = None
+    cfg: ZeroConfig | None = None
+    rest: dict[str, Any] = {}
+    listed: list[Any] | None = None
     try:
-        bound = _ADAMW_SIGNATURE.bind(params, stage=stage, offload=offload,
-                                      process_group=process_group, mesh=mesh, **adamw_kwargs)
-    except TypeError as exc:
-        raise TypeError(f"parallelize: {exc} (the keywords after the stage-3 options are "
-                        "ZeroAdamW's)") from None
-    bound.apply_defaults()
-    a = bound.arguments
-    check_hparams(a["lr"], a["betas"], a["eps"], a["weight_decay"])
-    check_eps_moments(a["eps"], a["moments"])
-    # ZeroAdamW's own checks, run here too so that nothing it would refuse reaches
-    # shard_model (which changes the model).
-    check_zero_args(stage, offload, a["bucket_numel"], a["max_grad_norm"])
-    check_adamw_flags(dict(amsgrad=a["amsgrad"], maximize=a["maximize"],
-                           differentiable=a["differentiable"]), "")
-    LossScaler.from_arg(a["loss_scale"])
-    check_reduce_dtype(a["reduce_dtype"], offload)
-    shard_for(model, stage=stage, unit_classes=unit_classes, prefetch=prefetch,
+        listed = None if params is None else _listed(params)
+        try:
+            bound = _ADAMW_SIGNATURE.bind(listed, stage=stage, offload=offload,
+                                          process_group=process_group, mesh=mesh,
+                                          **adamw_kwargs)
+        except TypeError as exc:
+            raise TypeError(f"parallelize: {exc} (the keywords after the stage-3 options "
+                            "are ZeroAdamW's)") from None
+        bound.apply_defaults()
+        a = bound.arguments
+        cfg = ZeroConfig.merge(a["config"], {n: a[n] for n in ZeroConfig.names()},
+                               "parallelize").validate()
+        _check_offload_params_stage(offload_params, cfg.stage)
+        # The optimizer's own rule, checked here before shard_model changes the model.
+        check_offload_params(SimpleNamespace(offload_params=offload_params), cfg.offload)
+        check_hparams(a["lr"], a["betas"], a["eps"], a["weight_decay"])
+        check_eps_moments(a["eps"], cfg.state_format.moments)
+        check_adamw_flags(dict(amsgrad=a["amsgrad"], maximize=a["maximize"],
+                               differentiable=a["differentiable"]), "")
+        _check_params(model if listed is None else listed, cfg)
+        if cfg.stage == 3:
+            resolve_units(model, unit_classes)  # errors name shard_for, as before
+        rest = {k: v for k, v in adamw_kwargs.items()
+                if k not in ZeroConfig.names() and k != "config"}
+    except (ValueError, TypeError, RuntimeError) as exc:
+        failure = exc
+    agree(agreement_comm(mesh=mesh, process_group=process_group), "parallelize",
+          options=None if cfg is None else cfg.agreed(), failure=failure,
+          mesh=NO_MESH if mesh is None else describe_mesh(mesh, process_group, "parallelize"))
+    assert cfg is not None  # else agree raised
+    shard_for(model, stage=cfg.stage, unit_classes=unit_classes, prefetch=prefetch,
               reshard_after_forward=reshard_after_forward, offload_params=offload_params,
               gather_timeout=gather_timeout, process_group=process_group, mesh=mesh)
-    return ZeroAdamW(model.parameters() if params is None else params, stage=stage,
-                     offload=offload, process_group=process_group, mesh=mesh, **adamw_kwargs)
+    return ZeroAdamW(model.parameters() if listed is None else listed, config=cfg,
+                     process_group=process_group, mesh=mesh, **rest)
+
+
+def _listed(params: Any) -> list[Any]:
+    """``params`` as a list that can be read twice (the checks, then ZeroAdamW): a generator,
+    or a group's generator, would be used up by the first reading."""
+    if torch.is_tensor(params) or not isinstance(params, Iterable):
+        raise TypeError(f"params must be an iterable of parameters or param-group dicts (as "
+                        f"for torch.optim.AdamW), got a {type(params).__name__}")
+    out = []
+    for item in params:
+        if isinstance(item, dict) and "params" in item and not torch.is_tensor(item["params"]):
+            item = {**item, "params": list(item["params"])}
+        out.append(item)
+    return out
+
+
+def _check_params(source: nn.Module | list[Any], cfg: ZeroConfig) -> None:
+    """What ZeroAdamW checks of its parameters, before shard_model changes them: something
+    to train, listed once, one dtype and device, not on the meta device, and bf16 for
+    ``master="none"``."""
+    if isinstance(source, nn.Module):
+        groups = [{"params": list(source.parameters())}]
+    elif source and all(isinstance(g, dict) for g in source):
+        groups = [{"params": _tensors(g.get("params", []))} for g in source]
+    else:
+        groups = [{"params": _tensors(source)}]
+    managed, _ = trained_params(groups)
+    dtype, _ = common_dtype_device([p for ps in managed for p in ps])
+    check_master_dtype(cfg.state_format, dtype)
+
+
+def _tensors(ps: Any) -> list[torch.Tensor]:
+    """A group's parameters: a tensor, tensors, or (name, tensor) pairs."""
+    if torch.is_tensor(ps):
+        return [ps]
+    out = []
+    for x in ps:
+        t = x[1] if isinstance(x, tuple) and len(x) == 2 else x
+        if not torch.is_tensor(t):
+            raise TypeError(f"params: expected parameters, (name, parameter) pairs or "
+                            f"param-group dicts, got a {type(t).__name__}")
+        out.append(t)
+    return out

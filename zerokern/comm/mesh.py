@@ -85,6 +85,26 @@ def mesh_comm(mesh: Any, process_group: Any = None, *, where: str = "ZeroAdamW")
     verdict = _verdict(gathered, world.world_size, where)
     if verdict is not None:
         raise ValueError(verdict)
+    return comm_of_mesh(mesh)
+
+
+def describe_mesh(mesh: Any, process_group: Any, where: str) -> tuple[str | None, Any]:
+    """This rank's mesh as ``mesh_comm`` gathers it: (its mistake or None, its facts), for a
+    caller that gathers it together with other facts (zero/agreement.py) and then calls
+    ``mesh_verdict`` on what every rank of the default group sent."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return f"{where}: mesh was given but torch.distributed is not initialized", None
+    return _describe(mesh, process_group, where)
+
+
+def mesh_verdict(gathered: list[tuple[str | None, Any]], world: int, where: str) -> str | None:
+    """The first mistake in every process's ``describe_mesh`` (the same on every rank)."""
+    return _verdict(gathered, world, where)
+
+
+def comm_of_mesh(mesh: Any) -> Comm:
+    """The Comm of a mesh every rank has checked (``mesh_verdict`` found nothing): no
+    collective."""
     if mesh.ndim == 1:
         comm = Comm(mesh.get_group(0))
     else:

@@ -33,8 +33,10 @@ from typing import Any
 import torch
 
 from ..comm.collectives import comm_summary
-from ..comm.mesh import check_same_mesh, mesh_comm
+from ..comm.mesh import check_same_mesh
 from . import interop
+from .agreement import agree_at_construction
+from .config import ZeroConfig
 from .engine_slot import EngineSlot
 from .guard_set import GuardSet
 from .interchange import TorchFormat, check_adamw_flags, is_torch_format, strip_adamw_flags
@@ -52,10 +54,7 @@ from .validate import (
     check_hparams,
     check_master_dtype,
     check_offload_params,
-    check_reduce_dtype,
-    check_same_on_all_ranks,
     check_seed,
-    check_zero_args,
     common_dtype_device,
     finite_ge0,
 )
@@ -94,7 +93,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         capturable: accepted and ignored, as ``foreach``.
         differentiable: only False (the step is not recorded by autograd).
         fused: accepted and ignored, as ``foreach``.
-        stage: the ZeRO stage, 0-3 (3 needs a model partitioned by ``shard_model``).
+        stage: the ZeRO stage, an int 0-3 (3 needs a model partitioned by
+            ``shard_model``).
         process_group: the group whose ranks share the work; default the world.
         bucket_numel: gradient bucket size in elements (stages 0-2); default 2**21.
         max_grad_norm: clip every step to this global 2-norm (None: no clipping).
@@ -133,8 +133,22 @@ class ZeroAdamW(torch.optim.Optimizer):
             the gradient shard in fp32) and reach the fused step in fp32, as FSDP2's
             ``MixedPrecisionPolicy(reduce_dtype=)``; ``memory_stats()`` / ``comm_stats()``
             count the extra bytes. Not with ``offload``.
+        config: a ``zerokern.ZeroConfig`` holding ZeroAdamW's own options (``stage``
+            through ``reduce_dtype`` above, except ``process_group`` and ``mesh``), instead
+            of those keywords; giving one of them as well, at another value than its
+            default, is refused.
+
+    Every rank must give the same ``stage``, ``bucket_numel``, ``offload``, ``moments``,
+    ``master``, ``seed``, ``reduce_dtype``, ``loss_scale``, ``max_grad_norm``, mesh,
+    per-group ``lr``, ``betas``, ``eps`` and ``weight_decay``, and the same parameters
+    (shapes and dtypes): the constructor compares them across ranks in one gather, before
+    any other collective, and raises ValueError on every rank naming each one that differs
+    and every rank's value. An argument refused on one rank is raised on every rank.
+    ``overlap_comm`` and ``backend`` may differ (the collectives are the same, and the
+    kernels agree bit for bit).
 
     Attributes:
+        config: the options as a ``ZeroConfig`` (validated and agreed across ranks).
         stage: the ZeRO stage.
         offload: ``"cpu"`` or None.
         max_grad_norm: the clipping norm of every step, or None.
@@ -175,59 +189,73 @@ class ZeroAdamW(torch.optim.Optimizer):
         seed: int = 0,
         mesh: Any = None,
         reduce_dtype: torch.dtype | None = None,
+        config: ZeroConfig | None = None,
     ) -> None:
-        check_hparams(lr, betas, eps, weight_decay)
-        fmt = StateFormat(moments, master)  # ValueError naming moments or master
-        check_eps_moments(eps, fmt.moments)
-        check_seed(seed)
-        check_reduce_dtype(reduce_dtype, offload)
         # torch.optim.AdamW's signature, so that a script's AdamW(...) call works unchanged:
         # the flags that change the update are refused unless at AdamW's values; foreach,
         # fused and capturable choose torch's kernels, and ZeroAdamW has its own.
         del foreach, fused, capturable
-        check_adamw_flags(dict(amsgrad=amsgrad, maximize=maximize,
-                               differentiable=differentiable), "")
-        check_zero_args(stage, offload, bucket_numel, max_grad_norm)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults)
-        check_groups(self.param_groups, flags=False, moments=fmt.moments)
-        self.stage = stage
-        self.offload = offload
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.scaler = LossScaler.from_arg(loss_scale)
+        # Every check runs first, then one gather compares the options across ranks and
+        # carries any rank's refusal to every rank (agreement.py); nothing is modified and
+        # no other collective runs before it.
+        cfg: ZeroConfig | None = None
+        rt: Any = None
+        table: ParamTable | None = None
+        failure: BaseException | None = None
+        try:
+            cfg = ZeroConfig.merge(config, dict(
+                stage=stage, bucket_numel=bucket_numel, max_grad_norm=max_grad_norm,
+                loss_scale=loss_scale, overlap_comm=overlap_comm, backend=backend,
+                offload=offload, moments=moments, master=master, seed=seed,
+                reduce_dtype=reduce_dtype)).validate()
+            check_hparams(lr, betas, eps, weight_decay)
+            check_eps_moments(eps, cfg.state_format.moments)
+            check_adamw_flags(dict(amsgrad=amsgrad, maximize=maximize,
+                                   differentiable=differentiable), "")
+            defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+            super().__init__(params, defaults)
+            check_groups(self.param_groups, flags=False, moments=cfg.state_format.moments)
+            managed, frozen = trained_params(self.param_groups)
+            # A model wrapped in DDP first (DDP's constructor refuses the other order).
+            interop.check_no_ddp([p for g in self.param_groups for p in g["params"]],
+                                 "ZeroAdamW")
+            rt = stage3_runtime([p for ps in managed for p in ps], cfg.stage)
+            check_offload_params(rt, cfg.offload)
+            if rt is not None:
+                check_same_mesh(mesh, rt.comm)
+            table = ParamTable(managed, frozen, rt)
+            dtype, device = common_dtype_device(table.params)  # meta parameters refused
+            check_master_dtype(cfg.state_format, dtype)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            failure = exc
+        self.comm = agree_at_construction(
+            None if cfg is None else cfg.agreed(), failure, runtime=rt, mesh=mesh,
+            process_group=process_group, param_groups=getattr(self, "param_groups", []),
+            table=table)
+        assert cfg is not None and table is not None  # else agree raised
+        self.config = cfg
+        self.stage = cfg.stage
+        self.offload = cfg.offload
+        self.max_grad_norm = None if cfg.max_grad_norm is None else float(cfg.max_grad_norm)
+        self.scaler = LossScaler.from_arg(cfg.loss_scale)
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False  # the last step() skipped (loss-scaler overflow)
-
-        managed, frozen = trained_params(self.param_groups)
-        # A model wrapped in DDP first (DDP's constructor refuses the other order).
-        interop.check_no_ddp([p for g in self.param_groups for p in g["params"]], "ZeroAdamW")
-        self._rt = stage3_runtime([p for ps in managed for p in ps], stage)
-        check_offload_params(self._rt, offload)
-        if self._rt is not None:
-            check_same_mesh(mesh, self._rt.comm)
-            self.comm = self._rt.comm
-        else:
-            self.comm = mesh_comm(mesh, process_group)  # a wrong mesh: refused on every rank
-        self._table = ParamTable(managed, frozen, self._rt)
-        params = self._table.params
-        dtype, device = common_dtype_device(params)
-        check_master_dtype(fmt, dtype)
-        check_same_on_all_ranks(self.comm, stage, bucket_numel, self._table.group_counts(),
-                                self._table.shapes, params, offload, reduce_dtype)
-        if self._rt is None:
+        self._rt, self._table = rt, table
+        params = table.params
+        if rt is None:
             broadcast_params(self.comm, params)  # stage 3: shard_model did it
         else:
-            self._rt.set_reduce_dtype(reduce_dtype or dtype)
-        self._slot = EngineSlot(self._table, self.comm, stage=stage, offload=offload,
-                                runtime=self._rt, bucket_numel=bucket_numel,
-                                overlap=overlap_comm, backend=backend, dtype=dtype,
-                                device=device, fmt=fmt, seed=int(seed),
-                                reduce_dtype=reduce_dtype)
+            rt.set_reduce_dtype(cfg.reduce_dtype or dtype)
+        self._slot = EngineSlot(table, self.comm, stage=cfg.stage, offload=cfg.offload,
+                                runtime=rt, bucket_numel=cfg.bucket_numel,
+                                overlap=cfg.overlap_comm, backend=cfg.backend, dtype=dtype,
+                                device=device, fmt=cfg.state_format, seed=int(cfg.seed),
+                                reduce_dtype=cfg.reduce_dtype)
         self._reduction = GradReduction(self.comm, self._rt)
         self._guards = GuardSet(params, self._guard_measure)
-        self._access = StateAccess(self._table, self._slot, self.comm, stage=stage,
-                                   runtime=self._rt, shards=self.shards)
-        self._interchange = TorchFormat(self._table, self._access, self.comm, stage)
+        self._access = StateAccess(table, self._slot, self.comm, stage=cfg.stage,
+                                   runtime=rt, shards=self.shards)
+        self._interchange = TorchFormat(table, self._access, self.comm, cfg.stage)
         self._grad_hooks: list[Any] = []
         interop.register_params(params, self)
         self._watch_grads(params, 0)
@@ -515,10 +543,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             raise
 
     def _adopt_group(self, group: dict[str, Any]) -> None:
-        new, shapes = check_new_group(group, self._table, self._rt, self.comm, stage=self.stage,
-                                      bucket_numel=self._slot.bucket_numel,
-                                      gi=len(self.param_groups) - 1,
-                                      moments=self.state_format.moments)
+        new, shapes = check_new_group(group, self._table, self._rt, self.comm,
+                                      moments=self.state_format.moments,
+                                      options=self.config.agreed(),
+                                      param_groups=self.param_groups,
+                                      gi=len(self.param_groups) - 1)
         if self._rt is None and new:
             broadcast_params(self.comm, new)
         first = self._table.append(new, shapes,

@@ -11,16 +11,11 @@ from typing import Any
 import torch
 
 from ..comm import Comm
+from .agreement import agree, agreement_comm, group_facts, param_facts
 from .interchange import check_adamw_flags
 from .param_table import ParamTable
 from .registry import runtime_of_param
-from .validate import (
-    check_eps_moments,
-    check_hparams,
-    check_no_duplicates,
-    check_same_on_all_ranks,
-    common_dtype_device,
-)
+from .validate import check_eps_moments, check_hparams, check_no_duplicates, common_dtype_device
 
 
 def check_groups(param_groups: list[dict[str, Any]], *, flags: bool, moments: str) -> None:
@@ -37,25 +32,36 @@ def check_groups(param_groups: list[dict[str, Any]], *, flags: bool, moments: st
 
 
 def check_new_group(group: dict[str, Any], table: ParamTable, runtime: Any, comm: Comm, *,
-                    stage: int, bucket_numel: int | None, gi: int, moments: str,
+                    moments: str, options: dict[str, Any],
+                    param_groups: list[dict[str, Any]], gi: int,
                     ) -> tuple[list[torch.nn.Parameter], list[torch.Size]]:
-    """Param group ``gi``, added after construction: its trained parameters and their full
-    shapes, once it is checked (its hyperparameters, ``eps`` against ``moments``) against the
-    table (same kind of model, dtype and device) and across ranks (a collective: every rank
-    adds the same group)."""
-    check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                  f" (param group {gi})")
-    check_eps_moments(group["eps"], moments, f" (param group {gi})")
-    check_no_duplicates(group["params"], gi)
-    new = [p for p in group["params"] if p.requires_grad]
-    owners = {id(rt) for rt in map(runtime_of_param, new)}
-    if new and owners != {id(runtime)}:
-        raise ValueError("add_param_group: the new parameters must belong to the same "
-                         + ("shard_model'ed model (stage 3)" if runtime is not None
-                            else "kind of model (not partitioned by shard_model)"))
-    if new:
-        common_dtype_device(table.params + new)
-    shapes = table.shapes_of(new)
-    check_same_on_all_ranks(comm, stage, bucket_numel, table.group_counts() + [len(new)],
-                            table.shapes + shapes, table.params + new)
+    """Param group ``gi`` (the last of ``param_groups``), added after construction: its
+    trained parameters and their full shapes, once it is checked against the table (same
+    kind of model, dtype and device; ``eps`` against the ``moments`` format) and across
+    ranks with the optimizer's ``options`` (``ZeroConfig.agreed()``) in one gather (a
+    collective: every rank adds the same group; a refusal on one rank is raised on every
+    rank)."""
+    new: list[torch.nn.Parameter] = []
+    shapes: list[torch.Size] = []
+    failure: BaseException | None = None
+    try:
+        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                      f" (param group {gi})")
+        check_eps_moments(group["eps"], moments, f" (param group {gi})")
+        check_no_duplicates(group["params"], gi)
+        new = [p for p in group["params"] if p.requires_grad]
+        owners = {id(rt) for rt in map(runtime_of_param, new)}
+        if new and owners != {id(runtime)}:
+            raise ValueError("add_param_group: the new parameters must belong to the same "
+                             + ("shard_model'ed model (stage 3)" if runtime is not None
+                                else "kind of model (not partitioned by shard_model)"))
+        if new:
+            common_dtype_device(table.params + new)
+        shapes = table.shapes_of(new)
+        groups = group_facts(param_groups, table.group_counts() + [len(new)])
+        params = param_facts(table.shapes + shapes, table.params + new)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        failure, groups, params = exc, None, None
+    agree(agreement_comm(comm), "add_param_group", options=options, failure=failure,
+          groups=groups, params=params)
     return new, shapes

@@ -178,6 +178,12 @@ def _select_units(
     if not params:
         raise ValueError("model: it has no parameters to shard")
     check_no_ddp(params, "shard_model")
+    if any(p.is_meta for p in params):
+        # Deferred initialisation: there are no values to broadcast and slice yet.
+        raise ValueError("model: its parameters are on the meta device and hold no values; "
+                         "materialise the model first: model.to_empty(device=...) and "
+                         "initialise its parameters (e.g. reset_parameters() or "
+                         "load_state_dict), then shard it")
     dtypes = {(p.dtype, p.device) for p in params}
     if len(dtypes) != 1:
         raise ValueError(f"model: all parameters must share one dtype and device, found {dtypes}")

@@ -1,7 +1,5 @@
-"""ZeroAdamW's argument checks: hyperparameters, parameter dtypes and devices, and the
-comparison across ranks that refuses, on every rank and before anything changes, optimizers
-built differently (otherwise the first bucket collective would wait on mismatched sizes until
-the process-group timeout)."""
+"""ZeroAdamW's argument checks: hyperparameters, its own options, parameter dtypes and devices.
+Each is local and pure; the comparison across ranks is zero/agreement.py's."""
 
 from __future__ import annotations
 
@@ -10,7 +8,6 @@ from typing import Any
 
 import torch
 
-from ..comm import Comm
 from .offload import OFFLOAD_CHOICES
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,15 +48,26 @@ def finite_ge0(x: Any) -> bool:
 
 def check_zero_args(stage: Any, offload: Any, bucket_numel: Any, max_grad_norm: Any) -> None:
     """ZeroAdamW's own arguments (beyond torch's AdamW ones)."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    # An int 0-3: True == 1 and 2.0 == 2 would pass `in (0, 1, 2, 3)`, and a stage is no
+    # flag and no measurement (parallelize refused them; ZeroAdamW took them).
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+        kind = "" if type(stage) is int else f" (a {type(stage).__name__}; give an int)"
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}{kind}")
     check_offload(offload, stage)
     if bucket_numel is not None and (isinstance(bucket_numel, bool)
                                      or not isinstance(bucket_numel, int)
                                      or bucket_numel < 1):
         raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
-    if max_grad_norm is not None and not float(max_grad_norm) > 0:
+    if max_grad_norm is not None and (isinstance(max_grad_norm, (bool, str))
+                                      or not _number_gt0(max_grad_norm)):
         raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+
+
+def _number_gt0(x: Any) -> bool:
+    try:
+        return float(x) > 0  # NaN is not
+    except (TypeError, ValueError):
+        return False
 
 
 def check_seed(seed: Any) -> None:
@@ -117,6 +125,14 @@ def check_no_duplicates(params: list[torch.nn.Parameter], group: int) -> None:
 def common_dtype_device(params: list[torch.nn.Parameter]) -> tuple[torch.dtype, torch.device]:
     p0 = params[0]
     for i, p in enumerate(params):
+        if p.is_meta:
+            # A model built under torch.device("meta") (deferred initialisation) has shapes
+            # and no values: there is nothing to broadcast, flatten or step.
+            raise ValueError(
+                f"params: parameter {i} (shape {tuple(p.shape)}) is on the meta device and "
+                "holds no values; materialise the model first: model.to_empty(device=...) "
+                "and initialise its parameters (e.g. reset_parameters() or "
+                "load_state_dict), then build ZeroAdamW")
         if p.dtype not in _DTYPES:
             raise TypeError(f"params: parameter {i} has dtype {p.dtype}; supported: "
                             "float32, bfloat16, float16")
@@ -143,32 +159,3 @@ def check_reduce_dtype(reduce_dtype: Any, offload: str | None) -> None:
         raise ValueError("reduce_dtype=torch.float32 with offload='cpu' is not supported: the "
                          "offload pipeline moves gradients in the parameters' dtype; drop "
                          "one of them")
-
-
-def check_same_on_all_ranks(comm: Comm, stage: int, bucket_numel: int | None,
-                            group_counts: list[int], shapes: list[torch.Size],
-                            params: list[torch.nn.Parameter],
-                            offload: str | None = None, reduce_dtype: Any = None) -> None:
-    """Every rank (of the whole mesh, on a 2-D one) built its optimizer alike."""
-    sig = {
-        "stage": stage, "bucket_numel": bucket_numel, "groups": group_counts,
-        "offload": offload, "reduce_dtype": str(reduce_dtype),
-        "params": [(tuple(sh), str(p.dtype)) for sh, p in zip(shapes, params)],
-    }
-    sigs = comm.all_gather_object_all(sig, "parameter signatures")
-    ref = sigs[0]
-    for r, s in enumerate(sigs):
-        if s == ref:
-            continue
-        for key in ("stage", "bucket_numel", "offload", "reduce_dtype", "groups"):
-            if s[key] != ref[key]:
-                raise ValueError(f"ZeroAdamW arguments differ across ranks: {key} is "
-                                 f"{ref[key]} on rank 0 but {s[key]} on rank {r}")
-        if len(s["params"]) != len(ref["params"]):
-            raise ValueError(f"parameter lists differ across ranks: rank 0 has "
-                             f"{len(ref['params'])} trainable parameters, rank {r} has "
-                             f"{len(s['params'])}")
-        for i, (a, b) in enumerate(zip(ref["params"], s["params"])):
-            if a != b:
-                raise ValueError(f"parameter lists differ across ranks: parameter {i} is "
-                                 f"{a[0]} {a[1]} on rank 0 but {b[0]} {b[1]} on rank {r}")

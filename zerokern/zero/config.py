@@ -1,0 +1,172 @@
+"""ZeroConfig: ZeroAdamW's own options (beyond torch's AdamW hyperparameters) in one object.
+
+``ZeroAdamW(..., stage=, moments=, ...)`` builds one from its keywords (or takes
+``config=``); ``parallelize`` builds one too, so that it can check every option before it
+partitions the model. Two steps, in this order, before anything is modified:
+
+- ``validate()``: pure, every argument check, an error naming the argument;
+- ``agree(comm)``: the one gathered comparison across ranks (zero/agreement.py). The options
+  in ``AGREED`` must be the same on every rank: a stage, bucket size, offload or moments
+  format that differs gives different layouts and collectives (a hang, or gloo aborting the
+  process); a seed, master format, loss scaling or clipping norm that differs trains the
+  replicas (stage 0, or the replicas of a 2-D mesh) apart, or stores the shards in mixed
+  formats, without a word. ``overlap_comm`` and ``backend`` are this rank's own choices: the
+  collectives are the same either way and the kernels agree bit for bit
+  (docs/numerics.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..ops._backend import BACKENDS
+from .scaler import LossScaler
+from .state_format import StateFormat
+from .validate import check_reduce_dtype, check_seed, check_zero_args
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """ZeroAdamW's own options, as its keywords of the same names (see ``ZeroAdamW``).
+
+    Building one checks nothing; ``validate()`` does (ZeroAdamW and ``parallelize`` call it
+    before anything changes).
+
+    Attributes:
+        stage: the ZeRO stage, 0-3.
+        bucket_numel: gradient bucket size in elements (stages 0-2); None for 2**21.
+        max_grad_norm: clip every step to this global 2-norm (None: no clipping).
+        loss_scale: ``"dynamic"``, a positive float, or None (fp16 loss scaling).
+        overlap_comm: run the gradient collectives asynchronously, overlapping backward.
+        backend: the kernels' backend (``"cuda"``, ``"triton"``, ``"cpu"``, ``"torch"``)
+            or None for the fastest available.
+        offload: ``"cpu"`` (ZeRO-Offload, stages 1-3) or None.
+        moments: ``"fp32"``, ``"bf16"`` or ``"int8"``.
+        master: ``"fp32"`` or ``"none"`` (bf16 parameters only).
+        seed: the stochastic rounding key of ``master="none"``, in [0, 2**63).
+        reduce_dtype: None or ``torch.float32``.
+    """
+
+    stage: int = 2
+    bucket_numel: int | None = None
+    max_grad_norm: float | None = None
+    loss_scale: float | str | None = None
+    overlap_comm: bool = True
+    backend: str | None = None
+    offload: str | None = None
+    moments: str = "fp32"
+    master: str = "fp32"
+    seed: int = 0
+    reduce_dtype: torch.dtype | None = None
+
+    AGREED: ClassVar[tuple[str, ...]] = (
+        "stage", "bucket_numel", "offload", "moments", "master", "seed", "reduce_dtype",
+        "loss_scale", "max_grad_norm")
+    """The options every rank must give alike (compared by ``agree``)."""
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names: ZeroAdamW's keywords that a ZeroConfig holds."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def merge(cls, config: ZeroConfig | None, given: dict[str, Any],
+              where: str = "ZeroAdamW") -> ZeroConfig:
+        """The config of a call that got ``config`` and the option keywords ``given``.
+
+        Args:
+            config: the call's ``config=``, or None.
+            given: the call's option keywords, name -> value.
+            where: the call, named in the errors.
+
+        Returns:
+            A config of the keywords alone, or ``config`` when every keyword is at its
+            default.
+
+        Raises:
+            ValueError: a keyword, not at its default, that ``config`` would silently
+                override.
+            TypeError: a ``config`` that is no ZeroConfig.
+        """
+        if config is None:
+            return cls(**given)
+        if not isinstance(config, ZeroConfig):
+            raise TypeError(f"{where}: config must be a zerokern.ZeroConfig, got "
+                            f"{type(config).__name__}")
+        default = cls()
+        for name, value in given.items():
+            if not _same(value, getattr(default, name)):
+                raise ValueError(
+                    f"{where}: {name}={value!r} was given together with config=; give "
+                    f"ZeroAdamW's options either as keywords or in config (config has "
+                    f"{name}={getattr(config, name)!r})")
+        return config
+
+    def validate(self) -> ZeroConfig:
+        """Check every option (pure); returns self.
+
+        Raises:
+            ValueError: an option out of its range, named (``stage`` that is not an int
+                0-3, ``True`` and ``2.0`` included; ``offload`` other than None or "cpu",
+                or at stage 0; ``bucket_numel``, ``max_grad_norm``, ``loss_scale``,
+                ``moments``, ``master``, ``seed``, ``reduce_dtype``, ``backend``).
+            TypeError: ``overlap_comm`` that is not a bool.
+        """
+        check_zero_args(self.stage, self.offload, self.bucket_numel, self.max_grad_norm)
+        LossScaler.from_arg(self.loss_scale)  # ValueError naming loss_scale
+        StateFormat(self.moments, self.master)  # ValueError naming moments or master
+        check_seed(self.seed)
+        check_reduce_dtype(self.reduce_dtype, self.offload)
+        if not isinstance(self.overlap_comm, bool):
+            raise TypeError(f"overlap_comm must be True or False, got {self.overlap_comm!r}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} or None, got "
+                             f"{self.backend!r}")
+        return self
+
+    @property
+    def state_format(self) -> StateFormat:
+        """``moments`` and ``master`` as a StateFormat (validated)."""
+        return StateFormat(self.moments, self.master)
+
+    def agreed(self) -> dict[str, Any]:
+        """The options of ``AGREED`` as plain values every rank compares (validated)."""
+        out: dict[str, Any] = {}
+        for name in self.AGREED:
+            v = getattr(self, name)
+            if name == "reduce_dtype":
+                v = None if v is None else str(v)
+            elif name == "max_grad_norm":
+                v = None if v is None else float(v)
+            elif name == "loss_scale":
+                v = v if v is None or v == "dynamic" else float(v)
+            elif name in ("stage", "seed"):
+                v = int(v)
+            out[name] = v
+        return out
+
+    def agree(self, comm: Any, *, where: str = "ZeroAdamW", **facts: Any) -> None:
+        """Compare these options (validated) across the ranks of ``comm`` in one gather:
+        a collective, call it on every rank.
+
+        Args:
+            comm: the group to compare over (``zero.agreement.agreement_comm``).
+            where: the call, named in the errors.
+            **facts: what else to compare in the same gather (``zero.agreement.agree``'s
+                ``failure``, ``mesh``, ``groups``, ``params``).
+
+        Raises:
+            ValueError: on every rank, naming each option that differs and every rank's
+                value (or another rank's refusal).
+        """
+        from .agreement import agree
+
+        agree(comm, where, options=self.agreed(), **facts)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
