@@ -668,3 +668,68 @@ def quantized_2hop_bytes(chunk_numel: int, shard: int, replicate: int, bits: int
     return {"shard": quantized_reduce_scatter_bytes(chunk_numel, shard, bits, block),
             "replicate": quantized_reduce_scatter_bytes(part, replicate, bits, block)
             + quantized_all_gather_bytes(part, replicate, gather_bits, block)}
+
+
+# Muon with whole-matrix owners (zerokern.optim.owner_muon, zerokern.comm.owner_exchange)
+# ------------------------------------------------------------------------------------------
+
+
+def muon_ns_cost(rows: int, cols: int) -> int:
+    """Newton-Schulz cost of a ``rows x cols`` matrix, what owners are balanced by:
+    ``rows * cols * min(rows, cols)`` (each iteration's gram matrix and two products, up to a
+    constant).
+
+    >>> muon_ns_cost(768, 3072)
+    1811939328
+    """
+    if min(rows, cols) < 1:
+        raise ValueError(f"rows and cols must be >= 1, got {rows!r}, {cols!r}")
+    return rows * cols * min(rows, cols)
+
+
+def _check_owned(owned_numels: list[int]) -> None:
+    if not owned_numels or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
+                               for x in owned_numels):
+        raise ValueError(f"owned_numels must be one int >= 0 per rank, got {owned_numels!r}")
+
+
+def muon_exchange_elements(owned_numels: list[int]) -> dict[str, int]:
+    """Elements one Muon step moves with owner exchange, given the elements each of N ranks
+    owns (``MuonPlan.owned_numel``; every segment is padded to S, the largest).
+
+    ``reduce_scatter``: the gradients to their owners, N S elements as the paper counts a
+    reduce-scatter (its input); ``all_gather``: the updated matrices back, N S. Together 2 N S,
+    which is stages 0-2's 2 Psi when every rank owns the same elements; ``padding`` (N S minus
+    the sum) is what uneven owners add. ``wire``: elements each rank sends under
+    bandwidth-optimal collectives, 2 (N - 1) S. All 0 on one rank (nothing is sent).
+
+    >>> muon_exchange_elements([96, 64, 80])
+    {'reduce_scatter': 288, 'all_gather': 288, 'wire': 384, 'padding': 48}
+    """
+    _check_owned(owned_numels)
+    n, s = len(owned_numels), max(owned_numels)
+    if n == 1:
+        return {"reduce_scatter": 0, "all_gather": 0, "wire": 0, "padding": 0}
+    return {"reduce_scatter": n * s, "all_gather": n * s, "wire": 2 * (n - 1) * s,
+            "padding": n * s - sum(owned_numels)}
+
+
+def muon_owner_memory_bytes(owned_numels: list[int], rank: int, grad_bytes: int = 4,
+                            param_bytes: int = 4) -> dict[str, int]:
+    """Bytes rank ``rank`` holds for Muon with owner exchange, beyond parameters and
+    gradients: ``momentum`` for the elements it owns only (DDP + torch.optim.Muon keeps it
+    for all of them on every rank), and the exchange's two buffers of N S elements
+    (``grad_buffer`` in the gradient dtype, whose own segment receives the sum, and
+    ``param_buffer`` in the parameter dtype, which the updated matrices are gathered into).
+    gloo's point-to-point reduce-scatter adds (N - 1) S gradient elements while it runs
+    (``Comm.scratch_peak``); NCCL's none.
+
+    >>> muon_owner_memory_bytes([96, 64, 80], 1)
+    {'momentum': 256, 'grad_buffer': 1152, 'param_buffer': 1152}
+    """
+    _check_owned(owned_numels)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(owned_numels):
+        raise ValueError(f"rank must be in [0, {len(owned_numels)}), got {rank!r}")
+    buf = len(owned_numels) * max(owned_numels)
+    return {"momentum": owned_numels[rank] * grad_bytes, "grad_buffer": buf * grad_bytes,
+            "param_buffer": buf * param_bytes}
