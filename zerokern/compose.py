@@ -31,6 +31,7 @@ from torch import nn
 
 from .zero import ZeroAdamW, shard_model
 from .zero.interchange import check_adamw_flags
+from .zero.offload import check_offload_backend
 from .zero.scaler import LossScaler
 from .zero.validate import (
     check_hparams,
@@ -210,8 +211,9 @@ def parallelize(
 
     Raises:
         ValueError: a stage outside 0-3; ``offload`` other than None or ``"cpu"``, or at
-            stage 0; ``offload_params`` at stages 0-2 or without ``offload="cpu"``; a bad
-            ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bucket_numel``,
+            stage 0; ``offload_params`` at stages 0-2 or without ``offload="cpu"``;
+            ``backend="cuda"`` or ``"triton"`` with ``offload`` (the step runs on the host); a
+            bad ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bucket_numel``,
             ``max_grad_norm`` or ``loss_scale``; a torch AdamW flag ZeroAdamW refuses
             (``amsgrad``, ``maximize``, ``differentiable``); what ``shard_model`` refuses
             (unit classes that match no module, a bad ``prefetch``). All of these are
@@ -242,6 +244,7 @@ def parallelize(
                            differentiable=a["differentiable"]), "")
     LossScaler.from_arg(a["loss_scale"])
     check_reduce_dtype(a["reduce_dtype"], offload)
+    check_offload_backend(a["backend"], offload)
     shard_for(model, stage=stage, unit_classes=unit_classes, prefetch=prefetch,
               reshard_after_forward=reshard_after_forward, offload_params=offload_params,
               gather_timeout=gather_timeout, process_group=process_group, mesh=mesh)

@@ -33,6 +33,9 @@ from ..memory import Arena, Block
 HOST = torch.device("cpu")
 OFFLOAD_CHOICES = ("cpu",)
 _ALIGN = 256
+# OffloadPipeline.log keeps this many transitions per chunk: a step makes about four per
+# chunk (two per backward, two in the step), so a few steps' worth, never the whole run.
+LOG_PER_CHUNK = 16
 
 
 class ShardPhase(enum.Enum):
@@ -51,10 +54,17 @@ def pin_host_memory(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
-def host_backend(backend: str | None) -> str | None:
-    """The kernel backend of the host step: the user's choice when it runs on the CPU, else
-    the automatic choice for CPU tensors (a CUDA/Triton request means the device's kernel)."""
-    return backend if backend in ("cpu", "torch") else None
+def check_offload_backend(backend: Any, offload: Any) -> None:
+    """ZeroAdamW(backend=..., offload=...): with offload the AdamW step runs on host tensors,
+    where the CUDA kernels cannot run (nor Triton's, but under its interpreter, a debugging
+    mode). An explicit request works or raises (ops/_backend.py), so it is refused here
+    rather than replaced by the CPU kernel without a word."""
+    if offload is not None and backend in ("cuda", "triton"):
+        raise ValueError(
+            f"backend={backend!r} with offload={offload!r}: with offload the AdamW step runs "
+            f"on the host, on CPU tensors, where the {backend} kernels do not run. Pass "
+            "backend=None (the fastest kernel for each tensor's device), 'cpu' or 'torch', "
+            "or drop offload to step on the device")
 
 
 class Ticket:
@@ -202,9 +212,13 @@ class OffloadPipeline:
         self.host, self.device, self.dtype = host, device, dtype
         self.copier = Copier(device)
         self.staging = StagingRing(host, 2, slot_numel, dtype)
-        self.backend = host_backend(backend)
+        # The user's choice as it is (check_offload_backend refused the device-only ones at
+        # construction): the kernel raises on a request it cannot run, never swaps it.
+        self.backend = backend
         self.phase = [ShardPhase.ON_DEVICE] * chunks
-        self.log: list[tuple[int, ShardPhase]] = []  # every transition, in order (tests)
+        # The latest transitions, in order (tests and debugging read them). Bounded: a run
+        # of many steps must not grow host memory with a record of every one.
+        self.log: deque[tuple[int, ShardPhase]] = deque(maxlen=LOG_PER_CHUNK * max(chunks, 1))
         self._returns: list[Ticket] = []
         self._fenced = 0  # returns already fenced (the device stream stays ordered after them)
 

@@ -39,12 +39,14 @@ from .engine_slot import EngineSlot
 from .guard_set import GuardSet
 from .interchange import TorchFormat, check_adamw_flags, is_torch_format, strip_adamw_flags
 from .layout import Layout
+from .offload import check_offload_backend
 from .optimizer_state import StateAccess, set_seed
 from .param_groups import check_groups, check_new_group
 from .param_table import ParamTable, broadcast_params, stage3_runtime, trained_params
 from .reduction import GradReduction, Reduced, grad_scale
 from .scaler import LossScaler
 from .shards import ParamShard
+from .stage3 import foreign
 from .stages import Engine
 from .state_format import StateFormat
 from .validate import (
@@ -99,7 +101,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             ``scale_loss`` and overflowing steps are skipped on every rank.
         overlap_comm: run the gradient collectives asynchronously, overlapping backward.
         backend: the kernels' backend: ``"cuda"``, ``"triton"``, ``"cpu"``, ``"torch"``, or
-            None for the fastest available (``$ZEROKERN_BACKEND`` also sets it).
+            None for the fastest available (``$ZEROKERN_BACKEND`` also sets it). With
+            ``offload`` the step runs on host tensors: ``"cuda"`` and ``"triton"`` are
+            refused there (ValueError), ``"cpu"``, ``"torch"`` and None run.
         offload: ``"cpu"`` for ZeRO-Offload (stages 1-3), None to keep the state on the
             parameters' device.
         moments: how ``exp_avg`` and ``exp_avg_sq`` are stored: ``"fp32"`` (default, exact
@@ -184,6 +188,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         check_adamw_flags(dict(amsgrad=amsgrad, maximize=maximize,
                                differentiable=differentiable), "")
         check_zero_args(stage, offload, bucket_numel, max_grad_norm)
+        check_offload_backend(backend, offload)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         check_groups(self.param_groups, flags=False)
@@ -234,6 +239,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._slot.build(self.param_groups)  # stage 3: the units fix the layout already
             self._rt.backward_end_callbacks.append(
                 functools.partial(_end_backward, weakref.ref(self)))
+            foreign.track(self, self._rt)  # one live optimizer per sharded model, at step()
         self._last_comm = self.comm.reset_stats()
         self._constructed = True
 
