@@ -218,6 +218,10 @@ class Handle:
     def is_completed(self) -> bool:
         return self._done or all(w.is_completed() for w in self._works)
 
+    # Never traced: torch.compile of a stage-3 model runs the units' gathers inside its
+    # hooks, and Dynamo cannot trace time.monotonic (a graph break per wait); a clock has
+    # no place in a graph anyway.
+    @torch.compiler.disable
     def _wait_for(self, timeout: float) -> None:
         start = time.monotonic()
         deadline = start + timeout

@@ -26,7 +26,7 @@ import torch
 from ..ops._backend import BACKENDS
 from .scaler import LossScaler
 from .state_format import StateFormat
-from .validate import check_reduce_dtype, check_seed, check_zero_args
+from .validate import check_offload_backend, check_reduce_dtype, check_seed, check_zero_args
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,9 @@ class ZeroConfig:
             ValueError: an option out of its range, named (``stage`` that is not an int
                 0-3, ``True`` and ``2.0`` included; ``offload`` other than None or "cpu",
                 or at stage 0; ``bucket_numel``, ``max_grad_norm``, ``loss_scale``,
-                ``moments``, ``master``, ``seed``, ``reduce_dtype``, ``backend``).
+                ``moments``, ``master``, ``seed``, ``reduce_dtype``, ``backend``;
+                ``backend="cuda"`` or ``"triton"`` with ``offload``: the step runs on the
+                host).
             TypeError: ``overlap_comm`` that is not a bool.
         """
         check_zero_args(self.stage, self.offload, self.bucket_numel, self.max_grad_norm)
@@ -121,6 +123,7 @@ class ZeroConfig:
         StateFormat(self.moments, self.master)  # ValueError naming moments or master
         check_seed(self.seed)
         check_reduce_dtype(self.reduce_dtype, self.offload)
+        check_offload_backend(self.backend, self.offload)
         if not isinstance(self.overlap_comm, bool):
             raise TypeError(f"overlap_comm must be True or False, got {self.overlap_comm!r}")
         if self.backend is not None and self.backend not in BACKENDS:

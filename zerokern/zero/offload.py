@@ -33,6 +33,9 @@ from ..memory import Arena, Block
 HOST = torch.device("cpu")
 OFFLOAD_CHOICES = ("cpu",)
 _ALIGN = 256
+# OffloadPipeline.log keeps this many transitions per chunk: a step makes about four per
+# chunk (two per backward, two in the step), so a few steps' worth, never the whole run.
+LOG_PER_CHUNK = 16
 
 
 class ShardPhase(enum.Enum):
@@ -49,12 +52,6 @@ def pin_host_memory(device: torch.device) -> bool:
     """Host memory is page-locked when the device is a GPU: only then are copies DMA
     transfers that can overlap compute (and pinning needs a CUDA context anyway)."""
     return device.type == "cuda" and torch.cuda.is_available()
-
-
-def host_backend(backend: str | None) -> str | None:
-    """The kernel backend of the host step: the user's choice when it runs on the CPU, else
-    the automatic choice for CPU tensors (a CUDA/Triton request means the device's kernel)."""
-    return backend if backend in ("cpu", "torch") else None
 
 
 class Ticket:
@@ -202,9 +199,13 @@ class OffloadPipeline:
         self.host, self.device, self.dtype = host, device, dtype
         self.copier = Copier(device)
         self.staging = StagingRing(host, 2, slot_numel, dtype)
-        self.backend = host_backend(backend)
+        # The user's choice as it is (check_offload_backend refused the device-only ones at
+        # construction): the kernel raises on a request it cannot run, never swaps it.
+        self.backend = backend
         self.phase = [ShardPhase.ON_DEVICE] * chunks
-        self.log: list[tuple[int, ShardPhase]] = []  # every transition, in order (tests)
+        # The latest transitions, in order (tests and debugging read them). Bounded: a run
+        # of many steps must not grow host memory with a record of every one.
+        self.log: deque[tuple[int, ShardPhase]] = deque(maxlen=LOG_PER_CHUNK * max(chunks, 1))
         self._returns: list[Ticket] = []
         self._fenced = 0  # returns already fenced (the device stream stays ordered after them)
 

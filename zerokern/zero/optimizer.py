@@ -47,6 +47,7 @@ from .param_table import ParamTable, broadcast_params, stage3_runtime, trained_p
 from .reduction import GradReduction, Reduced, grad_scale
 from .scaler import LossScaler
 from .shards import ParamShard
+from .stage3 import foreign
 from .stages import Engine
 from .state_format import StateFormat
 from .validate import (
@@ -102,7 +103,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             ``scale_loss`` and overflowing steps are skipped on every rank.
         overlap_comm: run the gradient collectives asynchronously, overlapping backward.
         backend: the kernels' backend: ``"cuda"``, ``"triton"``, ``"cpu"``, ``"torch"``, or
-            None for the fastest available (``$ZEROKERN_BACKEND`` also sets it).
+            None for the fastest available (``$ZEROKERN_BACKEND`` also sets it). With
+            ``offload`` the step runs on host tensors: ``"cuda"`` and ``"triton"`` are
+            refused there (ValueError), ``"cpu"``, ``"torch"`` and None run.
         offload: ``"cpu"`` for ZeRO-Offload (stages 1-3), None to keep the state on the
             parameters' device.
         moments: how ``exp_avg`` and ``exp_avg_sq`` are stored: ``"fp32"`` (default, exact
@@ -266,6 +269,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._slot.build(self.param_groups)  # stage 3: the units fix the layout already
             self._rt.backward_end_callbacks.append(
                 functools.partial(_end_backward, weakref.ref(self)))
+            foreign.track(self, self._rt)  # one live optimizer per sharded model, at step()
         self._last_comm = self.comm.reset_stats()
         self._constructed = True
 

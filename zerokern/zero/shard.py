@@ -15,7 +15,7 @@ from ..comm.mesh import mesh_comm
 from . import gather_timeout as told
 from . import registry
 from .interop import check_no_ddp
-from .stage3 import Stage3Runtime
+from .stage3 import Stage3Runtime, foreign
 
 # Default unit size when no unit classes are given: a module becomes a unit when it holds at
 # least this share of the model's parameters (typically the transformer blocks).
@@ -122,6 +122,7 @@ def shard_model(
     model.register_state_dict_post_hook(_state_dict_hook)
     model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     model.register_load_state_dict_post_hook(_load_state_dict_post_hook)
+    foreign.install()  # another optimizer's step over these parameters is refused
     return model
 
 
@@ -267,9 +268,19 @@ def _check_units_same_on_all_ranks(
 
 def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     """model.state_dict() of a sharded model holds the full parameters, gathered one unit at a
-    time. Collective: every rank must call it (as with FSDP's full state dict)."""
-    for k, v in full_state_dict(module, rank0_only=False).items():
-        state_dict[prefix + k] = v
+    time. Collective: every rank must call it (as with FSDP's full state dict). Only the
+    entries torch put in are replaced, so the keys and their order are the plain model's
+    (non-persistent buffers, such as rotary tables, stay out: a strict load_state_dict of
+    the result works on the plain model and on the sharded one)."""
+    rt = registry.runtime_of_module(module)
+    assert rt is not None  # the hook is registered by shard_model only
+    values = _gather_params(rt, keep=True)
+    for name, p in module.named_parameters(remove_duplicate=False):  # tied names too
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = values[id(p)]
+    for name, b in module.named_buffers(remove_duplicate=False):
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = b.detach().cpu().clone()
 
 
 def _load_state_dict_pre_hook(
@@ -333,7 +344,8 @@ def runtime_of(model: Any) -> Stage3Runtime | None:
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> OrderedDict[str, torch.Tensor]:
-    """The full (unsharded) parameters and buffers of a shard_model'ed model, on CPU.
+    """The full (unsharded) parameters and buffers of a shard_model'ed model, on CPU: the
+    keys, in their order, of the plain model's ``state_dict()`` (persistent buffers only).
 
     Call on every rank: units are gathered one at a time (never more than one extra unit in
     memory). With rank0_only, other ranks receive an empty dict.
@@ -341,7 +353,16 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> OrderedDict
     rt = runtime_of(model)
     if rt is None:
         return OrderedDict((k, v.detach().cpu().clone()) for k, v in model.state_dict().items())
-    keep = not rank0_only or rt.comm.rank == 0
+    if rank0_only and rt.comm.rank != 0:
+        _gather_params(rt, keep=False)  # the others' gathers need this rank's slices
+        return OrderedDict()
+    # state_dict's hook (above) gathers the parameters into torch's own dict.
+    return OrderedDict(model.state_dict())
+
+
+def _gather_params(rt: Stage3Runtime, *, keep: bool) -> dict[int, torch.Tensor]:
+    """Every parameter's full value on CPU, by id (none kept unless ``keep``), gathered one
+    unit at a time; units gathered already (inside a forward) stay gathered."""
     values: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for u in rt.units:
@@ -352,11 +373,4 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> OrderedDict
                     values[id(p)] = p.detach().cpu().clone()
             if not was:
                 rt.release(u)
-    out: OrderedDict[str, torch.Tensor] = OrderedDict()
-    if not keep:
-        return out
-    for name, p in model.named_parameters(remove_duplicate=False):  # tied names too
-        out[name] = values[id(p)]
-    for name, b in model.named_buffers():
-        out[name] = b.detach().cpu().clone()
-    return out
+    return values

@@ -159,3 +159,16 @@ def check_reduce_dtype(reduce_dtype: Any, offload: str | None) -> None:
         raise ValueError("reduce_dtype=torch.float32 with offload='cpu' is not supported: the "
                          "offload pipeline moves gradients in the parameters' dtype; drop "
                          "one of them")
+
+
+def check_offload_backend(backend: Any, offload: Any) -> None:
+    """ZeroAdamW(backend=..., offload=...): with offload the AdamW step runs on host tensors,
+    where the CUDA kernels cannot run (nor Triton's, but under its interpreter, a debugging
+    mode). An explicit request works or raises (ops/_backend.py), so it is refused here
+    rather than replaced by the CPU kernel without a word."""
+    if offload is not None and backend in ("cuda", "triton"):
+        raise ValueError(
+            f"backend={backend!r} with offload={offload!r}: with offload the AdamW step runs "
+            f"on the host, on CPU tensors, where the {backend} kernels do not run. Pass "
+            "backend=None (the fastest kernel for each tensor's device), 'cpu' or 'torch', "
+            "or drop offload to step on the device")
