@@ -398,8 +398,19 @@ def constructor(rank: int, world: int, *, tmp: str) -> None:
     from pytorch_lightning.plugins.precision import MixedPrecision
 
     _raises(lambda: ZeroStrategy(stage=4), ValueError, "stage must be 0, 1, 2 or 3")
-    _raises(lambda: ZeroStrategy(stage=2, unit_classes=(Block,)), ValueError,
-            "unit_classes partitions the model at stage 3")
+    # zerokern's options: one ZeroConfig, or its fields as keywords, checked at once.
+    _raises(lambda: ZeroStrategy(stage=3, moments="int4"), ValueError, "moments must be one of")
+    _raises(lambda: ZeroStrategy(moment="int8"), TypeError, "unexpected keyword 'moment'")
+    _raises(lambda: ZeroStrategy(config=zerokern.ZeroConfig(stage=3), moments="int8"),
+            ValueError, "moments='int8' was given together with config=")
+    _raises(lambda: ZeroStrategy(mesh="2x2"), TypeError, "mesh must be a")
+    _raises(lambda: ZeroStrategy(stage=2, offload_params=True), ValueError,
+            "offload_params=True: parameter shards in host memory are stage 3's")
+    assert ZeroStrategy(stage=1, moments="int8", reduce_dtype=torch.float32).config == \
+        ZeroStrategy(config=zerokern.ZeroConfig(stage=1, moments="int8",
+                                                reduce_dtype=torch.float32)).config
+    # The stage-3 options are ignored at stages 0-2, as by zerokern.parallelize.
+    assert ZeroStrategy(stage=2, unit_classes=[Block]).config.unit_classes == (Block,)
     _raises(lambda: ZeroStrategy(stage=2, precision_plugin=MixedPrecision("16-mixed", "cpu")),
             ValueError, "GradScaler")
     assert ZeroStrategy(stage=1).stage == 1

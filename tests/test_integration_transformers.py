@@ -30,3 +30,24 @@ def test_resume_from_a_plain_trainer_checkpoint(stage, tmp_path):
 
 def test_options_and_refusals(tmp_path):
     run_ranks(2, hf_cases.options_and_refusals, str(tmp_path), tmp_path=tmp_path)
+
+
+# -- options (issue 36 item 5): one ZeroConfig, mesh=, checked before the model changes ------
+def test_mesh_and_reduce_dtype_match_zero_adamw(tmp_path):
+    import hf_config_cases
+
+    run_ranks(4, hf_config_cases.mesh_and_reduce_dtype, str(tmp_path), tmp_path=tmp_path)
+
+
+def test_config_whole_equals_keywords(tmp_path):
+    import hf_config_cases
+
+    run_ranks(2, hf_config_cases.config_whole_equals_keywords, str(tmp_path),
+              tmp_path=tmp_path)
+
+
+def test_bad_options_are_refused_before_the_model_is_sharded(tmp_path):
+    import hf_config_cases
+
+    run_ranks(2, hf_config_cases.refused_before_the_model_is_sharded, str(tmp_path),
+              tmp_path=tmp_path)

@@ -23,8 +23,7 @@ the same part there.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
-from types import SimpleNamespace
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -33,31 +32,22 @@ from torch import nn
 from .comm.mesh import describe_mesh
 from .zero import ZeroAdamW, shard_model
 from .zero.agreement import NO_MESH, agree, agreement_comm
-from .zero.config import ZeroConfig
+from .zero.config import ZeroConfig, check_offload_params_stage
 from .zero.interchange import check_adamw_flags
 from .zero.param_table import trained_params
 from .zero.validate import (
     check_eps_moments,
     check_hparams,
     check_master_dtype,
-    check_offload_params,
     common_dtype_device,
 )
 
-__all__ = ["parallelize", "resolve_units", "shard_for"]
+__all__ = ["parallelize", "prepare_model", "resolve_units", "shard_for"]
 
 
 def _check_stage(stage: Any) -> None:
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-
-
-def _check_offload_params_stage(offload_params: Any, stage: int) -> None:
-    if offload_params and stage != 3:
-        raise ValueError(
-            f"offload_params={offload_params!r}: parameter shards in host memory are stage 3's "
-            f"(shard_model partitions the parameters); pass stage=3, or leave offload_params "
-            f"False (got stage={stage})")
 
 
 def _units_by_name(model: nn.Module, names: Iterable[str], caller: str) -> tuple[type, ...]:
@@ -145,7 +135,7 @@ def shard_for(
         RuntimeError: the model is already sharded (``shard_model`` called before).
     """
     _check_stage(stage)
-    _check_offload_params_stage(offload_params, stage)
+    check_offload_params_stage(offload_params, stage)
     if stage != 3:
         return model
     units = resolve_units(model, unit_classes)
@@ -157,6 +147,7 @@ def shard_for(
 
 # ZeroAdamW's signature, for checking parallelize's keywords before the model is modified.
 _ADAMW_SIGNATURE = inspect.signature(ZeroAdamW)
+_HPARAMS = ("lr", "betas", "eps", "weight_decay")
 
 
 def parallelize(
@@ -185,6 +176,9 @@ def parallelize(
     ```python
     opt = zerokern.parallelize(model, stage=3, unit_classes=(Block,), lr=3e-4,
                                weight_decay=0.1, max_grad_norm=1.0)
+    # or every option in one object, the one the trainer integrations take too:
+    cfg = zerokern.ZeroConfig(stage=3, unit_classes=(Block,), max_grad_norm=1.0)
+    opt = zerokern.parallelize(model, config=cfg, lr=3e-4, weight_decay=0.1)
     ```
 
     Args:
@@ -207,9 +201,9 @@ def parallelize(
             at stages 0-2 (docs/hybrid.md).
         **adamw_kwargs: the rest of ZeroAdamW's arguments (``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``bucket_numel``, ``max_grad_norm``, ``loss_scale``,
-            ``overlap_comm``, ``backend``, ``moments``, ``master``, ``seed``, ...), or its
-            options as ``config=zerokern.ZeroConfig(...)`` (then ``stage`` and ``offload``
-            come from it).
+            ``overlap_comm``, ``backend``, ``moments``, ``master``, ``seed``, ...), or every
+            option (the stage-3 ones above included) as ``config=zerokern.ZeroConfig(...)``;
+            an option given both ways is refused.
 
     Returns:
         The ZeroAdamW (the model is the one given, partitioned in place at stage 3).
@@ -231,15 +225,9 @@ def parallelize(
         RuntimeError: the model is already sharded (``shard_model`` or ``parallelize`` at
             stage 3 called before), as ``shard_model`` refuses it.
     """
-    # Every check first, on every rank, then one gather compares the options and carries
-    # any rank's refusal to all (zero/agreement.py): shard_model changes the model, so
-    # nothing it would not survive may reach it (a refusal after it would leave the model
-    # sharded, and the corrected call refused as "already sharded").
-    failure: BaseException | None = None
-    cfg: ZeroConfig | None = None
-    rest: dict[str, Any] = {}
-    listed: list[Any] | None = None
-    try:
+    built: dict[str, Any] = {}
+
+    def options() -> tuple[ZeroConfig, list[Any] | None, dict[str, Any]]:
         listed = None if params is None else _listed(params)
         try:
             bound = _ADAMW_SIGNATURE.bind(listed, stage=stage, offload=offload,
@@ -250,31 +238,114 @@ def parallelize(
                             "are ZeroAdamW's)") from None
         bound.apply_defaults()
         a = bound.arguments
-        cfg = ZeroConfig.merge(a["config"], {n: a[n] for n in ZeroConfig.names()},
-                               "parallelize").validate()
-        _check_offload_params_stage(offload_params, cfg.stage)
-        # The optimizer's own rule, checked here before shard_model changes the model.
-        check_offload_params(SimpleNamespace(offload_params=offload_params), cfg.offload)
-        check_hparams(a["lr"], a["betas"], a["eps"], a["weight_decay"])
-        check_eps_moments(a["eps"], cfg.state_format.moments)
+        given = {n: a[n] for n in ZeroConfig.adamw_names()}
+        given.update(unit_classes=unit_classes, prefetch=prefetch,
+                     reshard_after_forward=reshard_after_forward,
+                     offload_params=offload_params, gather_timeout=gather_timeout)
+        cfg = ZeroConfig.merge(a["config"], given, "parallelize")
         check_adamw_flags(dict(amsgrad=a["amsgrad"], maximize=a["maximize"],
                                differentiable=a["differentiable"]), "")
+        built.update(listed=listed, rest={k: v for k, v in adamw_kwargs.items()
+                                          if k not in ZeroConfig.names() and k != "config"})
+        return cfg, listed, {k: a[k] for k in _HPARAMS}
+
+    # errors about unit classes name shard_for, as before
+    cfg = _prepare(model, options, mesh=mesh, process_group=process_group,
+                   where="parallelize", caller="shard_for")
+    listed = built["listed"]
+    return ZeroAdamW(model.parameters() if listed is None else listed, config=cfg,
+                     process_group=process_group, mesh=mesh, **built["rest"])
+
+
+def prepare_model(
+    model: nn.Module,
+    config: ZeroConfig,
+    *,
+    mesh: Any = None,
+    process_group: Any = None,
+    hparams: Mapping[str, Any] | None = None,
+    where: str = "prepare_model",
+) -> nn.Module:
+    """``parallelize``'s first half with all of its checks, for a trainer that builds the
+    optimizer later (the HF Trainer's ``create_optimizer``, Lightning's
+    ``configure_optimizers``): what the trainer integrations call.
+
+    Validates ``config``, checks ``hparams`` and the model's parameters as ZeroAdamW will,
+    compares the options and the mesh across ranks in one gather (a collective at every
+    stage: call it on every rank), and only then, at stage 3, partitions the model by
+    ``shard_for`` with ``config``'s stage-3 options. Build the optimizer afterwards with
+    ``ZeroAdamW(params, config=config, mesh=mesh, process_group=process_group,
+    **hparams)``: the two calls are ``parallelize``.
+
+    Args:
+        model: the model, already on its device and in its dtype, not wrapped in DDP.
+        config: every option (``ZeroConfig``).
+        mesh: a 1-D or 2-D DeviceMesh, as for ``parallelize``.
+        process_group: instead of ``mesh``, the group whose ranks share the work.
+        hparams: the optimizer's ``lr``, ``betas``, ``eps`` and ``weight_decay`` where they
+            are known already (those missing are ZeroAdamW's defaults), checked now; None:
+            left to ZeroAdamW.
+        where: the caller, named in the errors.
+
+    Returns:
+        ``model`` itself (partitioned in place at stage 3).
+
+    Raises:
+        ValueError: what ``parallelize`` refuses, on every rank and before the model is
+            modified.
+        TypeError: a ``config`` that is no ZeroConfig, bad ``unit_classes`` entries, or
+            ``hparams`` keys other than the four.
+        RuntimeError: the model is already sharded.
+    """
+    def options() -> tuple[ZeroConfig, None, dict[str, Any] | None]:
+        if not isinstance(config, ZeroConfig):
+            raise TypeError(f"{where}: config must be a zerokern.ZeroConfig, got "
+                            f"{type(config).__name__}")
+        if hparams is None:
+            return config, None, None
+        unknown = sorted(set(hparams) - set(_HPARAMS))
+        if unknown:
+            raise TypeError(f"{where}: hparams takes {_HPARAMS}, got {unknown[0]!r}")
+        return config, None, {k: hparams.get(k, _ADAMW_SIGNATURE.parameters[k].default)
+                               for k in _HPARAMS}
+
+    _prepare(model, options, mesh=mesh, process_group=process_group, where=where,
+             caller=where)
+    return model
+
+
+def _prepare(model: nn.Module, options: Callable[[], tuple[ZeroConfig, Any, Any]], *,
+             mesh: Any, process_group: Any, where: str, caller: str) -> ZeroConfig:
+    """Every check first, on every rank, then one gather compares the options and carries
+    any rank's refusal to all (zero/agreement.py), then ``shard_for``. ``options()`` (run
+    inside the checks, so that its refusals travel too) gives the config, the listed
+    params (None: the model's) and the hyperparameters to check (None: none)."""
+    # shard_model changes the model, so nothing it would not survive may reach it (a refusal
+    # after it would leave the model sharded, and the corrected call refused as "already
+    # sharded").
+    failure: BaseException | None = None
+    cfg: ZeroConfig | None = None
+    units: tuple[type, ...] | None = None
+    try:
+        given, listed, hp = options()
+        cfg = given.validate()
+        if hp is not None:
+            check_hparams(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"])
+            check_eps_moments(hp["eps"], cfg.state_format.moments)
         _check_params(model if listed is None else listed, cfg)
         if cfg.stage == 3:
-            resolve_units(model, unit_classes)  # errors name shard_for, as before
-        rest = {k: v for k, v in adamw_kwargs.items()
-                if k not in ZeroConfig.names() and k != "config"}
+            units = resolve_units(model, cfg.unit_classes, caller=caller)
     except (ValueError, TypeError, RuntimeError) as exc:
         failure = exc
-    agree(agreement_comm(mesh=mesh, process_group=process_group), "parallelize",
+    agree(agreement_comm(mesh=mesh, process_group=process_group), where,
           options=None if cfg is None else cfg.agreed(), failure=failure,
-          mesh=NO_MESH if mesh is None else describe_mesh(mesh, process_group, "parallelize"))
+          mesh=NO_MESH if mesh is None else describe_mesh(mesh, process_group, where))
     assert cfg is not None  # else agree raised
-    shard_for(model, stage=cfg.stage, unit_classes=unit_classes, prefetch=prefetch,
-              reshard_after_forward=reshard_after_forward, offload_params=offload_params,
-              gather_timeout=gather_timeout, process_group=process_group, mesh=mesh)
-    return ZeroAdamW(model.parameters() if listed is None else listed, config=cfg,
-                     process_group=process_group, mesh=mesh, **rest)
+    shard_for(model, stage=cfg.stage, unit_classes=units, prefetch=cfg.prefetch,
+              reshard_after_forward=cfg.reshard_after_forward,
+              offload_params=cfg.offload_params, gather_timeout=cfg.gather_timeout,
+              process_group=process_group, mesh=mesh)
+    return cfg
 
 
 def _listed(params: Any) -> list[Any]:

@@ -6,14 +6,17 @@ the optimizer state (stage 3: of the parameters too), so ``ZeroStrategy`` change
 DeepSpeed and FSDP strategies change, and keeps the rest of DDPStrategy (process group,
 launcher, sampler, collectives):
 
-- no DDP wrap. At stage 3 the LightningModule is partitioned by ``zerokern.shard_for`` (the
-  first half of ``zerokern.parallelize``, which calls ``shard_model``) in the strategy's
-  setup, after ``configure_model`` and before ``configure_optimizers``, so that
-  ``ZeroAdamW(self.parameters(), stage=3)`` there (the second half) gets the sharded
-  parameters;
-- ``configure_optimizers`` must return one ``zerokern.ZeroAdamW`` of the strategy's stage
-  (with or without an LR scheduler): a torch optimizer would step on gradients nobody
-  averaged, so anything else is refused at setup;
+- the options are one ``zerokern.ZeroConfig`` (``config=``, or its fields as keywords) and
+  a ``mesh`` (or its shape, built once the process group exists);
+- no DDP wrap. In the strategy's setup, after ``configure_model`` and before
+  ``configure_optimizers``, ``zerokern.compose.prepare_model`` (the first half of
+  ``zerokern.parallelize``) checks the options against the model and compares them across
+  ranks, and at stage 3 partitions the LightningModule, so that the ZeroAdamW built in
+  ``configure_optimizers`` (the second half; ``strategy.zero_adamw(self.parameters(),
+  lr=...)``) gets the sharded parameters;
+- ``configure_optimizers`` must return one ``zerokern.ZeroAdamW`` of the strategy's stage,
+  mesh and options (with or without an LR scheduler): a torch optimizer would step on
+  gradients nobody averaged, so anything else is refused at setup;
 - accumulation (``accumulate_grad_batches``): the micro-batches before the last run under
   ``opt.no_sync()``, where DDPStrategy uses ``DDP.no_sync()``;
 - clipping (``gradient_clip_val``): the precision plugin's clip-by-norm is
@@ -56,9 +59,11 @@ from torch import nn  # noqa: E402
 from ..checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from ..checkpoint.format import remove_checkpoint_dir  # noqa: E402
 from ..checkpoint.locks import publishing  # noqa: E402
-from ..compose import shard_for  # noqa: E402
+from ..compose import prepare_model  # noqa: E402
 from ..zero import ZeroAdamW, full_state_dict  # noqa: E402
+from ..zero.config import ZeroConfig  # noqa: E402
 from ..zero.registry import runtime_of_param  # noqa: E402
+from ._options import build_mesh, check_mesh_arg, check_optimizer, config_of  # noqa: E402
 
 __all__ = ["ZeroStrategy"]
 
@@ -151,20 +156,40 @@ def _bind_to_optimizer(lopt: LightningOptimizer) -> LightningOptimizer:
 class ZeroStrategy(DDPStrategy):
     """ZeRO stages 0-3 with ``zerokern.ZeroAdamW`` for ``pl.Trainer(strategy=...)``.
 
-    Args:
-        stage: the ZeRO stage (0-3); ``configure_optimizers`` must return a ``ZeroAdamW`` of
-            this stage.
-        unit_classes: stage 3 only: the module classes (or class names) that become units of
-            ``shard_model`` (e.g. the transformer block class); default: ``shard_model``'s
-            choice.
-        prefetch: stage 3 only: how many units ``shard_model`` gathers ahead.
+    zerokern's options are one ``zerokern.ZeroConfig`` (``config=``, the object
+    ``parallelize`` and ``ZeroTrainer`` take) or its fields as keywords of the same names
+    (``ZeroConfig.names()``: ``moments``, ``master``, ``reduce_dtype``, ``offload``,
+    ``offload_params``, ...), plus ``mesh``. They are checked when the strategy is built, and
+    compared across ranks in its setup, before the model is partitioned (stage 3).
+    ``configure_optimizers`` builds the optimizer with them:
+    ``self.trainer.strategy.zero_adamw(self.parameters(), lr=...)``, or a ``ZeroAdamW`` of its
+    own, which must then have the strategy's stage, mesh and every option the strategy was
+    given (not at its default).
 
-    ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
-    ``precision_plugin``, ``process_group_backend``, ``timeout`` and ``start_method`` are as for
-    ``DDPStrategy`` (a process group that already exists is used as it is).
+    Args:
+        stage: the ZeRO stage (0-3).
+        unit_classes: stage 3: the module classes (or class names) that become units of
+            ``shard_model`` (e.g. the transformer block class); default: ``shard_model``'s
+            choice. Ignored at stages 0-2, as by ``parallelize``.
+        prefetch: stage 3: how many units ``shard_model`` gathers ahead.
+        accelerator: as for ``DDPStrategy``.
+        parallel_devices: as for ``DDPStrategy``.
+        cluster_environment: as for ``DDPStrategy``.
+        checkpoint_io: as for ``DDPStrategy``.
+        precision_plugin: as for ``DDPStrategy`` (see Precision below).
+        process_group_backend: as for ``DDPStrategy`` (a process group that already exists
+            is used as it is).
+        timeout: as for ``DDPStrategy``.
+        start_method: as for ``DDPStrategy``.
+        config: every zerokern option as one ``ZeroConfig``; an option given both here and
+            as a keyword is refused.
+        mesh: a 1-D or 2-D ``DeviceMesh`` (hybrid sharding: dim 0 replicate, dim 1 shard), or
+            its shape ``(replicate, shard)``, built over the process group in the strategy's
+            setup (the strategy is built before Lightning starts the processes).
+        **options: zerokern's other options by name (``ZeroConfig``'s fields).
 
     Precision: "32-true", "bf16-true", "16-true" (16-bit parameters with ZeroAdamW's fp32
-    master; for fp16 give ``ZeroAdamW(loss_scale="dynamic")``: the strategy scales the loss)
+    master; for fp16 give ``loss_scale="dynamic"``: the strategy scales the loss)
     and "bf16-mixed". "16-mixed" (torch's GradScaler, which reads ``p.grad`` that ZeroAdamW
     has reduced into shards) is refused.
 
@@ -189,15 +214,21 @@ class ZeroStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        *,
+        config: ZeroConfig | None = None,
+        mesh: Any = None,
+        **options: Any,
     ) -> None:
-        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeroStrategy: stage must be 0, 1, 2 or 3, got {stage!r}")
-        if stage != 3 and unit_classes is not None:
-            raise ValueError("ZeroStrategy: unit_classes partitions the model at stage 3; "
-                             f"it has no effect at stage {stage} (pass stage=3)")
-        self._stage = stage
-        self._unit_classes = None if unit_classes is None else tuple(unit_classes)
-        self._prefetch = prefetch
+        unknown = sorted(set(options) - set(ZeroConfig.names()))
+        if unknown:
+            raise TypeError(f"ZeroStrategy: unexpected keyword {unknown[0]!r}; zerokern's "
+                            f"options are {', '.join(ZeroConfig.names())}")
+        options.update(stage=stage, unit_classes=unit_classes, prefetch=prefetch)
+        self._config = config_of(config, options, "ZeroStrategy")
+        self._stage = self._config.stage
+        check_mesh_arg(mesh, "ZeroStrategy")
+        self._mesh_arg = mesh
+        self._mesh: Any = None if isinstance(mesh, (tuple, list)) else mesh
         self._clip_installed: Precision | None = None
         super().__init__(
             accelerator=accelerator,
@@ -211,6 +242,30 @@ class ZeroStrategy(DDPStrategy):
         )
         # Lightning's plain redirection: DDP's variant toggles DDP-only flags.
         self._forward_redirection = _ForwardRedirection()
+
+    @property
+    def config(self) -> ZeroConfig:
+        """zerokern's options (validated): what ``zero_adamw`` builds the optimizer with."""
+        return self._config
+
+    @property
+    def mesh(self) -> Any:
+        """The DeviceMesh (built in the strategy's setup when its shape was given), or None."""
+        return self._mesh
+
+    def zero_adamw(self, params: Any, **kwargs: Any) -> ZeroAdamW:
+        """The optimizer for ``configure_optimizers``: ``zerokern.ZeroAdamW(params,
+        config=self.config, mesh=self.mesh, **kwargs)``.
+
+        Args:
+            params: parameters or param-group dicts, as for ``torch.optim.AdamW``.
+            **kwargs: the hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``);
+                an option of the config given again is refused.
+
+        Returns:
+            The ZeroAdamW, with every option the strategy was given.
+        """
+        return ZeroAdamW(params, config=self._config, mesh=self._mesh, **kwargs)
 
     @property
     def stage(self) -> int:
@@ -235,6 +290,11 @@ class ZeroStrategy(DDPStrategy):
         self._precision_plugin = precision_plugin
 
     # -- setup ------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the process group
+        if self._mesh is None and self._mesh_arg is not None:
+            self._mesh = build_mesh(self._mesh_arg, self.root_device.type, "ZeroStrategy")
+
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -258,9 +318,11 @@ class ZeroStrategy(DDPStrategy):
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         """Stages 0-2: the LightningModule itself (no DDP). Stage 3: partitioned by
-        shard_model, through a _Stage3Root (made once per LightningModule)."""
+        shard_model, through a _Stage3Root (made once per LightningModule). Either way
+        after every check of the config against the model and the comparison across ranks
+        (``prepare_model``, the first half of ``parallelize``)."""
         if self._stage != 3:
-            return model
+            return prepare_model(model, self._config, mesh=self._mesh, where="ZeroStrategy")
         lm = self.lightning_module
         assert lm is not None
         existing = _existing_root(lm)
@@ -272,10 +334,9 @@ class ZeroStrategy(DDPStrategy):
                 "partitioned by zerokern.shard_model; the strategy partitions the "
                 "LightningModule itself in its setup (give ZeroStrategy(unit_classes=...)) and "
                 "configure_model must not call shard_model")
-        root = _Stage3Root(lm)
         # The first half of zerokern.parallelize: configure_optimizers builds the second.
-        shard_for(root, stage=3, unit_classes=self._unit_classes, prefetch=self._prefetch)
-        return root
+        return prepare_model(_Stage3Root(lm), self._config, mesh=self._mesh,
+                             where="ZeroStrategy")
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
@@ -287,7 +348,8 @@ class ZeroStrategy(DDPStrategy):
         if not isinstance(opt, ZeroAdamW):
             raise TypeError(
                 f"ZeroStrategy: configure_optimizers returned a {type(opt).__name__}; it must "
-                f"return zerokern.ZeroAdamW(self.parameters(), ..., stage={self._stage}). The "
+                f"return zerokern.ZeroAdamW (self.trainer.strategy.zero_adamw(self.parameters(),"
+                f" lr=...) builds it with the strategy's options). The "
                 "strategy does not wrap the model in DDP: ZeroAdamW averages the gradients "
                 "over the ranks itself, another optimizer would step on each rank's own")
         if opt.stage != self._stage:
@@ -295,6 +357,9 @@ class ZeroStrategy(DDPStrategy):
                 f"ZeroStrategy(stage={self._stage}): configure_optimizers returned a "
                 f"ZeroAdamW(stage={opt.stage}); give both the same stage (e.g. "
                 "stage=self.trainer.strategy.stage)")
+        check_optimizer(opt, self._config, self._mesh, "ZeroStrategy",
+                        "the ZeroAdamW of configure_optimizers (build it with "
+                        "self.trainer.strategy.zero_adamw(...))")
 
     def _check_clipping(self, trainer: pl.Trainer) -> None:
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":

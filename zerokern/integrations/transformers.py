@@ -11,9 +11,11 @@ Trainer's loop and arguments and changes what ZeroAdamW needs:
 - the optimizer is a ZeroAdamW built from the Trainer's own settings (``learning_rate``,
   ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay`` with the Trainer's decay / no-decay
   groups), or the ZeroAdamW given through ``optimizers=``;
-- at stage 3 the model is partitioned at construction by ``zerokern.shard_for`` (the first
-  half of ``zerokern.parallelize``), with the model's ``_no_split_modules`` as units unless
-  ``unit_classes`` is given; the optimizer, built later by ``create_optimizer``, is its
+- the options are one ``zerokern.ZeroConfig`` (``config=``, or its fields as keywords),
+  checked and compared across ranks at construction by ``zerokern.compose.prepare_model``
+  (the first half of ``zerokern.parallelize``), which at stage 3 then partitions the model,
+  with the model's ``_no_split_modules`` as units unless ``unit_classes`` is given; the
+  optimizer, built later by ``create_optimizer`` with that config and ``mesh``, is its
   second half;
 - checkpoints: every rank writes its part of a zerokern checkpoint into
   ``checkpoint-N/zerokern`` (model and optimizer, exact), rank 0 the scheduler, RNG and trainer
@@ -34,12 +36,14 @@ from typing import Any
 import torch
 
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..compose import prepare_model
 from ..compose import resolve_units as _resolve_units
-from ..compose import shard_for
 from ..zero import ZeroAdamW
+from ..zero.config import ZeroConfig
 from ..zero.registry import runtime_of_module
 from ..zero.shard import full_state_dict
 from ._optional import require
+from ._options import build_mesh, check_mesh_arg, check_optimizer, config_of, pop_options
 from .accelerate import ZeroAccelerator, unwrap_optimizer
 
 _tf = require("transformers", "transformers", "transformers")
@@ -75,37 +79,52 @@ class _ZeroGradAfterStep(_tf.TrainerCallback):
 
 
 class ZeroTrainer(_tf.Trainer):
-    """``transformers.Trainer`` training with ZeroAdamW at ``zero_stage`` 0-3.
+    """``transformers.Trainer`` training with ZeroAdamW at ZeRO stage 0-3.
 
-    Takes the Trainer's arguments and, by keyword: ``zero_stage`` (default 2, or the stage of
-    the ZeroAdamW given in ``optimizers``), ``unit_classes`` (stage 3: module classes or class
-    names; default the model's ``_no_split_modules``), ``prefetch``,
-    ``reshard_after_forward`` and ``offload_params`` (shard_model's), ``bucket_numel``,
-    ``overlap_comm``, ``offload`` (ZeroAdamW's; ``offload="cpu"``: ZeRO-Offload), ``moments``
-    and ``master`` (ZeroAdamW's compressed state: ``moments="int8"``, ``master="none"``).
-    ``max_grad_norm`` of TrainingArguments is applied as ZeroAdamW's global norm.
+    Takes the Trainer's arguments and zerokern's options: ``config=zerokern.ZeroConfig(...)``
+    (the object ``parallelize`` and ``ZeroStrategy`` take), or any of its fields as a keyword
+    of the same name (``stage``, ``moments``, ``reduce_dtype``, ``unit_classes``,
+    ``offload_params``, ...: ``ZeroConfig.names()``), plus ``mesh``. The optimizer's
+    hyperparameters are the TrainingArguments' (``max_grad_norm`` there is applied as
+    ZeroAdamW's global norm). Every option is checked, and compared across ranks, when the
+    trainer is constructed, before the model is partitioned (stage 3).
+
+    Args:
+        *args: the Trainer's positional arguments (``model``, ``args``, ...).
+        zero_stage: the ZeRO stage, as ``stage``; default 2, or the stage of the ZeroAdamW
+            given in ``optimizers``.
+        config: every zerokern option as one ``ZeroConfig``; an option given both here and
+            as a keyword is refused.
+        mesh: a 1-D or 2-D ``DeviceMesh`` (hybrid sharding: dim 0 replicate, dim 1 shard),
+            or its shape ``(replicate, shard)``, built over the default process group.
+        **kwargs: the Trainer's keyword arguments, and zerokern's options by name.
+
+    Attributes:
+        zero_config: the options, validated (a given ZeroAdamW's own config).
+        zero_mesh: the DeviceMesh, or None.
     """
 
     def __init__(self, *args: Any, zero_stage: int | None = None,
-                 unit_classes: Iterable[type | str] | None = None, prefetch: int = 1,
-                 reshard_after_forward: bool = True, offload_params: bool = False,
-                 bucket_numel: int | None = None, overlap_comm: bool = True,
-                 offload: str | None = None, moments: str = "fp32", master: str = "fp32",
-                 **kwargs: Any) -> None:
+                 config: ZeroConfig | None = None, mesh: Any = None, **kwargs: Any) -> None:
+        options = pop_options(kwargs)
+        if zero_stage is not None:
+            if "stage" in options:
+                raise TypeError("ZeroTrainer: zero_stage and stage were both given (they are "
+                                "the same option); give one")
+            options["stage"] = zero_stage
         given = kwargs.get("optimizers", (None, None))
         given_opt = unwrap_optimizer(given[0]) if given and given[0] is not None else None
         if given_opt is not None and not isinstance(given_opt, ZeroAdamW):
             raise TypeError(f"ZeroTrainer(optimizers=...): got a {type(given_opt).__name__}; "
                             "ZeroTrainer trains with zerokern.ZeroAdamW (or pass none and it "
                             "builds one from the TrainingArguments)")
+        # Every option checked first: nothing below (the Trainer, the partition) runs on a
+        # config ZeroAdamW would refuse.
+        cfg = config_of(config, options, "ZeroTrainer")
+        check_mesh_arg(mesh, "ZeroTrainer")
         if given_opt is not None:
-            if zero_stage is not None and zero_stage != given_opt.stage:
-                raise ValueError(f"ZeroTrainer: zero_stage={zero_stage} but the ZeroAdamW "
-                                 f"given in optimizers is stage {given_opt.stage}")
-            zero_stage = given_opt.stage
-        zero_stage = 2 if zero_stage is None else zero_stage
-        if zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeroTrainer: zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+            cfg = self._given_config(given_opt, cfg, "stage" in options or config is not None,
+                                     mesh)
         if kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise ValueError("ZeroTrainer: optimizer_cls_and_kwargs is not used by ZeroTrainer "
                              "(its optimizer is ZeroAdamW, built from the TrainingArguments); "
@@ -116,27 +135,50 @@ class ZeroTrainer(_tf.Trainer):
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
         if targs is not None:
             self._check_args(targs, given_opt is not None)
-        self.zero_stage = zero_stage
-        self._zero_options = dict(bucket_numel=bucket_numel, overlap_comm=overlap_comm,
-                                  offload=offload, moments=moments, master=master)
-        self._unit_classes = unit_classes
-        self._shard_options = dict(prefetch=prefetch,
-                                   reshard_after_forward=reshard_after_forward,
-                                   offload_params=offload_params)
+        self.zero_config = cfg
+        self.zero_stage = cfg.stage
         super().__init__(*args, **kwargs)
         self._check_args(self.args, given_opt is not None)
-        if zero_stage == 3 and runtime_of_module(self.model) is None:
-            if given_opt is not None:
+        self.zero_mesh = build_mesh(mesh, self.args.device.type, "ZeroTrainer")
+        if given_opt is not None:
+            if cfg.stage == 3 and runtime_of_module(self.model) is None:
                 raise ValueError("ZeroTrainer: the ZeroAdamW given is stage 3 but the model was "
                                  "not partitioned by zerokern.shard_model")
-            # The Trainer may have left the model on the CPU (full-eval dtypes, no device
-            # placement); a partitioned model's shards stay where they are made.
-            self.model.to(self.args.device)
-            # The units resolved here, so that errors name ZeroTrainer; the rest is the one
-            # composition rule (zerokern.compose).
-            shard_for(self.model, stage=3, unit_classes=resolve_units(self.model, unit_classes),
-                      **self._shard_options)
+        elif cfg.stage != 3 or runtime_of_module(self.model) is None:
+            if cfg.stage == 3:
+                # The Trainer may have left the model on the CPU (full-eval dtypes, no device
+                # placement); a partitioned model's shards stay where they are made.
+                self.model.to(self.args.device)
+            # The first half of zerokern.parallelize, with all of its checks (the Trainer's
+            # hyperparameters included) and the comparison across ranks, before the
+            # partition; create_optimizer builds the second half.
+            a = self.args
+            prepare_model(self.model, cfg, mesh=self.zero_mesh, where="ZeroTrainer",
+                          hparams=dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
+                                       eps=a.adam_epsilon, weight_decay=a.weight_decay))
         self.add_callback(_ZeroGradAfterStep(self))
+
+    @staticmethod
+    def _given_config(opt: ZeroAdamW, cfg: ZeroConfig, stage_given: bool,
+                      mesh: Any) -> ZeroConfig:
+        """The config of a ZeroAdamW given in ``optimizers=``: the options given to the
+        trainer too must be its own."""
+        if stage_given and cfg.stage != opt.stage:
+            raise ValueError(f"ZeroTrainer: zero_stage={cfg.stage} but the ZeroAdamW "
+                             f"given in optimizers is stage {opt.stage}")
+        if mesh is not None:
+            raise ValueError("ZeroTrainer: mesh= together with optimizers=: the ZeroAdamW "
+                             "given runs over the group or mesh it was built with; give the "
+                             "mesh to it (or to zerokern.parallelize)")
+        default = ZeroConfig()
+        moved = [n for n in ZeroConfig.MODEL if getattr(cfg, n) != getattr(default, n)]
+        if moved:
+            raise ValueError(
+                f"ZeroTrainer: {moved[0]}={getattr(cfg, moved[0])!r} together with "
+                "optimizers=: the model was prepared before that ZeroAdamW was built; give "
+                "the stage-3 options to zerokern.parallelize (or shard_model)")
+        check_optimizer(opt, cfg, None, "ZeroTrainer", "the ZeroAdamW given in optimizers=")
+        return opt.config
 
     @staticmethod
     def _check_args(targs: Any, have_optimizer: bool) -> None:
@@ -184,7 +226,7 @@ class ZeroTrainer(_tf.Trainer):
         self.optimizer = ZeroAdamW(
             groups, lr=self.args.learning_rate,
             betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
-            weight_decay=self.args.weight_decay, stage=self.zero_stage, **self._zero_options)
+            weight_decay=self.args.weight_decay, config=self.zero_config, mesh=self.zero_mesh)
         return self.optimizer
 
     @property

@@ -1,8 +1,13 @@
-"""ZeroConfig: ZeroAdamW's own options (beyond torch's AdamW hyperparameters) in one object.
+"""ZeroConfig: zerokern's options (beyond torch's AdamW hyperparameters, the mesh and the
+process group) in one object, which ZeroAdamW, ``parallelize`` and the trainer integrations
+all take, so that one object configures every integration alike.
 
 ``ZeroAdamW(..., stage=, moments=, ...)`` builds one from its keywords (or takes
-``config=``); ``parallelize`` builds one too, so that it can check every option before it
-partitions the model. Two steps, in this order, before anything is modified:
+``config=``); ``parallelize`` and the integrations build one too, so that they can check
+every option before they partition the model. The stage-3 model options (``MODEL``:
+``unit_classes``, ``prefetch``, ...) are ``shard_model``'s, applied by ``parallelize`` and
+the integrations; ZeroAdamW, which gets an already partitioned model, checks them and
+otherwise ignores them. Two steps, in this order, before anything is modified:
 
 - ``validate()``: pure, every argument check, an error naming the argument;
 - ``agree(comm)``: the one gathered comparison across ranks (zero/agreement.py). The options
@@ -18,23 +23,34 @@ partitions the model. Two steps, in this order, before anything is modified:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
 
 from ..ops._backend import BACKENDS
+from . import gather_timeout as told
 from .scaler import LossScaler
 from .state_format import StateFormat
-from .validate import check_offload_backend, check_reduce_dtype, check_seed, check_zero_args
+from .validate import (
+    check_offload_backend,
+    check_offload_params,
+    check_reduce_dtype,
+    check_seed,
+    check_zero_args,
+)
 
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """ZeroAdamW's own options, as its keywords of the same names (see ``ZeroAdamW``).
+    """zerokern's options, as the keywords of the same names (see ``ZeroAdamW`` and
+    ``parallelize``).
 
-    Building one checks nothing; ``validate()`` does (ZeroAdamW and ``parallelize`` call it
-    before anything changes).
+    Building one checks nothing (``unit_classes`` given as a list is kept as a tuple);
+    ``validate()`` does (ZeroAdamW, ``parallelize`` and the integrations call it before
+    anything changes).
 
     Attributes:
         stage: the ZeRO stage, 0-3.
@@ -49,6 +65,14 @@ class ZeroConfig:
         master: ``"fp32"`` or ``"none"`` (bf16 parameters only).
         seed: the stochastic rounding key of ``master="none"``, in [0, 2**63).
         reduce_dtype: None or ``torch.float32``.
+        unit_classes: stage 3: the module classes (or class names) that become units;
+            None: the model's ``_no_split_modules``, else ``shard_model``'s choice.
+        prefetch: stage 3: how many units are gathered ahead.
+        reshard_after_forward: stage 3: release each unit after its forward.
+        offload_params: stage 3 only, with ``offload="cpu"``: the parameter shards in host
+            memory too.
+        gather_timeout: stage 3: the longest wait, in seconds, in one unit's collective
+            (None: ``$ZEROKERN_GATHER_TIMEOUT``, else the default).
     """
 
     stage: int = 2
@@ -62,16 +86,40 @@ class ZeroConfig:
     master: str = "fp32"
     seed: int = 0
     reduce_dtype: torch.dtype | None = None
+    unit_classes: tuple[type | str, ...] | None = None
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    offload_params: bool = False
+    gather_timeout: float | None = None
+
+    MODEL: ClassVar[tuple[str, ...]] = (
+        "unit_classes", "prefetch", "reshard_after_forward", "offload_params", "gather_timeout")
+    """The stage-3 model options (``shard_model``'s); ZeroAdamW has no keywords for them."""
 
     AGREED: ClassVar[tuple[str, ...]] = (
         "stage", "bucket_numel", "offload", "moments", "master", "seed", "reduce_dtype",
         "loss_scale", "max_grad_norm")
     """The options every rank must give alike (compared by ``agree``)."""
 
+    def __post_init__(self) -> None:
+        # A list (or another iterable) of unit classes, kept as a tuple: the config stays
+        # hashable and a generator is read once. A single class or name is left for
+        # validate() to refuse.
+        units = self.unit_classes
+        if units is not None and not isinstance(units, (str, type, tuple)) \
+                and isinstance(units, Iterable):
+            object.__setattr__(self, "unit_classes", tuple(units))
+
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        """The option names: ZeroAdamW's keywords that a ZeroConfig holds."""
+        """Every option name: the keywords that ``parallelize`` and the integrations
+        (``ZeroTrainer``, ``ZeroStrategy``) take for a ZeroConfig's fields."""
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def adamw_names(cls) -> tuple[str, ...]:
+        """The option names that are ZeroAdamW's keywords (all but ``MODEL``)."""
+        return tuple(n for n in cls.names() if n not in cls.MODEL)
 
     @classmethod
     def merge(cls, config: ZeroConfig | None, given: dict[str, Any],
@@ -102,7 +150,7 @@ class ZeroConfig:
             if not _same(value, getattr(default, name)):
                 raise ValueError(
                     f"{where}: {name}={value!r} was given together with config=; give "
-                    f"ZeroAdamW's options either as keywords or in config (config has "
+                    f"the options either as keywords or in config (config has "
                     f"{name}={getattr(config, name)!r})")
         return config
 
@@ -114,9 +162,13 @@ class ZeroConfig:
                 0-3, ``True`` and ``2.0`` included; ``offload`` other than None or "cpu",
                 or at stage 0; ``bucket_numel``, ``max_grad_norm``, ``loss_scale``,
                 ``moments``, ``master``, ``seed``, ``reduce_dtype``, ``backend``;
-                ``backend="cuda"`` or ``"triton"`` with ``offload``: the step runs on the
-                host).
-            TypeError: ``overlap_comm`` that is not a bool.
+                ``backend="cuda"`` or ``"triton"`` with ``offload`` (the step runs on the
+                host); ``prefetch`` that is not an int >= 0, ``gather_timeout`` that is not a
+                number of seconds > 0, ``offload_params`` at stages 0-2 or without
+                ``offload="cpu"``).
+            TypeError: ``overlap_comm``, ``reshard_after_forward`` or ``offload_params``
+                that is not a bool; ``unit_classes`` that is not a sequence of classes and
+                class names.
         """
         check_zero_args(self.stage, self.offload, self.bucket_numel, self.max_grad_norm)
         LossScaler.from_arg(self.loss_scale)  # ValueError naming loss_scale
@@ -129,7 +181,28 @@ class ZeroConfig:
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got "
                              f"{self.backend!r}")
+        self._validate_model_options()
         return self
+
+    def _validate_model_options(self) -> None:
+        """The stage-3 options, as shard_model and parallelize check them (the unit class
+        names are looked up in the model later, by ``compose.resolve_units``)."""
+        units = self.unit_classes
+        if units is not None and (not isinstance(units, tuple) or not all(
+                isinstance(c, (type, str)) for c in units)):
+            raise TypeError(f"unit_classes must hold module classes or class names (a tuple "
+                            f"or list of them), got {units!r}")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
+                or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+        for name in ("reshard_after_forward", "offload_params"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_offload_params_stage(self.offload_params, self.stage)
+        # The optimizer's own rule (ZeroAdamW checks it against the partitioned model).
+        check_offload_params(SimpleNamespace(offload_params=self.offload_params), self.offload)
+        if self.gather_timeout is not None:
+            told.resolve(self.gather_timeout)  # ValueError naming gather_timeout
 
     @property
     def state_format(self) -> StateFormat:
@@ -169,6 +242,15 @@ class ZeroConfig:
         from .agreement import agree
 
         agree(comm, where, options=self.agreed(), **facts)
+
+
+def check_offload_params_stage(offload_params: Any, stage: int) -> None:
+    """``offload_params`` is stage 3's (shard_model keeps the parameter shards)."""
+    if offload_params and stage != 3:
+        raise ValueError(
+            f"offload_params={offload_params!r}: parameter shards in host memory are stage 3's "
+            f"(shard_model partitions the parameters); pass stage=3, or leave offload_params "
+            f"False (got stage={stage})")
 
 
 def _same(a: Any, b: Any) -> bool:
