@@ -28,7 +28,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -43,6 +43,7 @@ from .optimizer_state import StateAccess, set_seed
 from .param_groups import check_groups, check_new_group
 from .param_table import ParamTable, broadcast_params, stage3_runtime, trained_params
 from .reduction import GradReduction, Reduced, grad_scale
+from .rules import ADAMW, UpdateRule
 from .scaler import LossScaler
 from .shards import ParamShard
 from .stages import Engine
@@ -148,6 +149,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             0-2) or at construction (stage 3); None until then.
     """
 
+    rule: ClassVar[UpdateRule] = ADAMW  # the update the state is stepped with (zero/rules/)
+
     def __init__(
         self,
         params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
@@ -222,7 +225,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                                 runtime=self._rt, bucket_numel=bucket_numel,
                                 overlap=overlap_comm, backend=backend, dtype=dtype,
                                 device=device, fmt=fmt, seed=int(seed),
-                                reduce_dtype=reduce_dtype)
+                                reduce_dtype=reduce_dtype, rule=self.rule)
         self._reduction = GradReduction(self.comm, self._rt)
         self._guards = GuardSet(params, self._guard_measure)
         self._access = StateAccess(self._table, self._slot, self.comm, stage=stage,
