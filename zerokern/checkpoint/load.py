@@ -56,7 +56,6 @@ from .format import (
 )
 from .locks import reading
 from .moments import (
-    MOMENTS,
     STATE_FORMAT,
     MomentIndex,
     copy_int8_into,
@@ -309,19 +308,17 @@ class _Reader:
         assert st is not None
         self.read_into(st.values, name, r.start, "values")
         idx = self.moments
-        for key in MOMENTS:
-            raw = getattr(st, key)
-            if st.moments != "int8":  # fp32 or bf16: a cast of the fp32 values stores them
-                self.read_moment(raw, name, r.start, key)
-            elif idx is not None and idx.format_of(name) == "int8" and \
-                    idx.maps.get(key) == st.map_id(key):
-                absmax = st.absmax(key)
-                assert absmax is not None
-                copy_int8_into(idx, self.raw, name, r.start, raw, absmax, key)
+        for key, buf in st.state.items():
+            if not buf.blockwise:  # fp32 or bf16: a cast of the fp32 values stores them
+                self.read_moment(buf.data, name, r.start, key)
+            elif idx is not None and idx.format_of(name) == buf.fmt and \
+                    idx.maps.get(key) == buf.map_id:
+                assert buf.absmax is not None
+                copy_int8_into(idx, self.raw, name, r.start, buf.data, buf.absmax, key)
             else:  # another format saved: dequantized or widened, then quantized
                 tmp = torch.empty(r.numel, dtype=torch.float32)
                 self.read_moment(tmp, name, r.start, key)
-                st.write(key, tmp)
+                buf.write(tmp)
 
 
 class _OneRank:
@@ -376,8 +373,8 @@ def apply(ck: Opened, m: Match, model: torch.nn.Module, opt: Any) -> None:
                         rd.read_stored(r, n)
                         continue
                     rd.read_into(r.values, n, r.start, "values")
-                    rd.read_moment(r.exp_avg, n, r.start, "exp_avg")
-                    rd.read_moment(r.exp_avg_sq, n, r.start, "exp_avg_sq")
+                    for key in r.keys[1:]:  # the rule's buffers, in the state triple
+                        rd.read_moment(getattr(r, key), n, r.start, key)
                 sh.step = meta["params"][n]["step"]  # an int >= 0 (check_meta)
             if rt is not None:  # stage 3: frozen parameters are sharded like the rest
                 for p, po, _, view in rt.local_pieces():
