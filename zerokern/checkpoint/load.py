@@ -14,10 +14,10 @@ Three phases, each ended by an all_gather of errors so that every rank raises to
 3. apply: lay out the optimizer (``_ensure_layout``, with the saved gradient order when the
    stage is 0-2), then for each piece of this rank's new layout read the overlapping ranges of
    the saved pieces (``safe_open(...).get_slice(t)[a:b]``, memory-mapped) straight into
-   master / exp_avg / exp_avg_sq; 16-bit parameters are the round-to-nearest-even cast of the
-   fp32 master (which is how ZeroAdamW makes them), so they are not stored. Stages 0-2 need
-   full parameters on every rank: each parameter is read piece by piece from the masters of all
-   saved ranks and cast into ``flat_param``; stage 3 needs only this rank's slice. A compressed
+   the master and the optimizer's buffers; 16-bit parameters are the round-to-nearest-even
+   cast of the fp32 master (which is how ZeroAdamW makes them), so they are not stored. Stages
+   0-2 need full parameters on every rank: each parameter is read piece by piece from the
+   masters of all saved ranks and cast into ``flat_param``; stage 3 needs only this rank's slice. A compressed
    state (moments.py) is read into the state as this optimizer stores it: int8 codes and absmax
    copied exactly when both store int8 (the blocks are the parameter's own, so any new layout's
    pieces are made of saved ones), otherwise through fp32 (dequantize, then quantize or round);
@@ -44,6 +44,7 @@ import torch
 from ..zero.interop import optimizer_of
 from ..zero.registry import runtime_of_module
 from ..zero.shards import ShardRange
+from ..zero.state_format import StateFormat
 from .format import (
     META,
     CheckpointError,
@@ -280,8 +281,8 @@ class _Reader:
 
     def read_into(self, dst: torch.Tensor, name: str, lo: int, what: str) -> None:
         """dst (1-D) <- elements [lo, lo + len(dst)) of ``name``'s values (fp32 master, the
-        bf16 parameters of master="none", or the stored frozen values), or of exp_avg or
-        exp_avg_sq kept in the state triple; cast to dst's dtype (round to nearest even for
+        bf16 parameters of master="none", or the stored frozen values), or of a buffer of the
+        optimizer kept in the state triple; cast to dst's dtype (round to nearest even for
         16-bit)."""
         for rel, fname, kind, a, b in self.ck.index.spans(name, lo, lo + dst.numel()):
             tensor = kind if kind != "state" else ("master" if what == "values" else what)
@@ -389,7 +390,7 @@ def apply(ck: Opened, m: Match, model: torch.nn.Module, opt: Any) -> None:
         for n, b in m.names.buffers.items():
             b.copy_(rd.handle(ck.buffer_file[n]).get_tensor(f"buffer/{n}"))
     sf = meta.get(STATE_FORMAT)
-    if sf is not None and sf["master"] == "none" and opt.state_format.master == "none":
+    if StateFormat.saved_in_place(sf) and opt.state_format.in_place:
         opt.seed = sf["seed"]  # the stochastic rounding goes on as it would have
     for grp, src in zip(opt.param_groups, m.groups):
         if src is None:

@@ -43,6 +43,7 @@ import torch
 from ..quant.adamw import MASTER_MODES, MOMENT_FORMATS, effective_moments_format
 from ..quant.maps import BLOCK, MAP_IDS
 from ..zero.rules import ADAMW
+from ..zero.state_format import StateFormat
 from ..zero.stored import STORED_TYPES, Int8Stored, stored_type
 from .format import CHUNK_BYTES, CheckpointError, is_count
 
@@ -100,7 +101,7 @@ def has_table(meta: dict[str, Any]) -> bool:
 def values_dtype(meta: dict[str, Any]) -> torch.dtype:
     """The dtype of the ``master`` tensor: fp32, or bf16 (the parameters) for master="none"."""
     sf = meta.get(STATE_FORMAT)
-    return torch.bfloat16 if sf is not None and sf["master"] == "none" else torch.float32
+    return StateFormat.of(sf).master_dtype
 
 
 def check_state_format(sf: Any, param_dtype: Any, error: Callable[[str, str], Exception]) -> None:
@@ -126,7 +127,7 @@ def check_state_format(sf: Any, param_dtype: Any, error: Callable[[str, str], Ex
     seed = sf["seed"]
     if not is_count(seed) or seed >= 2**63:
         raise error(f"{STATE_FORMAT}.seed", f"must be an integer in [0, 2**63), got {seed!r:.80}")
-    if sf["master"] == "none" and param_dtype != "bfloat16":
+    if StateFormat.of(sf).in_place and param_dtype != "bfloat16":
         raise error(f"{STATE_FORMAT}.master", f"is 'none' (bf16 parameters only), but "
                                                f"param_dtype is {param_dtype!r:.80}")
     if int8:

@@ -27,6 +27,7 @@ import torch
 from ..comm import Comm
 from .optimizer_state import StateAccess, set_seed
 from .param_table import ParamTable
+from .state_format import StateFormat
 
 
 def _torch_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
@@ -183,8 +184,7 @@ class TorchFormat:
             check_adamw_flags({**sg, **hp}, f" (state_dict param group {gi})")
         saved_fmt = sd.get("state_format")
         seed = saved_fmt.get("seed") if isinstance(saved_fmt, dict) else None
-        if self.access.slot.fmt.in_place and saved_fmt is not None and \
-                saved_fmt.get("master") == "none":
+        if self.access.slot.fmt.in_place and StateFormat.saved_in_place(saved_fmt):
             if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
                 raise ValueError(f"state_dict: state_format's seed must be an int in "
                                  f"[0, 2**63), got {seed!r}")

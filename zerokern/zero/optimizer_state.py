@@ -211,7 +211,7 @@ class StateAccess:
                         "stage")
             self._check_buffers(st)
         eng = self.slot.engine
-        if saved_fmt.get("master") == "none":
+        if self.slot.fmt.in_place:  # the saved format is this one (checked)
             set_seed(self.slot, saved_fmt["seed"])  # the rounding continues where it was
         with torch.no_grad():
             if st:
@@ -260,7 +260,7 @@ class StateAccess:
         if fmt.blockwise and maps is not None and maps != mine:
             raise ValueError(f"state_dict: int8 moments quantized with the code maps {maps}, "
                              f"this zerokern uses {mine}")
-        if saved["master"] == "none":
+        if fmt.in_place:
             seed = saved.get("seed")
             if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
                 raise ValueError(f"state_dict: the seed must be an int in [0, 2**63), got "

@@ -2,8 +2,8 @@
 holds, with writable views of their optimizer state (checkpoints, state interchange and
 offload are written against this, never against the engine's buffers).
 
-Each range holds the values and the update rule's buffers (for AdamW ``exp_avg`` and
-``exp_avg_sq``). Compressed state (``ZeroAdamW(moments="bf16" | "int8", master="none")``):
+Each range holds the values and the update rule's buffers (for AdamW its two moments,
+``exp_avg`` first). Compressed state (``ZeroAdamW(moments="bf16" | "int8", master="none")``):
 each range also carries its state as stored (``ShardRange.stored``, a ``StoredRange``); its
 fp32 tensors are views where the state is fp32 and dequantized copies elsewhere.
 ``opt.state`` (state_view.py) hands out such copies too, and keeps them in step with the
@@ -98,7 +98,7 @@ class ShardRange:
     """Elements [start, start + numel) of one parameter (flattened, row-major) held by this
     rank, with 1-D fp32 tensors of ``numel`` elements: ``values`` (the fp32 master of 16-bit
     parameters, an fp32 parameter's own elements) and each of the update rule's buffers, an
-    attribute by its name (AdamW: ``exp_avg`` and ``exp_avg_sq``).
+    attribute by its name (AdamW: ``exp_avg`` and the second moment's).
 
     With the default state (fp32 buffers and master) they are views into the optimizer's
     buffers, and writing them changes the optimizer state. With a compressed state

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +58,18 @@ class StateFormat:
         if not isinstance(self.master, str) or self.master not in MASTER_MODES:
             raise ValueError(f"master must be one of {', '.join(map(repr, MASTER_MODES))}, "
                              f"got {self.master!r}")
+
+    @classmethod
+    def of(cls, entry: Any) -> StateFormat:
+        """The format a saved ``state_format`` entry (a dict naming moments and master;
+        None: the default state) names."""
+        return cls() if entry is None else cls(entry["moments"], entry["master"])
+
+    @staticmethod
+    def saved_in_place(entry: Any) -> bool:
+        """Whether a saved ``state_format`` entry (a dict, or None) names master="none"
+        (whatever else it holds: a state dict from outside is checked elsewhere)."""
+        return entry is not None and entry.get("master") == "none"
 
     @property
     def is_default(self) -> bool:
@@ -117,7 +130,7 @@ class StateRun:
 @dataclass(frozen=True)
 class RunPlan:
     runs: tuple[StateRun, ...]
-    side_numel: int  # elements of each fp32 side buffer (exp_avg and exp_avg_sq)
+    side_numel: int  # elements of each fp32 side buffer (one per buffer of the rule)
     starts: tuple[int, ...]  # runs' local_start, for bisection
 
 

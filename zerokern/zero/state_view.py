@@ -14,7 +14,7 @@ import torch
 
 from .shards import ParamShard
 
-if TYPE_CHECKING:  # type names only
+if TYPE_CHECKING:
     from .engine_slot import EngineSlot
     from .param_table import ParamTable
 
@@ -68,10 +68,7 @@ class ShardedStateView(Mapping):
         self._copies: dict[tuple[int, str], list[tuple[weakref.ref, int]]] = {}
         self._adopting = False  # adopt_moment_writes runs (shards() calls back into it)
 
-    @property
-    def _names(self) -> tuple[str, ...]:
-        """The update rule's buffers, as torch's state names them."""
-        return self._slot.rule.state_names
+    _names = property(lambda self: self._slot.rule.state_names)  # the rule's buffers
 
     def _shards(self) -> dict[int, ParamShard]:
         eng = self._slot.engine

@@ -5,7 +5,7 @@ memory_stats() reports before the first step, from the blocks the engine will ta
 The optimizer state's kinds are read from its buffers as allocated (or, before the first step,
 from the specs the engine will allocate them from), so a compressed format (issue 27) reports
 what it stores, never the 4 bytes an element of fp32 state would take. The kinds are the
-update rule's (``state_kinds``; AdamW's buffers are ``exp_avg`` and ``exp_avg_sq``):
+update rule's (``state_kinds``; AdamW's buffers are its two moments, ``exp_avg`` first):
 
 * ``master`` and each buffer (``exp_avg``): one slot per element of this rank's local space,
   in the buffer's own dtype (fp32 master or, for master="none" under offload, the bf16 host
@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 
 def state_kinds(rule: UpdateRule | None = None) -> tuple[str, ...]:
     """The optimizer state's memory_stats() keys (device side; ``host_`` + each on the host):
-    the master, then every part of the rule's buffers (AdamW: ``exp_avg``, ``exp_avg_sq``,
-    their ``_absmax`` and ``_side`` parts)."""
+    the master, then every part of the rule's buffers (AdamW: its two moments, then their
+    ``_absmax`` and ``_side`` parts)."""
     names = (rule or ADAMW).state_names
     return ("master", *(part_kind(n, p) for p in (*STORED_PARTS, "side") for n in names))
 
