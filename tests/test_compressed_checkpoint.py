@@ -238,7 +238,7 @@ def test_edit_shards_stores_written_copies_only():
 
 
 def test_opt_state_copies_follow_the_state():
-    """The documented behaviour of opt.state copies (shards.ShardedStateView): refreshed after
+    """The documented behaviour of opt.state copies (state_view.ShardedStateView): refreshed after
     each step; written in place, stored at the next step exactly as edit_shards stores."""
     model, opt = _one("int8", "fp32")
     twin_model, twin = _one("int8", "fp32")
