@@ -17,11 +17,12 @@ Three phases, each ended by an all_gather of errors so that every rank raises to
    the master and the optimizer's buffers; 16-bit parameters are the round-to-nearest-even
    cast of the fp32 master (which is how ZeroAdamW makes them), so they are not stored. Stages
    0-2 need full parameters on every rank: each parameter is read piece by piece from the
-   masters of all saved ranks and cast into ``flat_param``; stage 3 needs only this rank's slice. A compressed
-   state (moments.py) is read into the state as this optimizer stores it: int8 codes and absmax
-   copied exactly when both store int8 (the blocks are the parameter's own, so any new layout's
-   pieces are made of saved ones), otherwise through fp32 (dequantize, then quantize or round);
-   the values of ``master="none"`` are the bf16 parameters, and its seed comes back with them.
+   masters of all saved ranks and cast into ``flat_param``; stage 3 needs only this rank's
+   slice. A compressed state (moments.py) is read into the state as this optimizer stores it:
+   int8 codes and absmax copied exactly when both store int8 (the blocks are the parameter's
+   own, so any new layout's pieces are made of saved ones), otherwise through fp32
+   (dequantize, then quantize or round); the values of ``master="none"`` are the bf16
+   parameters, and its seed comes back with them.
 
 Phases 1-2 catch every problem of the checkpoint itself before anything is modified; only an
 I/O error in phase 3 (the files changing under the reader) can leave a partial load, and it is
