@@ -205,11 +205,11 @@ def test_shards_hold_fp32_and_the_stored_form(moments, master):
             assert r.is_copy("exp_avg") == (want != "fp32")
             assert r.is_copy("values") == (master == "none")
             assert r.values.dtype == torch.float32
-            raw = state.stored_moments(s, r.numel)
-            assert r.stored.exp_avg.data_ptr() == raw["exp_avg"].data_ptr()
+            raw = state.stored(s, r.numel)["exp_avg"]
+            assert r.stored.exp_avg.data_ptr() == raw.data.data_ptr()
             if want == "int8":
                 assert r.stored.exp_avg_map == SIGNED_MAP_ID
-                assert torch.equal(r.stored.exp_avg_absmax, raw["exp_avg_absmax"])
+                assert torch.equal(r.stored.exp_avg_absmax, raw.absmax)
         if master == "none":  # the values are the bf16 parameter's own
             assert torch.equal(whole(sh, "values"), sh.param.detach().reshape(-1).float())
         entry = opt.state[sh.param]
@@ -238,7 +238,7 @@ def test_edit_shards_stores_written_copies_only():
 
 
 def test_opt_state_copies_follow_the_state():
-    """The documented behaviour of opt.state copies (shards.ShardedStateView): refreshed after
+    """The documented behaviour of opt.state copies (state_view.ShardedStateView): refreshed after
     each step; written in place, stored at the next step exactly as edit_shards stores."""
     model, opt = _one("int8", "fp32")
     twin_model, twin = _one("int8", "fp32")

@@ -72,8 +72,8 @@ def test_relayout_keeps_the_state_of_the_existing_groups():
     eng = slot.engine
     n = slot.layout.local_numel
     with torch.no_grad():
-        eng.exp_avg.copy_(torch.arange(n, dtype=torch.float32))
-        eng.exp_avg_sq.copy_(torch.arange(n, dtype=torch.float32) * 2)
+        eng.state.exp_avg.copy_(torch.arange(n, dtype=torch.float32))
+        eng.state.exp_avg_sq.copy_(torch.arange(n, dtype=torch.float32) * 2)
         eng.master.copy_(torch.arange(n, dtype=torch.float32) * 3)
     new = nn.Parameter(torch.ones(11, dtype=torch.bfloat16))
     groups.append({"params": [new]})
@@ -81,9 +81,10 @@ def test_relayout_keeps_the_state_of_the_existing_groups():
     slot.relayout(groups, first, zero_kept=False)
     assert slot.engine is not eng and slot.layout.local_numel > n
     for key, k in (("exp_avg", 1), ("exp_avg_sq", 2), ("master", 3)):
-        t = getattr(slot.engine, key)
+        t = getattr(slot.engine.state, key)
         assert torch.equal(t[:n], torch.arange(n, dtype=torch.float32) * k)
-    assert torch.equal(slot.engine.exp_avg[n:], torch.zeros_like(slot.engine.exp_avg[n:]))
+    m = slot.engine.state.exp_avg
+    assert torch.equal(m[n:], torch.zeros_like(m[n:]))
 
 
 def test_weights_written_from_outside_become_the_master():

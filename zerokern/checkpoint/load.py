@@ -14,14 +14,15 @@ Three phases, each ended by an all_gather of errors so that every rank raises to
 3. apply: lay out the optimizer (``_ensure_layout``, with the saved gradient order when the
    stage is 0-2), then for each piece of this rank's new layout read the overlapping ranges of
    the saved pieces (``safe_open(...).get_slice(t)[a:b]``, memory-mapped) straight into
-   master / exp_avg / exp_avg_sq; 16-bit parameters are the round-to-nearest-even cast of the
-   fp32 master (which is how ZeroAdamW makes them), so they are not stored. Stages 0-2 need
-   full parameters on every rank: each parameter is read piece by piece from the masters of all
-   saved ranks and cast into ``flat_param``; stage 3 needs only this rank's slice. A compressed
-   state (moments.py) is read into the state as this optimizer stores it: int8 codes and absmax
-   copied exactly when both store int8 (the blocks are the parameter's own, so any new layout's
-   pieces are made of saved ones), otherwise through fp32 (dequantize, then quantize or round);
-   the values of ``master="none"`` are the bf16 parameters, and its seed comes back with them.
+   the master and the optimizer's buffers; 16-bit parameters are the round-to-nearest-even
+   cast of the fp32 master (which is how ZeroAdamW makes them), so they are not stored. Stages
+   0-2 need full parameters on every rank: each parameter is read piece by piece from the
+   masters of all saved ranks and cast into ``flat_param``; stage 3 needs only this rank's
+   slice. A compressed state (moments.py) is read into the state as this optimizer stores it:
+   int8 codes and absmax copied exactly when both store int8 (the blocks are the parameter's
+   own, so any new layout's pieces are made of saved ones), otherwise through fp32
+   (dequantize, then quantize or round); the values of ``master="none"`` are the bf16
+   parameters, and its seed comes back with them.
 
 Phases 1-2 catch every problem of the checkpoint itself before anything is modified; only an
 I/O error in phase 3 (the files changing under the reader) can leave a partial load, and it is
@@ -44,6 +45,7 @@ import torch
 from ..zero.interop import optimizer_of
 from ..zero.registry import runtime_of_module
 from ..zero.shards import ShardRange
+from ..zero.state_format import StateFormat
 from .format import (
     META,
     CheckpointError,
@@ -56,7 +58,6 @@ from .format import (
 )
 from .locks import reading
 from .moments import (
-    MOMENTS,
     STATE_FORMAT,
     MomentIndex,
     copy_int8_into,
@@ -281,8 +282,8 @@ class _Reader:
 
     def read_into(self, dst: torch.Tensor, name: str, lo: int, what: str) -> None:
         """dst (1-D) <- elements [lo, lo + len(dst)) of ``name``'s values (fp32 master, the
-        bf16 parameters of master="none", or the stored frozen values), or of exp_avg or
-        exp_avg_sq kept in the state triple; cast to dst's dtype (round to nearest even for
+        bf16 parameters of master="none", or the stored frozen values), or of a buffer of the
+        optimizer kept in the state triple; cast to dst's dtype (round to nearest even for
         16-bit)."""
         for rel, fname, kind, a, b in self.ck.index.spans(name, lo, lo + dst.numel()):
             tensor = kind if kind != "state" else ("master" if what == "values" else what)
@@ -309,19 +310,17 @@ class _Reader:
         assert st is not None
         self.read_into(st.values, name, r.start, "values")
         idx = self.moments
-        for key in MOMENTS:
-            raw = getattr(st, key)
-            if st.moments != "int8":  # fp32 or bf16: a cast of the fp32 values stores them
-                self.read_moment(raw, name, r.start, key)
-            elif idx is not None and idx.format_of(name) == "int8" and \
-                    idx.maps.get(key) == st.map_id(key):
-                absmax = st.absmax(key)
-                assert absmax is not None
-                copy_int8_into(idx, self.raw, name, r.start, raw, absmax, key)
+        for key, buf in st.state.items():
+            if not buf.blockwise:  # fp32 or bf16: a cast of the fp32 values stores them
+                self.read_moment(buf.data, name, r.start, key)
+            elif idx is not None and idx.format_of(name) == buf.fmt and \
+                    idx.maps.get(key) == buf.map_id:
+                assert buf.absmax is not None
+                copy_int8_into(idx, self.raw, name, r.start, buf.data, buf.absmax, key)
             else:  # another format saved: dequantized or widened, then quantized
                 tmp = torch.empty(r.numel, dtype=torch.float32)
                 self.read_moment(tmp, name, r.start, key)
-                st.write(key, tmp)
+                buf.write(tmp)
 
 
 class _OneRank:
@@ -376,8 +375,8 @@ def apply(ck: Opened, m: Match, model: torch.nn.Module, opt: Any) -> None:
                         rd.read_stored(r, n)
                         continue
                     rd.read_into(r.values, n, r.start, "values")
-                    rd.read_moment(r.exp_avg, n, r.start, "exp_avg")
-                    rd.read_moment(r.exp_avg_sq, n, r.start, "exp_avg_sq")
+                    for key in r.keys[1:]:  # the rule's buffers, in the state triple
+                        rd.read_moment(getattr(r, key), n, r.start, key)
                 sh.step = meta["params"][n]["step"]  # an int >= 0 (check_meta)
             if rt is not None:  # stage 3: frozen parameters are sharded like the rest
                 for p, po, _, view in rt.local_pieces():
@@ -392,7 +391,7 @@ def apply(ck: Opened, m: Match, model: torch.nn.Module, opt: Any) -> None:
         for n, b in m.names.buffers.items():
             b.copy_(rd.handle(ck.buffer_file[n]).get_tensor(f"buffer/{n}"))
     sf = meta.get(STATE_FORMAT)
-    if sf is not None and sf["master"] == "none" and opt.state_format.master == "none":
+    if StateFormat.saved_in_place(sf) and opt.state_format.in_place:
         opt.seed = sf["seed"]  # the stochastic rounding goes on as it would have
     for grp, src in zip(opt.param_groups, m.groups):
         if src is None:

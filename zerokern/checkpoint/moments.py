@@ -41,15 +41,17 @@ from typing import Any
 import torch
 
 from ..quant.adamw import MASTER_MODES, MOMENT_FORMATS, effective_moments_format
-from ..quant.maps import BLOCK, MAP_IDS, SIGNED_MAP_ID, UNSIGNED_MAP_ID, code_map
-from ..quant.maps import dequantize_blockwise as _dequantize
+from ..quant.maps import BLOCK, MAP_IDS
+from ..zero.rules import ADAMW
+from ..zero.state_format import StateFormat
+from ..zero.stored import STORED_TYPES, Int8Stored, stored_type
 from .format import CHUNK_BYTES, CheckpointError, is_count
 
 STATE_FORMAT = "state_format"  # meta.json's top-level entry
 MOMENTS_TABLE = "moments"  # a file entry's table of moment rows
-MOMENTS = ("exp_avg", "exp_avg_sq")
-MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
-MAPS = {"exp_avg": SIGNED_MAP_ID, "exp_avg_sq": UNSIGNED_MAP_ID}
+MOMENTS = ADAMW.state_names  # the buffers a checkpoint holds (AdamW's two moments)
+MOMENT_DTYPES = {fmt: t.dtype for fmt, t in STORED_TYPES.items()}
+MAPS = {key: ADAMW.map_id(key) for key in MOMENTS}
 MOMENT_ROW = "[param name, param offset, numel, format, offset, block]"
 FORMAT_KEYS = frozenset({"moments", "master", "seed", "block", "maps"})
 
@@ -60,11 +62,17 @@ RawReader = Callable[[str, str, int, int], torch.Tensor]
 
 def tensor_name(key: str, fmt: str) -> str:
     """The rank-file tensor of moment ``key`` stored in format ``fmt`` (a table's format)."""
-    return f"{key}.{fmt}"
+    return stored_type(fmt).file_tensors(key)["data"][0]
 
 
 def absmax_name(key: str) -> str:
-    return f"{key}.absmax"
+    """The rank-file tensor of moment ``key``'s block scales (int8)."""
+    return Int8Stored.file_tensors(key)["absmax"][0]
+
+
+def blockwise(fmt: str) -> bool:
+    """Whether format ``fmt`` stores blocks with their own scales (int8)."""
+    return stored_type(fmt).blockwise
 
 
 def blocks(n: int) -> int:
@@ -77,7 +85,7 @@ def format_entry(moments: str, master: str, seed: int) -> dict[str, Any] | None:
     if moments == "fp32" and master == "fp32":
         return None
     out: dict[str, Any] = {"moments": moments, "master": master, "seed": int(seed)}
-    if moments == "int8":
+    if blockwise(moments):
         out["block"] = BLOCK
         out["maps"] = dict(MAPS)
     return out
@@ -93,7 +101,7 @@ def has_table(meta: dict[str, Any]) -> bool:
 def values_dtype(meta: dict[str, Any]) -> torch.dtype:
     """The dtype of the ``master`` tensor: fp32, or bf16 (the parameters) for master="none"."""
     sf = meta.get(STATE_FORMAT)
-    return torch.bfloat16 if sf is not None and sf["master"] == "none" else torch.float32
+    return StateFormat.of(sf).master_dtype
 
 
 def check_state_format(sf: Any, param_dtype: Any, error: Callable[[str, str], Exception]) -> None:
@@ -101,7 +109,7 @@ def check_state_format(sf: Any, param_dtype: Any, error: Callable[[str, str], Ex
     this zerokern reads. ``error(field, why)`` makes the exception."""
     if not isinstance(sf, dict):
         raise error(STATE_FORMAT, f"must be a JSON object, got {sf!r:.80}")
-    int8 = sf.get("moments") == "int8"
+    int8 = sf.get("moments") in MOMENT_FORMATS and blockwise(sf["moments"])
     required = {"moments", "master", "seed"} | ({"block", "maps"} if int8 else set())
     for k in sorted(required - sf.keys()):
         raise error(STATE_FORMAT, f"lacks the entry {k!r}")
@@ -119,7 +127,7 @@ def check_state_format(sf: Any, param_dtype: Any, error: Callable[[str, str], Ex
     seed = sf["seed"]
     if not is_count(seed) or seed >= 2**63:
         raise error(f"{STATE_FORMAT}.seed", f"must be an integer in [0, 2**63), got {seed!r:.80}")
-    if sf["master"] == "none" and param_dtype != "bfloat16":
+    if StateFormat.of(sf).in_place and param_dtype != "bfloat16":
         raise error(f"{STATE_FORMAT}.master", f"is 'none' (bf16 parameters only), but "
                                                f"param_dtype is {param_dtype!r:.80}")
     if int8:
@@ -210,7 +218,7 @@ class MomentIndex:
                 if s.param_offset != pos or s.stop > numel:
                     raise CheckpointError(f"{w}: the moment rows of {name!r} leave a gap, "
                                           f"overlap or overrun at element {pos} ({s.row})")
-                if s.fmt == "int8" and (s.param_offset % BLOCK or
+                if blockwise(s.fmt) and (s.param_offset % BLOCK or
                                         (s.stop % BLOCK and s.stop != numel)):
                     raise CheckpointError(f"{w}: {s.row} holds int8 elements [{s.param_offset}"
                                           f", {s.stop}) of {name!r}, not whole {BLOCK}-element"
@@ -241,7 +249,7 @@ def check_table_tiling(rows: list[Any], tensors: dict[str, Any],
     for fmt in sorted({r[3] for r in rows}):
         spans = [("offsets", tensor_name(MOMENTS[0], fmt), [(r[4], r[2], j) for j, r in
                                                             enumerate(rows) if r[3] == fmt])]
-        if fmt == "int8":
+        if blockwise(fmt):
             spans.append(("blocks", absmax_name(MOMENTS[0]),
                           [(r[5], blocks(r[2]), j) for j, r in enumerate(rows) if r[3] == fmt]))
         for what, tensor, items in spans:
@@ -262,9 +270,7 @@ def expected_tensors(rows: list[Any]) -> dict[str, torch.dtype]:
     out: dict[str, torch.dtype] = {}
     for fmt in {r[3] for r in rows}:
         for key in MOMENTS:
-            out[tensor_name(key, fmt)] = MOMENT_DTYPES[fmt]
-            if fmt == "int8":
-                out[absmax_name(key)] = torch.float32
+            out.update(stored_type(fmt).file_tensors(key).values())
     return out
 
 
@@ -279,25 +285,24 @@ def read_fp32_into(index: MomentIndex, raw: RawReader, name: str, lo: int, dst: 
     nearest even: what storing the fp32 values as bf16 does)."""
     hi = lo + dst.numel()
     for s, a, b in index.spans(name, lo, hi):
-        if s.fmt != "int8":
+        if not blockwise(s.fmt):
             t = tensor_name(key, s.fmt)
             for ca in range(a, b, _CHUNK):
                 cb = min(b, ca + _CHUNK)
                 d = s.offset - s.param_offset
                 dst.narrow(0, ca - lo, cb - ca).copy_(raw(s.file, t, ca + d, cb + d))
             continue
-        code = code_map(index.maps[key])
         # The whole blocks that hold [a, b).
         first = s.param_offset + (a - s.param_offset) // BLOCK * BLOCK
         last = min(s.stop, s.param_offset + blocks(b - s.param_offset) * BLOCK)
         for ca in range(first, last, _CHUNK):
             cb = min(last, ca + _CHUNK)
             rel = ca - s.param_offset
-            codes = raw(s.file, tensor_name(key, "int8"), s.offset + rel, s.offset + cb -
+            codes = raw(s.file, tensor_name(key, s.fmt), s.offset + rel, s.offset + cb -
                         s.param_offset)
             b0 = s.block + rel // BLOCK
             absmax = raw(s.file, absmax_name(key), b0, b0 + blocks(cb - ca))
-            vals = _dequantize(codes, absmax, code)
+            vals = Int8Stored.decode(codes, absmax, index.maps[key])
             x, y = max(a, ca), min(b, cb)
             if x < y:
                 dst.narrow(0, x - lo, y - x).copy_(vals.narrow(0, x - ca, y - x))
@@ -311,12 +316,12 @@ def copy_int8_into(index: MomentIndex, raw: RawReader, name: str, lo: int, codes
     hi = lo + codes.numel()
     assert lo % BLOCK == 0, "an int8 range starts on a block of its parameter"
     for s, a, b in index.spans(name, lo, hi):
-        assert s.fmt == "int8" and (a - s.param_offset) % BLOCK == 0
+        assert blockwise(s.fmt) and (a - s.param_offset) % BLOCK == 0
         for ca in range(a, b, _CHUNK):
             cb = min(b, ca + _CHUNK)
             rel = ca - s.param_offset
             codes.narrow(0, ca - lo, cb - ca).copy_(
-                raw(s.file, tensor_name(key, "int8"), s.offset + rel, s.offset + rel + cb - ca))
+                raw(s.file, tensor_name(key, s.fmt), s.offset + rel, s.offset + rel + cb - ca))
             b0, nb = s.block + rel // BLOCK, blocks(cb - ca)
             absmax.narrow(0, (ca - lo) // BLOCK, nb).copy_(raw(s.file, absmax_name(key), b0,
                                                               b0 + nb))

@@ -39,6 +39,7 @@ import torch
 
 from ..zero.registry import runtime_of_module, runtime_of_param
 from ..zero.shards import ShardRange
+from ..zero.stored import stored_type
 from .format import (
     CHUNK_BYTES,
     FORMAT,
@@ -60,14 +61,10 @@ from .format import (
 )
 from .locks import OWNER, StagingClaim, abandoned, publishing
 from .moments import (
-    MOMENT_DTYPES,
     MOMENTS,
     MOMENTS_TABLE,
     STATE_FORMAT,
-    absmax_name,
-    blocks,
     format_entry,
-    tensor_name,
     values_dtype,
 )
 from .validate import HYPER_KEYS
@@ -277,8 +274,7 @@ def write_rank_file(path: str, rank: int, opt: Any, plan: Plan, nonce: str) -> d
 
     moment_rows: list[list[Any]] | None = None
     if STATE_FORMAT not in plan.meta:
-        for key, field_ in (("master", "values"), ("exp_avg", "exp_avg"),
-                            ("exp_avg_sq", "exp_avg_sq")):
+        for key, field_ in (("master", "values"), *((k, k) for k in MOMENTS)):
             jobs.append(((key, torch.float32, [n]), state_job(key, field_)))
     else:
         moment_rows = _compressed_jobs(jobs, plan, n)
@@ -350,28 +346,31 @@ def _compressed_jobs(jobs: list, plan: Plan, n: int) -> list[list[Any]] | None:
     if plan.meta[STATE_FORMAT]["moments"] == "fp32":
         for key in MOMENTS:
             jobs.append(((key, torch.float32, [n]),
-                         job(key, lambda r, key=key: getattr(r.stored, key), ranges)))
+                         job(key, lambda r, key=key: r.stored.state[key].data, ranges)))
         return None
+    # Per format, each buffer's parts as that format's stored type names them in a rank file
+    # (stored.py: the data, then the block scales); a row's offset counts elements, its
+    # block the scales before it.
     rows: list[list[Any]] = []
     by_fmt: dict[str, list[ShardRange]] = {}
     offset: dict[str, int] = {}
-    nblocks = 0
+    nscales = 0
     for name, r in plan.state:
         fmt = r.stored.moments
+        typ = stored_type(fmt)
         rows.append([name, r.start, r.numel, fmt, offset.get(fmt, 0),
-                     nblocks if fmt == "int8" else 0])
+                     nscales if typ.blockwise else 0])
         offset[fmt] = offset.get(fmt, 0) + r.numel
-        nblocks += blocks(r.numel) if fmt == "int8" else 0
+        nscales += typ.scale_count(r.numel)
         by_fmt.setdefault(fmt, []).append(r)
     for fmt, rs in by_fmt.items():
+        typ = stored_type(fmt)
+        size = {"data": offset[fmt], "absmax": nscales}
         for key in MOMENTS:
-            t = tensor_name(key, fmt)
-            jobs.append(((t, MOMENT_DTYPES[fmt], [offset[fmt]]),
-                         job(t, lambda r, key=key: getattr(r.stored, key), rs)))
-            if fmt == "int8":
-                jobs.append(((absmax_name(key), torch.float32, [nblocks]),
-                             job(absmax_name(key), lambda r, key=key: r.stored.absmax(key),
-                                 rs)))
+            for part, (t, dtype) in typ.file_tensors(key).items():
+                jobs.append(((t, dtype, [size[part]]),
+                             job(t, lambda r, key=key, part=part: r.stored.state[key].part(
+                                 part), rs)))
     return rows
 
 

@@ -52,6 +52,7 @@ from .moments import (
     STATE_FORMAT,
     MomentIndex,
     absmax_name,
+    blockwise,
     check_state_format,
     check_table_tiling,
     expected_tensors,
@@ -415,7 +416,7 @@ def check_rank_file(meta: dict[str, Any], i: int, tensors: dict[str, TensorInfo]
                       f"{dtype} of shape {list(shape) if shape is not None else '[n]'}")
     same = [STATE] if rows is None else [
         [tensor_name(k, fmt) for k in MOMENTS] for fmt in {r[3] for r in rows}] + [
-        [absmax_name(k) for k in MOMENTS] for fmt in {r[3] for r in rows} if fmt == "int8"]
+        [absmax_name(k) for k in MOMENTS] for fmt in {r[3] for r in rows} if blockwise(fmt)]
     for group in same:
         if len({tensors[t].numel for t in group}) != 1:
             raise bad(f"tensors {', '.join(group)} differ in length")

@@ -54,7 +54,7 @@ from ..checkpoint.format import (
 )
 from ..checkpoint.load import Opened, open_checkpoint
 from ..checkpoint.locks import lock_file, reading
-from ..checkpoint.moments import MomentIndex, has_table, read_fp32_into
+from ..checkpoint.moments import MOMENTS, MomentIndex, has_table, read_fp32_into
 
 HELP = "turn a zerokern checkpoint into a plain fp32 state dict (+ AdamW state), streaming"
 DESCRIPTION = (
@@ -296,7 +296,7 @@ class _Source:
                 yield buf.to(dtype)
 
     def full(self, name: str, what: str) -> torch.Tensor:
-        """exp_avg or exp_avg_sq of ``name`` (fp32), read straight into the scratch buffer."""
+        """A moment of ``name`` (fp32), read straight into the scratch buffer."""
         shape = self.meta["params"][name]["shape"]
         out = self.scratch(math.prod(shape), torch.float32)
         if self.moments is not None:  # dequantized or widened (checkpoint/moments.py)
@@ -433,7 +433,7 @@ def _zip_writer_available() -> bool:
 
 
 def _plan_adamw(src: _Source, plan: _Plan) -> None:
-    """{"state": {i: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]} with i counting
+    """{"state": {i: {"step", *MOMENTS}}, "param_groups": [...]} with i counting
     the parameters of the saved param groups in order, as torch's state_dict() numbers them;
     state only for parameters that took a step (torch creates it lazily, at the first one)."""
     defaults = adamw_defaults()
@@ -453,9 +453,9 @@ def _plan_adamw(src: _Source, plan: _Plan) -> None:
                 shape = _shape(repr(name), p["shape"])
                 nbytes = 4 * math.prod(shape)
                 plan.scratch = max(plan.scratch, (nbytes, f"exp_avg of {name!r}, shape {shape}"))
-                data += 2 * nbytes + 4
+                data += len(MOMENTS) * nbytes + 4
                 state[k] = {"step": torch.tensor(float(p["step"]))}
-                for what in ("exp_avg", "exp_avg_sq"):
+                for what in MOMENTS:
                     state[k][what] = LazyTensor(
                         shape, torch.float32, lambda n=name, w=what: src.full(n, w)
                     )

@@ -25,9 +25,11 @@ from ..comm import Comm
 from . import rebind
 from .layout import ALIGN_ELEMS, Layout, build_layout, build_stage3_layout
 from .param_table import ParamTable
+from .rules import ADAMW, UpdateRule
 from .shard_state import ShardState
 from .stages import Engine, make_engine, planned_memory
 from .state_format import StateFormat
+from .stored import STORED_PARTS
 from .validate import check_master_dtype, common_dtype_device
 
 
@@ -44,8 +46,10 @@ class EngineSlot:
     def __init__(self, table: ParamTable, comm: Comm, *, stage: int, offload: str | None,
                  runtime: Any, bucket_numel: int | None, overlap: bool, backend: str | None,
                  dtype: torch.dtype, device: torch.device, fmt: StateFormat | None = None,
-                 seed: int = 0, reduce_dtype: torch.dtype | None = None) -> None:
+                 seed: int = 0, reduce_dtype: torch.dtype | None = None,
+                 rule: UpdateRule | None = None) -> None:
         self.table, self.comm, self.rt = table, comm, runtime
+        self.rule = rule or ADAMW  # the update rule the engine's state is stepped with
         self.reduce_dtype = reduce_dtype  # ZeroAdamW(reduce_dtype=): None, or torch.float32
         self.fmt, self.seed = fmt or StateFormat(), seed
         self.stage, self.offload, self.backend = stage, offload, backend
@@ -79,7 +83,7 @@ class EngineSlot:
             self.stage, self.offload, layout, params, self.comm, dtype=self.dtype,
             device=self.device, overlap=self.overlap, backend=self.backend, runtime=self.rt,
             fmt=self.fmt, seed=self.seed, param_numels=self.param_numels,
-            grad_dtype=self.grad_dtype)
+            grad_dtype=self.grad_dtype, rule=self.rule)
         self.engine.set_sync(self.sync)
         self.layout = layout
         self.mark_params()
@@ -118,7 +122,7 @@ class EngineSlot:
             return self.engine.memory_stats()
         L = self._flat_layout(None)
         return planned_memory(self.stage, self.offload, L, self.dtype, self.fmt,
-                              self.param_numels, self.grad_dtype)
+                              self.param_numels, self.grad_dtype, self.rule)
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -216,22 +220,26 @@ class EngineSlot:
 def _carry_state(old: ShardState, new: ShardState) -> None:
     """add_param_group: ``old``'s state into ``new``, laid out for the same parameters plus
     the new group's. The old local space is a prefix of the new one (stage 3: the same
-    space, the new parameters' pieces were holes), so the master, the moments and the int8
-    blocks' absmax (one per 256 local elements) keep their offsets. The fp32 side buffers of
-    small parameters do not: they are packed in local order, so at stage 3 a new small
+    space, the new parameters' pieces were holes), so the master, the rule's buffers and the
+    int8 blocks' absmax (one per 256 local elements) keep their offsets. The fp32 side buffers
+    of small parameters do not: they are packed in local order, so at stage 3 a new small
     parameter placed before an old one shifts the old one's side offset. Those are copied run
     by run, at the offsets of the new plan."""
-    for key in ("exp_avg", "exp_avg_sq", "master", "exp_avg_absmax", "exp_avg_sq_absmax"):
-        src = getattr(old, key)
+    pairs = [(old.master, new.master)]
+    for name, b in old.buffers.items():
+        pairs += [(b.part(p), new.buffers[name].part(p)) for p in STORED_PARTS]
+    for src, dst in pairs:
         if src is not None:
-            getattr(new, key).narrow(0, 0, src.numel()).copy_(src)
-    if old.runs is None or old.exp_avg_side is None:
+            assert dst is not None
+            dst.narrow(0, 0, src.numel()).copy_(src)
+    if old.runs is None or not old.side_numel:
         return
     for r in old.runs.runs:
         if r.side_start < 0:
             continue
         for nr, o, n in new.runs_in(r.local_start, r.stop):
             at = r.side_start + nr.local_start + o - r.local_start
-            for key in ("exp_avg_side", "exp_avg_sq_side"):
-                getattr(new, key).narrow(0, nr.side_start + o, n).copy_(
-                    getattr(old, key).narrow(0, at, n))
+            for name, b in old.buffers.items():
+                dst, src = new.buffers[name].side, b.side
+                assert dst is not None and src is not None
+                dst.data.narrow(0, nr.side_start + o, n).copy_(src.data.narrow(0, at, n))

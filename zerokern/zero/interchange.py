@@ -1,7 +1,8 @@
 """Optimizer state in torch.optim.AdamW's own format, out and in (as torch's
 ``get_optimizer_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))``
-gives it for FSDP): ``{"state": {i: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups":
-[...]}`` with ``i`` numbering the parameters of ``param_groups`` as torch does.
+gives it for FSDP): ``{"state": {i: {"step", <the update rule's buffers>}}, "param_groups":
+[...]}`` with ``i`` numbering the parameters of ``param_groups`` as torch does (the rule's
+``torch_keys``: for AdamW ``exp_avg`` and its second moment).
 
 Built one parameter at a time from the sharded state (``shards()``): every rank puts its
 ranges into a zeroed full-size buffer and one all-reduce sums them, so the peak extra memory
@@ -26,15 +27,13 @@ import torch
 from ..comm import Comm
 from .optimizer_state import StateAccess, set_seed
 from .param_table import ParamTable
-from .validate import check_eps_moments, check_hparams
-
-_TORCH_KEYS = ("step", "exp_avg", "exp_avg_sq")
+from .state_format import StateFormat
 
 
-def _adamw_defaults() -> dict[str, Any]:
-    """The group keys torch's AdamW of this torch version has (amsgrad, foreach, ...), so that
-    AdamW(...).load_state_dict of what we return can step."""
-    probe = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+def _torch_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
+    """The group keys torch's optimizer ``cls`` of this torch version has (for AdamW amsgrad,
+    foreach, ...), so that ``cls(...).load_state_dict`` of what we return can step."""
+    probe = cls([torch.nn.Parameter(torch.zeros(1))])
     return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
 
 
@@ -44,14 +43,14 @@ _MATH_FLAGS = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": Tr
 # Flags that choose how torch computes the same update (for-each or fused kernels, step
 # counts on the device for CUDA graphs): nothing ZeroAdamW computes depends on them.
 _IMPL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
-_HPARAMS = ("lr", "betas", "eps", "weight_decay")
 
 
 def check_adamw_flags(flags: dict[str, Any], where: str) -> None:
     """Refuse, by name, a torch.optim.AdamW flag whose value would change the update."""
     if flags.get("amsgrad", False):
         raise ValueError(f"amsgrad=True{where}: ZeroAdamW implements AdamW without AMSGrad "
-                         "(it keeps no running maximum of exp_avg_sq); use amsgrad=False, or "
+                         "(it keeps no running maximum of the second moment); use "
+                         "amsgrad=False, or "
                          "torch.optim.AdamW for AMSGrad")
     if flags.get("maximize", False):
         raise ValueError(f"maximize=True{where}: ZeroAdamW minimizes; minimize the negated "
@@ -97,7 +96,7 @@ class TorchFormat:
         keep = not rank0_only or self.comm.rank == 0
         torch_index, groups = self._torch_numbering(param_groups)
         state: dict[int, dict[str, Any]] = {}
-        fmt = self.access.slot.fmt
+        fmt, rule = self.access.slot.fmt, self.access.slot.rule
         stored_as: dict[int, str] = {}
         with torch.no_grad():
             for sh in self.access.shards(param_groups):
@@ -105,7 +104,7 @@ class TorchFormat:
                     continue  # torch's AdamW has no state for a parameter never stepped
                 stored_as[torch_index[sh.index]] = fmt.effective(sh.numel)
                 full = {}
-                for key in ("exp_avg", "exp_avg_sq"):
+                for key in rule.state_names:
                     buf = torch.zeros(sh.numel, dtype=torch.float32, device=sh.param.device)
                     for r in sh.ranges:  # fp32 views, or dequantized one range at a time
                         buf.narrow(0, r.start, r.numel).copy_(r.read(key))
@@ -130,7 +129,7 @@ class TorchFormat:
                          ) -> tuple[dict[int, int], list[dict[str, Any]]]:
         """Managed index -> torch's index (every parameter of every group, in order), and the
         groups in torch's format with AdamW's default keys filled in."""
-        defaults = _adamw_defaults()
+        defaults = _torch_defaults(self.access.slot.rule.torch_class)
         torch_index: dict[int, int] = {}
         groups = []
         k = 0
@@ -162,14 +161,15 @@ class TorchFormat:
                 raise ValueError(f"state_dict: param group {gi} has {len(sg['params'])} "
                                  f"parameters there and {len(g['params'])} here")
         state = sd["state"]
+        rule = self.access.slot.rule
         for i, shape in enumerate(self.table.shapes):
             st = state.get(torch_index[i], state.get(str(torch_index[i])))
             if not st:
                 continue
-            missing = [k for k in _TORCH_KEYS if k not in st]
+            missing = [k for k in rule.torch_keys if k not in st]
             if missing:
                 raise ValueError(f"state_dict: parameter {torch_index[i]} has no {missing[0]}")
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in rule.state_names:
                 if tuple(st[key].shape) != tuple(shape):
                     raise ValueError(
                         f"state_dict: {key} of parameter {torch_index[i]} has shape "
@@ -179,16 +179,12 @@ class TorchFormat:
             if step < 0 or step != int(step):
                 raise ValueError(f"state_dict: step of parameter {torch_index[i]} is {step}")
         for gi, sg in enumerate(groups):
-            hp = {k: sg.get(k, g[k]) for g in [param_groups[gi]] for k in _HPARAMS}
-            check_hparams(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"],
-                          f" (state_dict param group {gi})")
-            check_eps_moments(hp["eps"], self.access.slot.fmt.moments,
-                              f" (state_dict param group {gi})")
+            hp = {k: sg.get(k, g[k]) for g in [param_groups[gi]] for k in rule.defaults}
+            rule.check_hparams(hp, f" (state_dict param group {gi})", self.access.slot.fmt)
             check_adamw_flags({**sg, **hp}, f" (state_dict param group {gi})")
         saved_fmt = sd.get("state_format")
         seed = saved_fmt.get("seed") if isinstance(saved_fmt, dict) else None
-        if self.access.slot.fmt.master == "none" and saved_fmt is not None and \
-                saved_fmt.get("master") == "none":
+        if self.access.slot.fmt.in_place and StateFormat.saved_in_place(saved_fmt):
             if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
                 raise ValueError(f"state_dict: state_format's seed must be an int in "
                                  f"[0, 2**63), got {seed!r}")
@@ -205,7 +201,7 @@ class TorchFormat:
                     if not st:
                         r.zero_moments()  # as a fresh state stores them
                         continue
-                    for key in ("exp_avg", "exp_avg_sq"):
+                    for key in rule.state_names:
                         # Stored in this optimizer's format: quantized, rounded or copied.
                         r.write(key, st[key].reshape(-1)[r.start:r.start + r.numel])
         if seed is not None:
@@ -217,7 +213,7 @@ class TorchFormat:
             new = strip_adamw_flags({k: v for k, v in sg.items() if k != "params"},
                                     f" (state_dict param group {gi})")
             for key in list(g):
-                if key not in new and key not in ("params", "param_names", *_HPARAMS):
+                if key not in new and key not in ("params", "param_names", *rule.defaults):
                     del g[key]
             g.update(new)
             g["betas"] = tuple(g["betas"])

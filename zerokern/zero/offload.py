@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from .. import ops
 from ..memory import Arena, Block
 
 HOST = torch.device("cpu")
@@ -191,8 +190,8 @@ class StagingRing:
 
 class OffloadPipeline:
     """The host state's per-chunk pipeline. ``land`` moves a reduced gradient shard to the
-    host (during backward); ``update`` runs the CPU AdamW on a host range and sends the new
-    parameters back (during the step)."""
+    host (during backward); ``update_with`` runs the update rule's kernel on a host range and
+    sends the new parameters back (during the step)."""
 
     def __init__(self, host: HostArena, device: torch.device, chunks: int, slot_numel: int,
                  dtype: torch.dtype, backend: str | None) -> None:
@@ -237,24 +236,7 @@ class OffloadPipeline:
         """Every gradient copied so far is in the host gradient shard."""
         self.staging.settle_all()
 
-    # -- step: CPU AdamW, new parameters back to the device ----------------------------------
-    def update(self, c: int, grp: dict[str, Any], master: torch.Tensor, grad: torch.Tensor,
-               exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, grad_scale: float,
-               dst: torch.Tensor | None, *, lp_host: torch.Tensor | None = None) -> None:
-        """The fused AdamW on host range (``master`` updated in place), then the new
-        parameters copied to ``dst`` on the device: 16-bit ones written by the kernel into a
-        staging slot in the same pass, fp32 ones straight from the updated master. ``dst``
-        None: the parameters live on the host; ``lp_host`` is their 16-bit copy, written by
-        the kernel directly (None: ``master`` is the fp32 parameter itself)."""
-        def kernel(lp: torch.Tensor | None) -> None:
-            ops.fused_adamw_(
-                master, grad, exp_avg, exp_avg_sq, lr=float(grp["lr"]),
-                beta1=float(grp["betas"][0]), beta2=float(grp["betas"][1]),
-                eps=float(grp["eps"]), weight_decay=float(grp["weight_decay"]), step=step,
-                grad_scale=grad_scale, param_lp=lp, backend=self.backend)
-
-        self.update_with(c, master, dst, kernel, lp_host=lp_host)
-
+    # -- step: the update on the CPU, new parameters back to the device --------------------
     def update_with(self, c: int, values: torch.Tensor, dst: torch.Tensor | None,
                     kernel: Callable[[torch.Tensor | None], None], *,
                     lp_host: torch.Tensor | None = None) -> None:

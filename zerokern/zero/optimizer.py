@@ -28,7 +28,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -45,6 +45,7 @@ from .optimizer_state import StateAccess, set_seed
 from .param_groups import check_groups, check_new_group
 from .param_table import ParamTable, broadcast_params, stage3_runtime, trained_params
 from .reduction import GradReduction, Reduced, grad_scale
+from .rules import ADAMW, UpdateRule
 from .scaler import LossScaler
 from .shards import ParamShard
 from .stage3 import foreign
@@ -165,6 +166,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             0-2) or at construction (stage 3); None until then.
     """
 
+    rule: ClassVar[UpdateRule] = ADAMW  # the update the state is stepped with (zero/rules/)
+
     def __init__(
         self,
         params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
@@ -253,7 +256,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                                 runtime=rt, bucket_numel=cfg.bucket_numel,
                                 overlap=cfg.overlap_comm, backend=cfg.backend, dtype=dtype,
                                 device=device, fmt=cfg.state_format, seed=int(cfg.seed),
-                                reduce_dtype=cfg.reduce_dtype)
+                                reduce_dtype=cfg.reduce_dtype, rule=self.rule)
         self._reduction = GradReduction(self.comm, self._rt)
         self._guards = GuardSet(params, self._guard_measure)
         self._access = StateAccess(table, self._slot, self.comm, stage=cfg.stage,

@@ -1,5 +1,5 @@
 """What is read and written of this rank's optimizer state from outside the step:
-``opt.state`` (the ShardedStateView of shards.py), ``shards()`` / ``edit_shards()`` (the
+``opt.state`` (the ShardedStateView of state_view.py), ``shards()`` / ``edit_shards()`` (the
 public sharded-state interface that checkpoints and the torch-format interchange are written
 against, never the engine's buffers) and the per-rank state dict (ZeroAdamW's own format:
 this rank's flat buffers in its local layout).
@@ -19,25 +19,27 @@ from typing import Any
 import torch
 
 from ..comm import Comm
-from ..quant.maps import SIGNED_MAP_ID, UNSIGNED_MAP_ID
 from .engine_slot import EngineSlot
 from .param_table import ParamTable
+from .rules import UpdateRule
 from .scaler import LossScaler
-from .shards import ParamShard, ShardedStateView, ShardRange, StoredRange
+from .shards import ParamShard, ShardRange, StoredRange
 from .state_format import StateFormat
-
-# The buffers of a compressed state besides the master, in the per-rank state dict.
-_STORED = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax", "exp_avg_side",
-           "exp_avg_sq_side")
-_MAPS = {"exp_avg": SIGNED_MAP_ID, "exp_avg_sq": UNSIGNED_MAP_ID}
+from .state_view import ShardedStateView
 
 
-def _format_entry(fmt: StateFormat, seed: int) -> dict[str, Any]:
+def code_maps(rule: UpdateRule) -> dict[str, str]:
+    """The int8 code map of each of the rule's buffers, as state dicts and checkpoints name
+    them."""
+    return {name: rule.map_id(name) for name in rule.state_names}
+
+
+def _format_entry(fmt: StateFormat, seed: int, rule: UpdateRule) -> dict[str, Any]:
     """How a state is stored, as state dicts and checkpoints name it: moments, master, the
     stochastic rounding seed and, for int8, the code maps' ids."""
     out: dict[str, Any] = {"moments": fmt.moments, "master": fmt.master, "seed": int(seed)}
-    if fmt.moments == "int8":
-        out["maps"] = dict(_MAPS)
+    if fmt.blockwise:
+        out["maps"] = code_maps(rule)
     return out
 
 
@@ -82,27 +84,18 @@ class StateAccess:
             if pc.param < 0 or (compressed and pc.numel == 0):
                 continue
             s, n = pc.local_start, pc.numel
+            stored = eng.state.stored(s, n)
             if compressed:
-                ranges[pc.param].append(ShardRange(pc.param_offset, n,
-                                                   stored=self._stored(eng, s, n)))
+                ranges[pc.param].append(ShardRange(pc.param_offset, n, stored=StoredRange(
+                    eng.state.fmt.master, eng.values(s, n), stored)))
                 continue
             ranges[pc.param].append(ShardRange(
-                pc.param_offset, n, eng.values(s, n), eng.exp_avg.narrow(0, s, n),
-                eng.exp_avg_sq.narrow(0, s, n)))
+                pc.param_offset, n, {"values": eng.values(s, n),
+                                     **{k: b.data for k, b in stored.items()}}))
         t = self.table
         return [ParamShard(i, names.get(id(p)), p, group_of[id(p)], t.shapes[i], p.dtype,
                            t.steps[i], tuple(sorted(ranges[i], key=lambda r: r.start)))
                 for i, p in enumerate(t.params)]
-
-    @staticmethod
-    def _stored(eng: Any, s: int, n: int) -> StoredRange:
-        """Local range [s, s + n) (one piece) of a compressed state, as stored."""
-        raw = eng.state.stored_moments(s, n)
-        int8 = raw["format"] == "int8"
-        return StoredRange(
-            raw["format"], eng.state.fmt.master, eng.values(s, n), raw["exp_avg"],
-            raw["exp_avg_sq"], raw.get("exp_avg_absmax"), raw.get("exp_avg_sq_absmax"),
-            _MAPS["exp_avg"] if int8 else None, _MAPS["exp_avg_sq"] if int8 else None)
 
     @contextmanager
     def edit(self, param_groups: list[dict[str, Any]], model: torch.nn.Module | None = None,
@@ -146,7 +139,7 @@ class StateAccess:
                 "flat_numel": None if L is None else L.flat_numel,
                 "ready_order": None if L is None else list(L.ready_order),
                 "shapes": [list(sh) for sh in self.table.shapes],
-                "state_format": _format_entry(self.slot.fmt, self.slot.seed)}
+                "state_format": _format_entry(self.slot.fmt, self.slot.seed, self.slot.rule)}
 
     def state_dict(self, param_groups: list[dict[str, Any]],
                    scaler: LossScaler | None) -> dict[str, Any]:
@@ -160,17 +153,17 @@ class StateAccess:
             idx += n
         self.adopt_writes()
         eng = self.slot.engine
-        state: dict[str, Any] = {} if eng is None else {
-            "exp_avg": eng.exp_avg.clone(), "exp_avg_sq": eng.exp_avg_sq.clone(),
-            "master": None if eng.master is None else eng.master.clone(),
-            "steps": torch.tensor(self.table.steps, dtype=torch.int64),
-        }
-        if eng is not None and not eng.state.fmt.is_default:
-            # Every stored buffer as it is (codes and absmax, bf16 moments, the fp32 side
-            # buffers of small parameters): the state round-trips bit for bit.
-            for key in _STORED[2:]:
-                t = getattr(eng.state, key)
-                state[key] = None if t is None else t.clone()
+        state: dict[str, Any] = {}
+        if eng is not None:
+            # Every stored buffer as it is (a compressed state's codes and absmax, bf16
+            # buffers, the fp32 side buffers of small parameters; None for a part its format
+            # lacks): the state round-trips bit for bit.
+            stored = self._stored_buffers()
+            state = {**{k: t.clone() for k, t in stored.items() if k in eng.state.buffers},
+                     "master": None if eng.master is None else eng.master.clone(),
+                     "steps": torch.tensor(self.table.steps, dtype=torch.int64),
+                     **{k: None if t is None else t.clone() for k, t in stored.items()
+                        if k not in eng.state.buffers}}
         return {
             "state": state, "param_groups": groups,
             "scaler": None if scaler is None else scaler.state_dict(),
@@ -218,13 +211,13 @@ class StateAccess:
                         "stage")
             self._check_buffers(st)
         eng = self.slot.engine
-        if saved_fmt.get("master") == "none":
+        if self.slot.fmt.in_place:  # the saved format is this one (checked)
             set_seed(self.slot, saved_fmt["seed"])  # the rounding continues where it was
         with torch.no_grad():
             if st:
-                for key in _STORED:  # every stored buffer as saved (checked above)
-                    if getattr(eng.state, key) is not None:
-                        getattr(eng.state, key).copy_(st[key])
+                for key, t in self._stored_buffers().items():  # as saved (checked above)
+                    if t is not None:
+                        t.copy_(st[key])
                 if eng.master is not None and st.get("master") is not None:
                     eng.master.copy_(st["master"])
                 elif eng.master is not None:
@@ -263,23 +256,29 @@ class StateAccess:
                 "that saved it (its buffers are kept as stored); to change the format load "
                 "opt.full_state_dict() (fp32, quantized on load) or use "
                 "zerokern.save_checkpoint / load_checkpoint, which convert through fp32")
-        maps = saved.get("maps")
-        if fmt.moments == "int8" and maps is not None and maps != _MAPS:
+        maps, mine = saved.get("maps"), code_maps(self.slot.rule)
+        if fmt.blockwise and maps is not None and maps != mine:
             raise ValueError(f"state_dict: int8 moments quantized with the code maps {maps}, "
-                             f"this zerokern uses {_MAPS}")
-        if saved["master"] == "none":
+                             f"this zerokern uses {mine}")
+        if fmt.in_place:
             seed = saved.get("seed")
             if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
                 raise ValueError(f"state_dict: the seed must be an int in [0, 2**63), got "
                                  f"{seed!r}")
         return saved
 
+    def _stored_buffers(self) -> dict[str, torch.Tensor | None]:
+        """The state's stored tensors besides the master, by per-rank state dict key: the
+        rule's buffers, and for a compressed state every part of them (None where absent)."""
+        state = self.slot.engine.state
+        if state.fmt.is_default:
+            return {k: b.main.data for k, b in state.buffers.items()}
+        return state.tensors()
+
     def _check_buffers(self, st: dict[str, Any]) -> None:
         """Each stored buffer of the state dict matches this state's (dtype and length), before
         any is copied."""
-        state = self.slot.engine.state
-        for key in _STORED:
-            mine = getattr(state, key)
+        for key, mine in self._stored_buffers().items():
             if mine is None:
                 continue
             got = st.get(key)

@@ -25,10 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from ..quant.adamw import MASTER_MODES, MIN_COMPRESSED_NUMEL, MOMENT_FORMATS
 from ..quant.adamw import effective_moments_format as _effective
 from ..quant.maps import BLOCK
+from .stored import stored_type
 
 QUANT_ALIGN = BLOCK
 """Elements of one quantization block: int8 parameters start on, and shards end on, these."""
@@ -55,15 +59,38 @@ class StateFormat:
             raise ValueError(f"master must be one of {', '.join(map(repr, MASTER_MODES))}, "
                              f"got {self.master!r}")
 
+    @classmethod
+    def of(cls, entry: Any) -> StateFormat:
+        """The format a saved ``state_format`` entry (a dict naming moments and master;
+        None: the default state) names."""
+        return cls() if entry is None else cls(entry["moments"], entry["master"])
+
+    @staticmethod
+    def saved_in_place(entry: Any) -> bool:
+        """Whether a saved ``state_format`` entry (a dict, or None) names master="none"
+        (whatever else it holds: a state dict from outside is checked elsewhere)."""
+        return entry is not None and entry.get("master") == "none"
+
     @property
     def is_default(self) -> bool:
         """fp32 moments and an fp32 master: today's exact state, stored as before."""
         return self.moments == "fp32" and self.master == "fp32"
 
     @property
+    def in_place(self) -> bool:
+        """``master="none"``: no master, the parameters are the values, updated in place."""
+        return self.master == "none"
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype of the values a state keeps beside the parameters: the fp32 master, or
+        with ``master="none"`` (ZeRO-Offload's host copy of the parameters) bf16."""
+        return torch.bfloat16 if self.in_place else torch.float32
+
+    @property
     def blockwise(self) -> bool:
         """Whether the layout must keep 256-element blocks whole (int8 moments)."""
-        return self.moments == "int8"
+        return stored_type(self.moments).blockwise
 
     def effective(self, total_numel: int) -> str:
         """The moments format a parameter of ``total_numel`` elements is stored in."""
@@ -103,7 +130,7 @@ class StateRun:
 @dataclass(frozen=True)
 class RunPlan:
     runs: tuple[StateRun, ...]
-    side_numel: int  # elements of each fp32 side buffer (exp_avg and exp_avg_sq)
+    side_numel: int  # elements of each fp32 side buffer (one per buffer of the rule)
     starts: tuple[int, ...]  # runs' local_start, for bisection
 
 
@@ -116,7 +143,7 @@ def plan_runs(pieces: Sequence[object], param_numels: Sequence[int],
         AssertionError: an int8 piece not on its parameter's block boundaries (the layout
             was not aligned for int8).
     """
-    if fmt.master == "none":
+    if fmt.in_place:
         big = [i for i, n in enumerate(param_numels) if n > 2**32]
         if big:  # the stochastic rounding counter holds an element index in 32 bits
             raise ValueError(f"master='none' supports parameters of up to 2**32 elements; "
@@ -151,7 +178,7 @@ def plan_runs(pieces: Sequence[object], param_numels: Sequence[int],
             close()  # a frozen parameter's hole (stage 3) ends a run
             continue
         f = fmt.effective(param_numels[param])
-        if f == "int8":
+        if stored_type(f).blockwise:
             assert off % BLOCK == 0 and ls % BLOCK == 0, (
                 f"int8 piece of parameter {param} at offset {off}, local {ls}: not on a "
                 f"{BLOCK}-element block (layout not aligned for int8 moments)")

@@ -17,7 +17,8 @@ import torch
 from ...comm import CollectiveTimeout, Comm
 from ...memory import Arena, ArenaOutOfMemory, Block
 from .. import gather_timeout as told
-from ..offload import HOST, Copier, OffloadPipeline, pin_host_memory
+from ..offload import HOST, Copier, pin_host_memory
+from ..placement import GradSink
 
 if TYPE_CHECKING:
     from .unit import Unit
@@ -76,7 +77,7 @@ class UnitContext:
         self.grad_arena, self.local_grads = self._alloc_local(False)
         self.local_grads.zero_()
         self.grads_on_host = False
-        self.grad_sink: OffloadPipeline | None = None  # the offloading optimizer's pipeline
+        self.grad_sink: GradSink | None = None  # the offloading optimizer's host placement
         self.copier = Copier(device) if offload_params else None
         self.gather_arena = Arena(gather_bytes, device, alignment=GATHER_ALIGN)
         self.overflow_bytes = 0
@@ -114,7 +115,7 @@ class UnitContext:
         self.grad_dtype = dtype
         self.gather_arena = Arena(gather_bytes, self.device, alignment=GATHER_ALIGN)
 
-    def offload_grads(self, sink: OffloadPipeline) -> None:
+    def offload_grads(self, sink: GradSink) -> None:
         """ZeRO-Offload: the gradient slices move to host memory (a fresh, zeroed buffer: no
         step is in progress when an optimizer is built) and every unit's reduced gradients
         are landed there through ``sink``."""

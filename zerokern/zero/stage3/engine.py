@@ -3,8 +3,8 @@
 The parameter side (gathering units just in time, reduce-scattering each unit's gradients as
 its backward finishes) is the runtime of ``shard_model`` (unit.py, runtime.py); it owns this
 rank's parameter and gradient slices. This engine composes the state of those slices (fp32
-master for 16-bit parameters, both moments; shard_state.py) and steps it unit by unit; the new
-slice is all the next forward gathers, so nothing is gathered after the step.
+master for 16-bit parameters, the update rule's buffers; shard_state.py) and steps it unit by
+unit; the new slice is all the next forward gathers, so nothing is gathered after the step.
 
 With offload the state is on the host (ZeRO-Offload): the runtime moves its gradient slice
 there and lands each unit's reduced gradients through the state's staging slots; the CPU
@@ -22,7 +22,9 @@ import torch
 
 from ...comm import Comm
 from ..layout import Layout
-from ..shard_state import BufferSpec, ShardState
+from ..placement import BufferSpec
+from ..rules import UpdateRule
+from ..shard_state import ShardState
 from ..stages.accounting import stage3_memory, stage3_offload_memory, state_buffers
 from ..stages.base import Engine, Run
 from ..state_format import StateFormat
@@ -39,10 +41,10 @@ class Stage3(Engine):
                  backend: str | None, runtime: Stage3Runtime, offload: bool = False,
                  fmt: StateFormat | None = None, seed: int = 0,
                  param_numels: list[int] | None = None,
-                 grad_dtype: torch.dtype | None = None) -> None:
+                 grad_dtype: torch.dtype | None = None, rule: UpdateRule | None = None) -> None:
         super().__init__(layout, params, comm, dtype=dtype, device=device, overlap=overlap,
                          backend=backend, offload=offload, fmt=fmt, seed=seed,
-                         param_numels=param_numels, grad_dtype=grad_dtype)
+                         param_numels=param_numels, grad_dtype=grad_dtype, rule=rule)
         self.rt = runtime
         # fp32 parameters kept in host memory are their own master; with offload every other
         # case updates a host fp32 copy and sends the result to the device slice.
@@ -53,8 +55,9 @@ class Stage3(Engine):
             self.state = self.make_state(master=master, own_grads=False,
                                          chunks=len(runtime.units), slot_numel=self.slot,
                                          params_on_host=on_host)
-            if offload:
-                self.rt.offload_grads(self.state.placement.pipe)  # type: ignore[union-attr]
+            sink = self.state.placement.grad_sink
+            if sink is not None:  # the state is on the host: gradients land there
+                self.rt.offload_grads(sink)
             self.init_master()
 
     @staticmethod
@@ -63,20 +66,21 @@ class Stage3(Engine):
         """Whether the state keeps a copy of the values: the fp32 master of 16-bit
         parameters; with offload a host copy unless the parameters are in host memory
         already (master="none": that copy is bf16)."""
-        if fmt.master == "none":
+        if fmt.in_place:
             return offload and not on_host
         return dtype != torch.float32 or (offload and not on_host)
 
     @classmethod
     def device_specs(cls, layout: Layout, dtype: torch.dtype, offload: bool,
                      fmt: StateFormat | None = None, side_numel: int = 0,
-                     grad_dtype: torch.dtype | None = None) -> list[BufferSpec]:
+                     grad_dtype: torch.dtype | None = None,
+                     rule: UpdateRule | None = None) -> list[BufferSpec]:
         if offload:
             return []  # nothing of the optimizer on the device
         fmt = fmt or StateFormat()
         return ShardState.specs(layout.local_numel, dtype,
                                 master=cls.wants_master(dtype, False, False, fmt),
-                                own_grads=False, fmt=fmt, side_numel=side_numel)
+                                own_grads=False, fmt=fmt, side_numel=side_numel, rule=rule)
 
     # -- gradients: reduced by the runtime during backward ---------------------------------------
     def on_grad(self, index: int) -> None:
@@ -143,9 +147,9 @@ class Stage3(Engine):
     def memory_stats(self) -> dict[str, int]:
         in_use = int(self.arena.stats()["in_use"])
         state = state_buffers(self.state)  # the state's kinds from its buffers as allocated
-        if not self.offload:
+        h = self.state.placement.memory()  # its own arena: none on the device
+        if not h:
             return stage3_memory(self.layout, self.rt, self.dtype, state, arena_in_use=in_use)
-        h = self.host.stats()
         return stage3_offload_memory(self.layout, self.rt, self.dtype, state,
                                      arena_in_use=in_use, slot=self.slot,
                                      host_in_use=h["in_use"], host_capacity=h["capacity"])

@@ -4,20 +4,21 @@ memory_stats() reports before the first step, from the blocks the engine will ta
 
 The optimizer state's kinds are read from its buffers as allocated (or, before the first step,
 from the specs the engine will allocate them from), so a compressed format (issue 27) reports
-what it stores, never the 4 bytes an element of fp32 state would take:
+what it stores, never the 4 bytes an element of fp32 state would take. The kinds are the
+update rule's (``state_kinds``; AdamW's buffers are its two moments, ``exp_avg`` first):
 
-* ``master``, ``exp_avg``, ``exp_avg_sq``: one slot per element of this rank's local space, in
-  the buffer's own dtype (fp32 master or, for master="none" under offload, the bf16 host copy;
-  fp32, bf16 or uint8-code moments). The slots of trained elements are the kind's bytes; the
+* ``master`` and each buffer (``exp_avg``): one slot per element of this rank's local space,
+  in the buffer's own dtype (fp32 master or, for master="none" under offload, the bf16 host
+  copy; fp32, bf16 or uint8 codes). The slots of trained elements are the kind's bytes; the
   others (shard and alignment padding, stage 3's frozen parameters) count as ``padding``.
-* ``exp_avg_absmax``, ``exp_avg_sq_absmax`` (int8 moments): the fp32 scales, one per
-  256-element block of the local space, all of the buffer.
-* ``exp_avg_side``, ``exp_avg_sq_side`` (compressed moments): the fp32 moments of parameters
-  too small to compress (fewer than 4,096 elements), all of the buffer. The same elements
-  keep their (unused) slots in ``exp_avg`` / ``exp_avg_sq``: the code buffers cover the whole
-  local space so that every run indexes them by its local offset.
+* ``<buffer>_absmax`` (int8): the fp32 scales, one per 256-element block of the local space,
+  all of the buffer.
+* ``<buffer>_side`` (compressed formats): the fp32 values of parameters too small to compress
+  (fewer than 4,096 elements), all of the buffer. The same elements keep their (unused) slots
+  in the main buffer: it covers the whole local space so that every run indexes it by its
+  local offset.
 
-The seven add up, with the state's share of ``padding``, to the bytes of the state's buffers
+They add up, with the state's share of ``padding``, to the bytes of the state's buffers
 exactly, on the device, or under the ``host_`` names with offload.
 """
 
@@ -28,52 +29,69 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..layout import Layout
-from ..shard_state import BufferSpec
+from ..placement import BufferSpec
+from ..rules import ADAMW, UpdateRule
+from ..shard_state import part_kind
+from ..stored import STORED_PARTS
 from .base import reserved_bytes
 
 if TYPE_CHECKING:
     from ..shard_state import ShardState
     from ..stage3.runtime import Stage3Runtime
 
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax",
-               "exp_avg_side", "exp_avg_sq_side")
-"""The optimizer state's memory_stats() keys (device side; ``host_`` + each on the host)."""
 
-_PER_ELEMENT = ("master", "exp_avg", "exp_avg_sq")  # one slot per local element
+def state_kinds(rule: UpdateRule | None = None) -> tuple[str, ...]:
+    """The optimizer state's memory_stats() keys (device side; ``host_`` + each on the host):
+    the master, then every part of the rule's buffers (AdamW: its two moments, then their
+    ``_absmax`` and ``_side`` parts)."""
+    names = (rule or ADAMW).state_names
+    return ("master", *(part_kind(n, p) for p in (*STORED_PARTS, "side") for n in names))
 
-Buffers = dict[str, tuple[int, int]]
-"""The state's buffers: kind -> (elements, bytes per element)."""
+
+STATE_KINDS = state_kinds()
+"""AdamW's state kinds."""
+
+Buffers = dict[str, tuple[int, int, bool]]
+"""The state's buffers: kind -> (elements, bytes per element, one slot per local element);
+every kind of the rule, (0, 0, ...) when absent."""
 
 
 def _esize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def spec_buffers(specs: list[BufferSpec]) -> Buffers:
+def _per_element(kind: str, rule: UpdateRule) -> bool:
+    return kind == "master" or kind in rule.state_names
+
+
+def spec_buffers(specs: list[BufferSpec], rule: UpdateRule | None = None) -> Buffers:
     """The state's buffers among ``specs`` (what memory_stats() reports before they exist)."""
-    return {s.kind: (s.numel, _esize(s.dtype)) for s in specs if s.kind in STATE_KINDS}
+    rule = rule or ADAMW
+    got = {s.kind: (s.numel, _esize(s.dtype)) for s in specs}
+    return {k: (*got.get(k, (0, 0)), _per_element(k, rule)) for k in state_kinds(rule)}
 
 
 def state_buffers(state: ShardState) -> Buffers:
     """The buffers ``state`` holds, read from the tensors themselves."""
+    tensors = {"master": state.master, **state.tensors()}
     out: Buffers = {}
-    for kind in STATE_KINDS:
-        t = getattr(state, kind, None)
-        if t is not None:
-            out[kind] = (t.numel(), t.element_size())
+    for kind in state_kinds(state.rule):
+        t = tensors.get(kind)
+        out[kind] = ((0, 0) if t is None else (t.numel(), t.element_size())) + (
+            _per_element(kind, state.rule),)
     return out
 
 
 def state_bytes(bufs: Buffers, local_real: int) -> tuple[dict[str, int], int]:
     """(bytes by kind, padding bytes) of the state's buffers over a local space holding
-    ``local_real`` trained elements; every kind of STATE_KINDS present (0 when absent)."""
-    out = dict.fromkeys(STATE_KINDS, 0)
+    ``local_real`` trained elements; every kind of the state (0 when absent)."""
+    out: dict[str, int] = {}
     pad = 0
-    for kind, (numel, esz) in bufs.items():
-        if kind in _PER_ELEMENT:
+    for kind, (numel, esz, per_element) in bufs.items():
+        if per_element:
             out[kind] = local_real * esz
             pad += (numel - local_real) * esz
-        else:  # scales and side moments: every entry belongs to the kind
+        else:  # scales and side buffers: every entry belongs to the kind
             out[kind] = numel * esz
     return out, pad
 
@@ -138,7 +156,7 @@ def offload_flat_memory(layout: Layout, dtype: torch.dtype, specs: list[BufferSp
     slot = slot_numel(layout)
     pad_local = layout.local_numel - local_real
     out = {"params": psi * esz, "grads": psi * esz if full_grad else 0,
-           **dict.fromkeys(STATE_KINDS, 0), "buckets": buckets,
+           **dict.fromkeys(state, 0), "buckets": buckets,
            "padding": (layout.flat_numel - psi) * esz * (2 if full_grad else 1),
            "comm_scratch": scratch, "arena_in_use": in_use, "arena_capacity": capacity,
            "total": in_use + overflow + scratch}
@@ -161,17 +179,19 @@ def host_memory(state: Buffers, local_real: int, pad_local: int, esz: int, stagi
 
 
 def planned_flat_memory(layout: Layout, dtype: torch.dtype, specs: list[BufferSpec],
-                        host_specs: list[BufferSpec] | None = None) -> dict[str, int]:
+                        host_specs: list[BufferSpec] | None = None,
+                        rule: UpdateRule | None = None) -> dict[str, int]:
     """memory_stats() of stages 0-2 before the first step: nothing is allocated yet; the
     blocks the engine will take (``host_specs``: its host arena, with offload), the bucket
     pool included."""
     nbytes = reserved_bytes(specs)
     pool = sum(s.numel * _esize(s.dtype) for s in specs if s.kind == "buckets")
     if host_specs is None:
-        return flat_memory(layout, dtype, specs, spec_buffers(specs), buckets=pool,
+        return flat_memory(layout, dtype, specs, spec_buffers(specs, rule), buckets=pool,
                            overflow=0, scratch=0, in_use=nbytes, capacity=nbytes)
     host = reserved_bytes(host_specs)
-    return offload_flat_memory(layout, dtype, specs, spec_buffers(host_specs), buckets=pool,
+    return offload_flat_memory(layout, dtype, specs, spec_buffers(host_specs, rule),
+                               buckets=pool,
                                overflow=0, scratch=0, in_use=nbytes, capacity=nbytes,
                                host_in_use=host, host_capacity=host)
 
@@ -213,7 +233,7 @@ def stage3_offload_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype,
     on_host = rt.offload_params
     dev_params = 0 if on_host else rt.local_numel * esz
     out = {"params": 0 if on_host else held * esz, "grads": 0,
-           **dict.fromkeys(STATE_KINDS, 0), "buckets": 0,
+           **dict.fromkeys(state, 0), "buckets": 0,
            "padding": 0 if on_host else (rt.local_numel - held) * esz}
     out.update(_gather_stats(rt))
     out["total"] = dev_params + arena_in_use

@@ -20,7 +20,9 @@ import torch
 from ...comm import Comm
 from ...memory import Arena, Block
 from ..layout import Layout
-from ..shard_state import BufferSpec, OnDevice, OnHost, ShardState
+from ..placement import BufferSpec, OnDevice, OnHost, Placement
+from ..rules import ADAMW, UpdateRule
+from ..shard_state import ShardState
 from ..state_format import RunPlan, StateFormat, plan_runs
 
 ARENA_ALIGN = 256  # bytes: every block starts on a 256-byte boundary (vector loads, DMA)
@@ -85,8 +87,9 @@ class Engine(ABC):
                  dtype: torch.dtype, device: torch.device, overlap: bool,
                  backend: str | None, offload: bool = False, fmt: StateFormat | None = None,
                  seed: int = 0, param_numels: list[int] | None = None,
-                 grad_dtype: torch.dtype | None = None) -> None:
+                 grad_dtype: torch.dtype | None = None, rule: UpdateRule | None = None) -> None:
         self.layout, self.params, self.comm = layout, params, comm
+        self.rule = rule or ADAMW  # the update the state is stepped with (rules/)
         self.dtype, self.device, self.backend = dtype, device, backend
         # The dtype gradients are reduced in and reach the step in (ZeroAdamW(reduce_dtype=):
         # fp32 for 16-bit parameters, FSDP2's MixedPrecisionPolicy(reduce_dtype=)).
@@ -101,7 +104,7 @@ class Engine(ABC):
         # own stream, gloo on its worker threads (as DDP's reducer does).
         self.overlap = overlap and comm.world_size > 1
         specs = self.device_specs(layout, dtype, offload, self.fmt, self.side_numel,
-                                  self.grad_dtype)
+                                  self.grad_dtype, self.rule)
         self.arena = Arena(max(reserved_bytes(specs), ARENA_ALIGN), device,
                            alignment=ARENA_ALIGN)
         self.blocks: dict[str, Block] = {}
@@ -116,10 +119,12 @@ class Engine(ABC):
     @abstractmethod
     def device_specs(cls, layout: Layout, dtype: torch.dtype, offload: bool,
                      fmt: StateFormat | None = None, side_numel: int = 0,
-                     grad_dtype: torch.dtype | None = None) -> list[BufferSpec]:
+                     grad_dtype: torch.dtype | None = None,
+                     rule: UpdateRule | None = None) -> list[BufferSpec]:
         """Every block the engine will take from its device arena, its state's included
         when on the device (pure: memory_stats() before the first step reports these
-        without allocating anything); ``grad_dtype``: the reduce dtype (default ``dtype``)."""
+        without allocating anything); ``grad_dtype``: the reduce dtype (default ``dtype``);
+        ``rule``: the update rule whose buffers the state holds (default AdamW)."""
 
     def alloc(self, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         blk = self.arena.alloc(numel, dtype)
@@ -132,44 +137,37 @@ class Engine(ABC):
         arena, or a host arena whose pipeline moves ``chunks`` buckets or units through
         staging slots of ``slot_numel`` elements."""
         n = self.layout.local_numel
+        placement: Placement
         if self.offload:
             specs = ShardState.specs(n, self.grad_dtype, master=master, own_grads=own_grads,
-                                     fmt=self.fmt, side_numel=self.side_numel)
+                                     fmt=self.fmt, side_numel=self.side_numel, rule=self.rule)
             specs += [BufferSpec("staging", slot_numel, self.dtype)] * 2
-            placement: OnDevice | OnHost = OnHost(
-                specs, self.device, chunks=chunks, slot_numel=slot_numel, dtype=self.dtype,
-                backend=self.backend, params_on_host=params_on_host)
+            placement = OnHost(specs, self.device, chunks=chunks, slot_numel=slot_numel,
+                               dtype=self.dtype, backend=self.backend,
+                               params_on_host=params_on_host)
         else:
             placement = OnDevice(self.alloc, self.backend)
         return ShardState(n, self.grad_dtype, placement, master=master, own_grads=own_grads,
-                          fmt=self.fmt, runs=self.run_plan, seed=self.seed)
+                          fmt=self.fmt, runs=self.run_plan, seed=self.seed, rule=self.rule)
 
-    # The state's buffers under the names the rest of the package reads.
     @property
     def master(self) -> torch.Tensor | None:
         return self.state.master
 
     @property
-    def exp_avg(self) -> torch.Tensor:
-        return self.state.exp_avg
-
-    @property
-    def exp_avg_sq(self) -> torch.Tensor:
-        return self.state.exp_avg_sq
-
-    @property
     def has_master(self) -> bool:
         return self.state.master is not None
 
+    # The host placement's parts, for tests and diagnostics (the stages use its verbs only).
     @property
     def pipe(self) -> Any:
         """The host pipeline (offload only)."""
-        return self.state.placement.pipe  # type: ignore[union-attr]
+        return self.state.placement.pipe  # type: ignore[attr-defined]
 
     @property
     def host(self) -> Any:
         """The host arena (offload only)."""
-        return self.state.placement.host  # type: ignore[union-attr]
+        return self.state.placement.host  # type: ignore[attr-defined]
 
     # -- the step -----------------------------------------------------------------------------
     @abstractmethod
@@ -192,8 +190,8 @@ class Engine(ABC):
     @abstractmethod
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:
-        """The fused AdamW over ``runs`` of this rank's shard, then the parameters gathered
-        again where the stage keeps them replicated."""
+        """The update rule's step over ``runs`` of this rank's shard, then the parameters
+        gathered again where the stage keeps them replicated."""
 
     def end_step(self) -> None:
         """Forget this step's gradients (after step()); the state's copies are complete."""

@@ -19,7 +19,9 @@ from ...comm import Comm, Handle
 from ...memory.alias import own_storage
 from ..grads import GradReducer
 from ..layout import Bucket, Layout
-from ..shard_state import BufferSpec, ShardState
+from ..placement import BufferSpec
+from ..rules import UpdateRule
+from ..shard_state import ShardState
 from ..state_format import StateFormat
 from .accounting import flat_memory, offload_flat_memory, slot_numel, state_buffers
 from .base import Engine, Run, across_replicas_, average_
@@ -33,10 +35,10 @@ class FlatEngine(Engine):
                  dtype: torch.dtype, device: torch.device, overlap: bool,
                  backend: str | None, offload: bool = False, fmt: StateFormat | None = None,
                  seed: int = 0, param_numels: list[int] | None = None,
-                 grad_dtype: torch.dtype | None = None) -> None:
+                 grad_dtype: torch.dtype | None = None, rule: UpdateRule | None = None) -> None:
         super().__init__(layout, params, comm, dtype=dtype, device=device, overlap=overlap,
                          backend=backend, offload=offload, fmt=fmt, seed=seed,
-                         param_numels=param_numels, grad_dtype=grad_dtype)
+                         param_numels=param_numels, grad_dtype=grad_dtype, rule=rule)
         # Gradients reduced in another dtype than the parameters' (reduce_dtype): autograd's
         # buffers stay in the parameters' dtype, the reduction and the step's gradient are in
         # grad_dtype.
@@ -79,7 +81,7 @@ class FlatEngine(Engine):
         """(master, own_grads) of this stage's state. ``master="none"``: the parameters are
         updated in place, except that an offloaded state keeps their bf16 copy on the host."""
         shards = cls.cast_shards_grads() if grad_dtype not in (None, dtype) else cls.shards_grads
-        if fmt is not None and fmt.master == "none":
+        if fmt is not None and fmt.in_place:
             return offload, offload or shards
         return offload or dtype != torch.float32, offload or shards
 
@@ -94,22 +96,25 @@ class FlatEngine(Engine):
     @classmethod
     def device_specs(cls, layout: Layout, dtype: torch.dtype, offload: bool,
                      fmt: StateFormat | None = None, side_numel: int = 0,
-                     grad_dtype: torch.dtype | None = None) -> list[BufferSpec]:
+                     grad_dtype: torch.dtype | None = None,
+                     rule: UpdateRule | None = None) -> list[BufferSpec]:
         gdt = grad_dtype or dtype
         specs = cls.stage_specs(layout, dtype, gdt)
         if not offload:
             master, own_grads = cls.state_options(dtype, offload, fmt, gdt)
             specs += ShardState.specs(layout.local_numel, gdt, master=master,
-                                      own_grads=own_grads, fmt=fmt, side_numel=side_numel)
+                                      own_grads=own_grads, fmt=fmt, side_numel=side_numel,
+                                      rule=rule)
         return specs
 
     @classmethod
     def host_specs(cls, layout: Layout, dtype: torch.dtype, fmt: StateFormat | None = None,
-                   side_numel: int = 0) -> list[BufferSpec]:
+                   side_numel: int = 0, rule: UpdateRule | None = None) -> list[BufferSpec]:
         """The host arena's blocks with offload: the state and two staging slots."""
         master, own_grads = cls.state_options(dtype, True, fmt)
         return [*ShardState.specs(layout.local_numel, dtype, master=master,
-                                  own_grads=own_grads, fmt=fmt, side_numel=side_numel),
+                                  own_grads=own_grads, fmt=fmt, side_numel=side_numel,
+                                  rule=rule),
                 *[BufferSpec("staging", slot_numel(layout), dtype)] * 2]
 
     @staticmethod
@@ -329,14 +334,14 @@ class FlatEngine(Engine):
         a = self.arena.stats()
         pool = sum(b.nbytes for b in self.pool_blocks) + self.overflow_bucket_bytes
         specs = type(self).device_specs(self.layout, self.dtype, self.offload, self.fmt,
-                                        self.side_numel, self.grad_dtype)
+                                        self.side_numel, self.grad_dtype, self.rule)
         # The state's kinds from its buffers as allocated (on the device or on the host).
         state = state_buffers(self.state)
         kw = dict(buckets=pool, overflow=self.overflow_bucket_bytes,
                   scratch=self.comm.scratch_peak, in_use=int(a["in_use"]),
                   capacity=int(a["capacity"]))
-        if not self.offload:
+        h = self.state.placement.memory()  # its own arena: none on the device
+        if not h:
             return flat_memory(self.layout, self.dtype, specs, state, **kw)
-        h = self.host.stats()
         return offload_flat_memory(self.layout, self.dtype, specs, state, **kw,
                                    host_in_use=h["in_use"], host_capacity=h["capacity"])
