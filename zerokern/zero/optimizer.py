@@ -11,6 +11,8 @@ done by parts it holds, one file each:
 - ``_reduction`` (reduction.py): the step's one norm-and-flags all-reduce, its record and
   the clipping coefficient;
 - ``_guards`` (guard_set.py): what ``p.grad`` holds between a backward and ``step()``;
+- ``_edits`` (grad_edits.py): gradients the script set or dropped by hand after backward,
+  and the zero gradients ``zero_grad(set_to_none=False)`` keeps;
 - ``_access`` (optimizer_state.py): ``opt.state``, ``shards()`` / ``edit_shards()``, the
   per-rank state dict;
 - ``_interchange`` (interchange.py): the state in torch.optim.AdamW's format.
@@ -36,6 +38,7 @@ from ..comm.collectives import comm_summary
 from ..comm.mesh import check_same_mesh, mesh_comm
 from . import interop
 from .engine_slot import EngineSlot
+from .grad_edits import SET, GradEdits, param_label
 from .guard_set import GuardSet
 from .interchange import TorchFormat, check_adamw_flags, is_torch_format, strip_adamw_flags
 from .layout import Layout
@@ -220,7 +223,11 @@ class ZeroAdamW(torch.optim.Optimizer):
                                 device=device, fmt=fmt, seed=int(seed),
                                 reduce_dtype=reduce_dtype)
         self._reduction = GradReduction(self.comm, self._rt)
-        self._guards = GuardSet(params, self._guard_measure)
+        self._edits = GradEdits(len(params))
+        me = weakref.ref(self)
+        self._guards = GuardSet(params, self._guard_measure,
+                                edited=functools.partial(_edited, me),
+                                stale=functools.partial(_stale, me))
         self._access = StateAccess(self._table, self._slot, self.comm, stage=stage,
                                    runtime=self._rt, shards=self.shards)
         self._interchange = TorchFormat(self._table, self._access, self.comm, stage)
@@ -234,6 +241,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._slot.build(self.param_groups)  # stage 3: the units fix the layout already
             self._rt.backward_end_callbacks.append(
                 functools.partial(_end_backward, weakref.ref(self)))
+            # The last step's stale guards come off before any unit reads p.grad.
+            self._rt.backward_begin_callbacks.append(
+                functools.partial(_begin_backward, weakref.ref(self)))
         self._last_comm = self.comm.reset_stats()
         self._constructed = True
 
@@ -336,6 +346,45 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self._slot.sync:
             self._guards.install()
 
+    def _take_edits(self, edits: dict[int, torch.Tensor | None]) -> None:
+        """The guards came off and some ``p.grad`` had been replaced by the script (set by
+        hand, or to None) since the backward: grad_edits.py. After this step's reduction
+        (clip_grad_norm_, a norm read through p.grad) the other ranks can no longer agree on
+        it: refused, before anything changes."""
+        if self._reduction.current is not None:
+            i = min(edits)
+            how = "set to None" if edits[i] is None else "set by hand"
+            raise RuntimeError(
+                f"ZeroAdamW: p.grad of {self._label(i)} was {how} after this step's "
+                "gradients were reduced (by clip_grad_norm_ or a norm read through p.grad): "
+                "torch's AdamW steps with what p.grad holds, but the ranks can no longer "
+                "agree on this edit. Set or drop gradients right after backward, before "
+                "clipping; call opt.zero_grad() to drop this step's gradients")
+        self._edits.take(edits, self._table.params, self._slot.engine, self._label)
+
+    def _label(self, index: int) -> str:
+        """Parameter ``index`` as an error names it (grad_edits.param_label)."""
+        names: dict[int, str] = dict(self._rt.param_names) if self._rt is not None else {}
+        for g in self.param_groups:
+            names.update(zip(map(id, g["params"]), g.get("param_names") or []))
+        return param_label(index, self._table.params[index], self._table.shapes[index], names)
+
+    def _grads_now(self, edits: dict[int, torch.Tensor | None]) -> list[bool]:
+        """Which trained parameters hold a gradient of this step (torch: ``p.grad`` is not
+        None), for zero_grad(set_to_none=False); ``edits``: what the guards found replaced."""
+        red, eng = self._reduction.current, self._slot.engine
+        out = []
+        for i, p in enumerate(self._table.params):
+            if i in edits:
+                out.append(edits[i] is not None)
+            elif red is not None:
+                out.append(red.active[i])
+            elif self._rt is not None:
+                out.append(p.grad is not None or self._rt.got_grad.get(id(p), False))
+            else:
+                out.append(p.grad is not None or (eng is not None and eng.reducer.got_grad[i]))
+        return [g or self._edits.kind[i] == SET for i, g in enumerate(out)]
+
     # -- training-loop API ------------------------------------------------------------------
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -361,14 +410,17 @@ class ZeroAdamW(torch.optim.Optimizer):
         """As torch's: drop this step's gradients. ``set_to_none=False`` keeps a zero
         gradient on every parameter, so the next step updates every parameter (decay,
         moments), as torch's AdamW does. Call it after every ``step()``."""
-        self._guards.discard()
+        grads_now = self._grads_now(self._guards.discard())
         if self._reduction.current is not None:
             # Gradients reduced (for a clip_grad_norm_) and then dropped without a step (the
             # "non-finite norm: zero_grad() and skip the batch" pattern): forget the step.
             self._slot.engine.end_step()
-        self._reduction.forget(keep_zeros=not set_to_none)
+        self._reduction.forget()
+        # torch zeroes the gradients that exist and leaves the others None: AdamW then updates
+        # (decays) the parameters that had one, and only those.
+        kept = self._edits.zero_grad(set_to_none, grads_now)
         if self._slot.engine is not None:
-            self._slot.engine.zero_grad(set_to_none)
+            self._slot.engine.zero_grad(set_to_none, keep=kept)
             return
         for p in self._table.params:
             if set_to_none or p.grad is None:
@@ -393,7 +445,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self.scaler is not None and not math.isfinite(red.sq_norm):
             self.scaler.update(True)  # every rank saw the same sum: all skip together
             self.last_step_skipped = True  # trainers skip their LR scheduler step on it
-            self._end_step()
+            self._end_step(red.active)
             return loss
         scale = grad_scale(red, coef, self.max_grad_norm, self.loss_scale)
         self._slot.engine.update(self._table.runs(self.layout, red.active), self.param_groups,
@@ -401,7 +453,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._table.advance(red.active)
         if self.scaler is not None:
             self.scaler.update(False)
-        self._end_step()
+        self._end_step(red.active)
         return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
@@ -456,7 +508,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             need_norm = need_norm or self.max_grad_norm is not None or self.scaler is not None
             red = self._reduction.reduce(self._slot.engine, events=events, need_norm=need_norm,
                                          loss_scale=self.loss_scale, device=self.device,
-                                         partials=self._param_sq_partials)
+                                         partials=self._param_sq_partials, edits=self._edits,
+                                         layout=self.layout, label=self._label)
         if need_norm:
             self.last_grad_norm = red.norm
         return red
@@ -475,8 +528,13 @@ class ZeroAdamW(torch.optim.Optimizer):
             red.param_sq = self._param_sq_partials().tolist()
         return red.param_sq, red.clip / self.loss_scale
 
-    def _end_step(self) -> None:
-        self._guards.discard()
+    def _end_step(self, active: list[bool]) -> None:
+        # Stages 2-3 keep no gradient after the step: the updated parameters' guards stay on
+        # as stale guards, so that the next backward tells a cleared gradient from a carried
+        # one (guard_set.py).
+        self._guards.discard(stale=[i for i, a in enumerate(active) if a]
+                             if self.stage >= 2 else None)
+        self._edits.end_step(active)
         self._slot.engine.end_step()
         self._slot.mark_params()
         self._access.view.refresh_steps()  # opt.state[p]["step"] counts, as torch's does
@@ -518,11 +576,12 @@ class ZeroAdamW(torch.optim.Optimizer):
             broadcast_params(self.comm, new)
         first = self._table.append(new, shapes,
                                    frozen=[p for p in group["params"] if not p.requires_grad])
+        self._edits.grow(len(self._table.params))
         interop.register_params(new, self)
         self._watch_grads(new, first)
         if self._rt is not None:
             self._rt.hook_params(new)
-        self._slot.relayout(self.param_groups, first, zero_kept=self._reduction.zero_kept)
+        self._slot.relayout(self.param_groups, first)
 
     # -- optimizer state --------------------------------------------------------------------
     def shards(self, model: torch.nn.Module | None = None, *,
@@ -624,3 +683,27 @@ def _end_backward(ref: weakref.ref) -> None:
     opt = ref()
     if opt is not None:
         opt._install_guards()
+
+
+def _begin_backward(ref: weakref.ref) -> None:
+    """Stage 3: the shard_model runtime's start of a backward."""
+    opt = ref()
+    if opt is not None:
+        opt._guards.settle_stale()
+
+
+def _edited(ref: weakref.ref, edits: dict[int, torch.Tensor | None]) -> None:
+    """GuardSet: gradients replaced by the script since the backward."""
+    opt = ref()
+    if opt is not None:
+        opt._take_edits(edits)
+
+
+def _stale(ref: weakref.ref, carried: list[int], cleared: list[int],
+           zeroed: list[int]) -> None:
+    """GuardSet: what became of the last step's gradients (stages 2-3) by the next backward."""
+    opt = ref()
+    if opt is not None:
+        if carried:
+            opt._reduction.carried = True
+        opt._edits.stale_settled(cleared, zeroed)
