@@ -11,8 +11,9 @@ an error naming the parameter.
 - add_param_group after gradients accumulated on the new parameters (under opt.zero_grad()
   only, which does not reach them): their accumulated gradient, averaged over the ranks, is
   used; zero_grad(set_to_none=False) keeps zeros only where a gradient existed, as torch;
-- stages 2-3: clearing gradients with model.zero_grad() after each step gives no warning;
-  a gradient really carried over warns; the last step's gradient is not readable.
+- stages 1-3: clearing gradients with model.zero_grad() (either form) after each step is
+  neither warned nor refused; a gradient really carried over warns (stages 2-3) or is refused
+  (stage 1); the last step's gradient, which no rank keeps whole, is not readable.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def hand_set_case(rank, world, stage, clip):
             assert math.isclose(a.item(), b.item(), rel_tol=1e-5), (step, a, b)
         opt.step()
         ropt.step()
+        if stage == 0 and step == 1:  # stage 0 keeps gradients after the step, as torch
+            _close(ours.fc1.weight.grad, ref.fc1.weight.grad, "p.grad after the step")
         opt.zero_grad()
         ropt.zero_grad()
         _same(ours, opt, ref, ropt, f"stage {stage} step {step}")
@@ -252,14 +255,19 @@ def carry_case(rank, world, stage):
             ours.zero_grad(set_to_none=step != 2)
             ref.zero_grad(set_to_none=step != 2)
             _same(ours, opt, ref, ropt, f"stage {stage} step {step}")
-    # No zero_grad of any kind: torch would add the last step's gradient; warned.
+    # No zero_grad of any kind: torch would add the last step's gradient. Stages 2-3 warn,
+    # stage 1 (which cannot add to its averaged slices) refuses.
     _backward(ours, ddp, 4, rank)
     opt.step()
     _backward(ours, ddp, 5, rank)
+    if stage == 1:
+        with pytest.raises(RuntimeError, match="no zero_grad"):
+            opt.step()
+        return
     with pytest.warns(UserWarning, match="no opt.zero_grad"):
         opt.step()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_model_zero_grad_after_step_is_not_warned(stage, tmp_path):
     run_ranks(2, carry_case, stage, tmp_path=tmp_path)

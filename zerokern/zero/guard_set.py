@@ -13,10 +13,11 @@ their gradients.
 A guard that is no longer on its parameter when it comes off was replaced by the script
 (``p.grad = t`` or ``p.grad = None`` after backward): ``edited`` hears of it (grad_edits.py).
 
-Stages 2-3 keep no gradient after the step, so the guards of the parameters it updated stay
-on as *stale* guards until the next backward: a script that clears its gradients
-(``model.zero_grad()``) replaces them, one that does not leaves them there, and only then did
-a gradient really carry over (torch would add it to the next one): ``stale`` hears which.
+Stages 1-3 keep no whole gradient after the step (stage 1 only this rank's slices of it), so
+the guards of the parameters it updated stay on as *stale* guards until the next backward: a
+script that clears its gradients (``model.zero_grad()``) replaces them, one that does not
+leaves them there, and only then did a gradient really carry over (torch would add it to the
+next one): ``stale`` hears which.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class GuardSet:
         (stages 0-1: the bucket view; otherwise None) goes back first."""
         me = weakref.ref(self)
         self._guards += [None] * len(params)
-        self._hooks += [p.register_hook(functools.partial(_before_accumulate, me))
+        self._hooks += [p.register_hook(functools.partial(_before_accumulate, me,
+                                                          weakref.ref(p)))
                         for p in params]
 
     def arm(self, install: Callable[[], None]) -> None:
@@ -134,8 +136,9 @@ class GuardSet:
 
     def discard(self, stale: list[int] | None = None) -> dict[int, torch.Tensor | None]:
         """The step is over (or its gradients dropped): the real .grad goes back, and the
-        guards of ``stale`` (stages 2-3: the parameters the step updated) stay on as stale
-        guards. Returns the edits lift() found; stale guards still on are dropped."""
+        guards of ``stale`` (stages 1-3: the parameters the step updated) stay on as stale
+        guards, holding it. Returns the edits lift() found; stale guards still on are
+        dropped with what they hold."""
         edits = self.lift()
         for p, g in zip(self._params, self._guards):
             if g is not None:
@@ -145,17 +148,19 @@ class GuardSet:
         self.stale_on = False
         self._norm_cache = None
         for i in stale or ():
-            g = self._guards[i]
-            if g is not None and self._params[i].grad is None:
-                g.zk_stale = True
-                self._params[i].grad = g
+            g, p = self._guards[i], self._params[i]
+            if g is not None and not isinstance(p.grad, GradGuard):
+                # Stage 1: the view of the flat gradient, back on p.grad if it carries over.
+                g.zk_held, g.zk_stale = p.grad, True
+                p.grad = g
                 self.stale_on = True
         return edits
 
     def settle_stale(self) -> None:
-        """A backward starts (or ends) after a step of stages 2-3: the stale guards come off.
-        One still on ``p.grad`` carried a gradient over (no zero_grad() since the step), one
-        replaced was cleared by the script, one zeroed in place holds a kept zero."""
+        """A backward starts (or ends) after a step of stages 1-3: the stale guards come off.
+        One still on ``p.grad`` carried a gradient over (no zero_grad() since the step: what
+        it holds goes back, for autograd to add to), one replaced was cleared by the script,
+        one zeroed in place holds a kept zero."""
         if not self.stale_on:
             return
         carried, cleared, zeroed = [], [], []
@@ -163,8 +168,9 @@ class GuardSet:
             if g is None or not g.zk_stale:
                 continue
             if p.grad is g:
-                (zeroed if g.zk_coef == 0.0 else carried).append(i)
-                p.grad = None
+                kept_zero = g.zk_coef == 0.0
+                (zeroed if kept_zero else carried).append(i)
+                p.grad = None if kept_zero else g.zk_held
             elif p.grad is None:
                 cleared.append(i)
             g.zk_coef, g.zk_held, g.zk_stale = 1.0, None, False
@@ -215,8 +221,14 @@ class GuardSet:
             self._edited(edits)
 
 
-def _before_accumulate(ref: weakref.ref, grad: torch.Tensor) -> None:
+def _before_accumulate(ref: weakref.ref, pref: weakref.ref, grad: torch.Tensor) -> None:
     """Tensor hook of every trained parameter, run before autograd accumulates into it."""
     guards = ref()
     if guards is not None:
         guards.on_new_backward()
+        return
+    p = pref()
+    if p is not None and isinstance(p.grad, GradGuard):
+        # The optimizer was dropped with a stale guard left on (no zero_grad after its last
+        # step): the gradient it stood for is gone, and autograd cannot add to it.
+        p.grad = None

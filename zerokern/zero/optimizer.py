@@ -529,11 +529,12 @@ class ZeroAdamW(torch.optim.Optimizer):
         return red.param_sq, red.clip / self.loss_scale
 
     def _end_step(self, active: list[bool]) -> None:
-        # Stages 2-3 keep no gradient after the step: the updated parameters' guards stay on
-        # as stale guards, so that the next backward tells a cleared gradient from a carried
-        # one (guard_set.py).
+        # Stages 1-3 keep no whole gradient after the step: the updated parameters' guards
+        # stay on as stale guards, so that the next backward tells a cleared gradient from a
+        # carried one (guard_set.py); stage 0 keeps the averaged gradients, as torch.
         self._guards.discard(stale=[i for i, a in enumerate(active) if a]
-                             if self.stage >= 2 else None)
+                             if self.stage >= 1 else None)
+        self._slot.engine.keep_set_grads(self._edits.values)
         self._edits.end_step(active)
         self._slot.engine.end_step()
         self._slot.mark_params()

@@ -206,6 +206,11 @@ class Engine(ABC):
         of the step adds to the zeros, as autograd adds to ``p.grad``."""
         raise NotImplementedError
 
+    def keep_set_grads(self, values: dict[int, torch.Tensor]) -> None:
+        """After the step: gradients the script set by hand (``values``, by index) go back on
+        ``p.grad`` where the stage keeps gradients after the step (stage 0), as torch keeps
+        them there; the other stages keep none (stages 2-3 put stale guards there)."""
+
     def _zero_reduced(self, index: int) -> None:
         """Zero parameter ``index``'s part of the averaged gradient the step reads."""
         for pc in self.layout.pieces:

@@ -17,6 +17,7 @@ import torch
 
 from ...comm import Comm, Handle
 from ...memory.alias import own_storage
+from ..grad_guard import GradGuard
 from ..grads import GradReducer
 from ..layout import Bucket, Layout
 from ..shard_state import BufferSpec, ShardState
@@ -278,13 +279,17 @@ class FlatEngine(Engine):
             return
         for i in range(count):
             p = self.params[i]
-            g = p.grad
-            if g is None or type(g) is not torch.Tensor:  # None, or a GradGuard (stale)
+            stale = p.grad if isinstance(p.grad, GradGuard) else None
+            g = p.grad if stale is None else stale.zk_held  # a stale guard holds the view
+            if g is None or isinstance(g, GradGuard):
                 continue
             view = self.flat_grad.narrow(0, self.layout.param_flat_offset[i],
                                          p.numel()).view_as(p)
             view.copy_(g)
-            p.grad = view
+            if stale is None:
+                p.grad = view
+            else:
+                stale.zk_held = view
 
     def flat_slices(self, s: int, e: int) -> list[tuple[int, int, int]]:
         """(local start, flat start, numel) of local range [s, e) in stages 1-2: this rank's
