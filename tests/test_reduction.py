@@ -84,7 +84,7 @@ def test_kept_zeros_and_edits_join_the_flags():
     # dropped on both: the counts travel after the flags, the squares after them.
     edits = GradEdits(4)
     edits.end_step([True, False, False, False])
-    edits.zero_grad(False, [False] * 4)
+    edits.zero_grad(False, {}, [], [False] * 4, None)
     edits.kind[2], edits.kind[3] = SET, DROPPED
     other = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0,
                           0.0, 0.0, 0.0, 0.0])

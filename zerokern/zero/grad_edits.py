@@ -125,12 +125,23 @@ class GradEdits:
         self.kind = [0] * len(self.kind)
         self.values = {}
 
-    def zero_grad(self, set_to_none: bool, grads_now: Sequence[bool]) -> list[bool]:
-        """opt.zero_grad(): which parameters keep a zero gradient (those with one now, in
-        ``grads_now`` or since the last step), as torch's zero_grad(set_to_none=False)."""
+    def zero_grad(self, set_to_none: bool, found: dict[int, torch.Tensor | None],
+                  params: Sequence[torch.nn.Parameter], active: Sequence[bool] | None,
+                  engine: Engine | None) -> list[bool]:
+        """opt.zero_grad(): which parameters keep a zero gradient, as torch's
+        zero_grad(set_to_none=False) keeps one where ``p.grad`` is not None: those that had
+        one at the last step, or have one of this step (``active``: the step's reduction,
+        when done; else this rank's, or what the guards ``found`` on ``p.grad``)."""
         n = len(self.kind)
-        self.kept = [False] * n if set_to_none else \
-            [self.had[i] or bool(grads_now[i]) for i in range(n)]
+        if set_to_none:
+            self.kept = [False] * n
+        else:
+            now = [found[i] is not None if i in found
+                   else active[i] if active is not None
+                   else (params[i].grad is not None
+                         or (engine is not None and engine.has_grad(i)))
+                   for i in range(n)]
+            self.kept = [self.had[i] or now[i] or self.kind[i] == SET for i in range(n)]
         self.had = list(self.kept)
         self.kind = [0] * n
         self.values = {}
@@ -146,9 +157,24 @@ class GradEdits:
             self.had[i] = self.kept[i] = True
 
 
-def param_label(index: int, p: torch.nn.Parameter, shape: Any, names: dict[int, str]) -> str:
+def param_label(index: int, p: torch.nn.Parameter, shape: Any,
+                param_groups: Sequence[dict[str, Any]], runtime: Any) -> str:
     """How an error names a trained parameter: its name when known (named param groups,
     a shard_model'ed model), its index among ZeroAdamW's trained parameters and shape."""
+    names: dict[int, str] = dict(runtime.param_names) if runtime is not None else {}
+    for g in param_groups:
+        names.update(zip(map(id, g["params"]), g.get("param_names") or []))
     name = names.get(id(p))
     where = f"parameter {index}, shape {tuple(shape)}"
     return f"{name} ({where})" if name else where
+
+
+def late_edit_error(label: str, dropped: bool) -> RuntimeError:
+    """An edit of ``p.grad`` seen after the step's reduction: the ranks cannot agree on it."""
+    how = "set to None" if dropped else "set by hand"
+    return RuntimeError(
+        f"ZeroAdamW: p.grad of {label} was {how} after this step's gradients were reduced "
+        "(by clip_grad_norm_ or a norm read through p.grad): torch's AdamW steps with what "
+        "p.grad holds, but the ranks can no longer agree on this edit. Set or drop gradients "
+        "right after backward, before clipping; call opt.zero_grad() to drop this step's "
+        "gradients")

@@ -38,7 +38,7 @@ from ..comm.collectives import comm_summary
 from ..comm.mesh import check_same_mesh, mesh_comm
 from . import interop
 from .engine_slot import EngineSlot
-from .grad_edits import SET, GradEdits, param_label
+from .grad_edits import GradEdits, late_edit_error, param_label
 from .guard_set import GuardSet
 from .interchange import TorchFormat, check_adamw_flags, is_torch_format, strip_adamw_flags
 from .layout import Layout
@@ -353,37 +353,13 @@ class ZeroAdamW(torch.optim.Optimizer):
         it: refused, before anything changes."""
         if self._reduction.current is not None:
             i = min(edits)
-            how = "set to None" if edits[i] is None else "set by hand"
-            raise RuntimeError(
-                f"ZeroAdamW: p.grad of {self._label(i)} was {how} after this step's "
-                "gradients were reduced (by clip_grad_norm_ or a norm read through p.grad): "
-                "torch's AdamW steps with what p.grad holds, but the ranks can no longer "
-                "agree on this edit. Set or drop gradients right after backward, before "
-                "clipping; call opt.zero_grad() to drop this step's gradients")
+            raise late_edit_error(self._label(i), edits[i] is None)
         self._edits.take(edits, self._table.params, self._slot.engine, self._label)
 
     def _label(self, index: int) -> str:
         """Parameter ``index`` as an error names it (grad_edits.param_label)."""
-        names: dict[int, str] = dict(self._rt.param_names) if self._rt is not None else {}
-        for g in self.param_groups:
-            names.update(zip(map(id, g["params"]), g.get("param_names") or []))
-        return param_label(index, self._table.params[index], self._table.shapes[index], names)
-
-    def _grads_now(self, edits: dict[int, torch.Tensor | None]) -> list[bool]:
-        """Which trained parameters hold a gradient of this step (torch: ``p.grad`` is not
-        None), for zero_grad(set_to_none=False); ``edits``: what the guards found replaced."""
-        red, eng = self._reduction.current, self._slot.engine
-        out = []
-        for i, p in enumerate(self._table.params):
-            if i in edits:
-                out.append(edits[i] is not None)
-            elif red is not None:
-                out.append(red.active[i])
-            elif self._rt is not None:
-                out.append(p.grad is not None or self._rt.got_grad.get(id(p), False))
-            else:
-                out.append(p.grad is not None or (eng is not None and eng.reducer.got_grad[i]))
-        return [g or self._edits.kind[i] == SET for i, g in enumerate(out)]
+        return param_label(index, self._table.params[index], self._table.shapes[index],
+                           self.param_groups, self._rt)
 
     # -- training-loop API ------------------------------------------------------------------
     @contextmanager
@@ -410,15 +386,17 @@ class ZeroAdamW(torch.optim.Optimizer):
         """As torch's: drop this step's gradients. ``set_to_none=False`` keeps a zero
         gradient on every parameter, so the next step updates every parameter (decay,
         moments), as torch's AdamW does. Call it after every ``step()``."""
-        grads_now = self._grads_now(self._guards.discard())
-        if self._reduction.current is not None:
+        found = self._guards.discard()
+        red = self._reduction.current
+        # torch zeroes the gradients that exist and leaves the others None: AdamW then updates
+        # (decays) the parameters that had one, and only those.
+        kept = self._edits.zero_grad(set_to_none, found, self._table.params,
+                                     None if red is None else red.active, self._slot.engine)
+        if red is not None:
             # Gradients reduced (for a clip_grad_norm_) and then dropped without a step (the
             # "non-finite norm: zero_grad() and skip the batch" pattern): forget the step.
             self._slot.engine.end_step()
         self._reduction.forget()
-        # torch zeroes the gradients that exist and leaves the others None: AdamW then updates
-        # (decays) the parameters that had one, and only those.
-        kept = self._edits.zero_grad(set_to_none, grads_now)
         if self._slot.engine is not None:
             self._slot.engine.zero_grad(set_to_none, keep=kept)
             return
@@ -702,7 +680,7 @@ def _edited(ref: weakref.ref, edits: dict[int, torch.Tensor | None]) -> None:
 
 def _stale(ref: weakref.ref, carried: list[int], cleared: list[int],
            zeroed: list[int]) -> None:
-    """GuardSet: what became of the last step's gradients (stages 2-3) by the next backward."""
+    """GuardSet: what became of the last step's gradients (stages 1-3) by the next backward."""
     opt = ref()
     if opt is not None:
         if carried:

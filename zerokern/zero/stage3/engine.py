@@ -93,6 +93,9 @@ class Stage3(Engine):
         self.rt.new_step()
         super().end_step()
 
+    def has_grad(self, index: int) -> bool:
+        return self.rt.got_grad.get(id(self.params[index]), False)
+
     def drop_grad(self, index: int) -> None:
         self.rt.finish_reduce()  # nothing lands in the slices while they are zeroed
         if self.rt.grad_sink is not None:

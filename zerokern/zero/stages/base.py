@@ -206,10 +206,15 @@ class Engine(ABC):
         of the step adds to the zeros, as autograd adds to ``p.grad``."""
         raise NotImplementedError
 
+    def has_grad(self, index: int) -> bool:
+        """Whether parameter ``index`` got a gradient on this rank in this step so far."""
+        raise NotImplementedError
+
     def keep_set_grads(self, values: dict[int, torch.Tensor]) -> None:
         """After the step: gradients the script set by hand (``values``, by index) go back on
         ``p.grad`` where the stage keeps gradients after the step (stage 0), as torch keeps
-        them there; the other stages keep none (stages 2-3 put stale guards there)."""
+        them there; the other stages keep none (stale guards stand there: guard_set.py)."""
+        del values
 
     def _zero_reduced(self, index: int) -> None:
         """Zero parameter ``index``'s part of the averaged gradient the step reads."""

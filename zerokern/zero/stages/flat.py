@@ -240,6 +240,9 @@ class FlatEngine(Engine):
         self.reducer.reset()
         super().end_step()
 
+    def has_grad(self, index: int) -> bool:
+        return self.reducer.got_grad[index]
+
     def drop_grad(self, index: int) -> None:
         self.reducer.drain()  # nothing lands in the buffers while they are zeroed
         self.state.drain()
