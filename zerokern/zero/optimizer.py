@@ -384,8 +384,9 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: drop this step's gradients. ``set_to_none=False`` keeps a zero
-        gradient on every parameter, so the next step updates every parameter (decay,
-        moments), as torch's AdamW does. Call it after every ``step()``."""
+        gradient on every parameter that has one (under DDP: that the last step updated, or
+        that got one since), so the next steps update those (decay, moments) with or without
+        a new gradient, as torch's AdamW does. Call it after every ``step()``."""
         found = self._guards.discard()
         red = self._reduction.current
         # torch zeroes the gradients that exist and leaves the others None: AdamW then updates
