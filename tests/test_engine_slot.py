@@ -78,13 +78,40 @@ def test_relayout_keeps_the_state_of_the_existing_groups():
     new = nn.Parameter(torch.ones(11, dtype=torch.bfloat16))
     groups.append({"params": [new]})
     first = table.append([new], table.shapes_of([new]), frozen=[])
-    slot.relayout(groups, first, zero_kept=False)
+    slot.relayout(groups, first)
     assert slot.engine is not eng and slot.layout.local_numel > n
     for key, k in (("exp_avg", 1), ("exp_avg_sq", 2), ("master", 3)):
         t = getattr(slot.engine.state, key)
         assert torch.equal(t[:n], torch.arange(n, dtype=torch.float32) * k)
     m = slot.engine.state.exp_avg
     assert torch.equal(m[n:], torch.zeros_like(m[n:]))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_relayout_keeps_the_gradients(stage):
+    """add_param_group's re-layout: the existing parameters' .grad (stages 0-1: views of the
+    flat gradient, e.g. zeros kept by zero_grad(set_to_none=False)) move into the new buffer
+    as they were; the new parameter's gradient, accumulated while it was in no optimizer, is
+    left on it for the next step."""
+    ps, groups, table, slot = _slot([(6,), (9,)], stage=stage)
+    slot.build(groups)
+    slot.engine.zero_grad(set_to_none=False, keep=[True, False])
+    if stage < 2:
+        ps[0].grad.fill_(3.0)  # the last step's gradient, not zeroed yet
+    new = nn.Parameter(torch.ones(11))
+    new.grad = torch.full((11,), 5.0)
+    groups.append({"params": [new]})
+    first = table.append([new], table.shapes_of([new]), frozen=[])
+    slot.relayout(groups, first)
+    assert ps[1].grad is None and torch.equal(new.grad, torch.full((11,), 5.0))
+    if stage < 2:
+        flat = slot.engine.flat_grad
+        assert ps[0].grad.data_ptr() == flat.data_ptr() + \
+            slot.layout.param_flat_offset[0] * flat.element_size()
+        assert torch.equal(ps[0].grad, torch.full((6,), 3.0))
+        assert slot.engine.reducer.zeroed
+    else:
+        assert ps[0].grad is None
 
 
 def test_weights_written_from_outside_become_the_master():

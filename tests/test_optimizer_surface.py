@@ -92,7 +92,25 @@ def test_p_grad_is_a_guard_between_backward_and_step():
     _loss(ours, 0).backward()
     assert all(isinstance(p.grad, GradGuard) for p in ours.parameters())
     opt.step()
-    assert all(not isinstance(p.grad, GradGuard) for p in ours.parameters())
+    # Stage 2 keeps no gradient after the step: a stale guard stands for it until the
+    # gradients are cleared (or the next backward), refusing reads.
+    assert all(isinstance(p.grad, GradGuard) for p in ours.parameters())
+    with pytest.raises(RuntimeError, match="gradient of the last step"):
+        ours[0].weight.grad.sum()
+    opt.zero_grad()
+    assert all(p.grad is None for p in ours.parameters())
+
+
+def test_a_dropped_optimizer_leaves_no_stale_guard_in_the_way():
+    ours, opt, _, _ = _pair(2)
+    _loss(ours, 0).backward()
+    opt.step()  # no zero_grad: stale guards stay on p.grad
+    del opt
+    gc.collect()
+    topt = torch.optim.AdamW(ours.parameters(), foreach=False, **HP)
+    _loss(ours, 1).backward()  # they come off before autograd adds to p.grad
+    assert all(type(p.grad) is torch.Tensor for p in ours.parameters())
+    topt.step()
 
 
 def test_a_dropped_optimizer_lets_go():

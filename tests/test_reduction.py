@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import zerokern
+from zerokern.zero.grad_edits import DROPPED, SET, GradEdits
 from zerokern.zero.reduction import GradReduction, Reduced, grad_scale
 
 
@@ -77,12 +78,29 @@ def test_replicated_gradients_take_the_engines_norm():
     assert red.active == [True, True] and red.param_sq is None and red.norm == 6.0
 
 
-def test_zero_grad_keeping_zeros_makes_every_parameter_active():
-    r = GradReduction(FakeComm(torch.zeros(5)))
-    r.forget(keep_zeros=True)
-    red = r.reduce(FakeEngine([False, False]), events=0, need_norm=False, loss_scale=1.0,
-                   device=torch.device("cpu"), partials=lambda: torch.zeros(2))
-    assert red.active == [True, True]
+def test_kept_zeros_and_edits_join_the_flags():
+    # zero_grad(set_to_none=False) keeps a zero where a gradient existed (parameter 0, not
+    # 1, as torch); parameter 2's gradient was set by hand on both ranks, parameter 3's
+    # dropped on both: the counts travel after the flags, the squares after them.
+    edits = GradEdits(4)
+    edits.end_step([True, False, False, False])
+    edits.zero_grad(False, {}, [], [False] * 4, None)
+    edits.kind[2], edits.kind[3] = SET, DROPPED
+    other = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0,
+                          0.0, 0.0, 0.0, 0.0])
+    r = GradReduction(FakeComm(other))
+    red = r.reduce(FakeEngine([False, False, False, False]), events=0, need_norm=False,
+                   loss_scale=1.0, device=torch.device("cpu"), partials=lambda: torch.zeros(4),
+                   edits=edits, layout=type("L", (), {"pieces": ()})())
+    assert red.active == [True, False, True, False] and red.param_sq == [0.0] * 4
+    # One rank dropped parameter 1's gradient, the other did not: refused, naming it.
+    edits.kind[1] = DROPPED
+    with pytest.raises(RuntimeError, match="differently.*param 1: set by hand on 0, set to "
+                                           "None on 1 of 2 ranks"):
+        GradReduction(FakeComm(other)).reduce(
+            FakeEngine([False] * 4), events=0, need_norm=False, loss_scale=1.0,
+            device=torch.device("cpu"), partials=lambda: torch.zeros(4), edits=edits,
+            layout=type("L", (), {"pieces": ()})(), label=lambda i: f"param {i}")
 
 
 def test_reuse_shares_one_record():
@@ -116,12 +134,18 @@ def test_between_steps():
     with pytest.raises(RuntimeError, match="stage 1 cannot do"):
         r.check_not_carried(r.events(), 1, FakeEngine([], carried=True))
     r.check_not_carried(r.events(), 0, FakeEngine([]))  # stage 0 accumulates, as torch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Stages 2-3: nothing was left on p.grad (model.zero_grad()): no warning.
+        r.check_not_carried(r.events(), 2, FakeEngine([]))
+    r.carried = True  # a stale gradient was still on p.grad at the next backward
     with pytest.warns(UserWarning, match="no opt.zero_grad"):
         r.check_not_carried(r.events(), 2, FakeEngine([]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         r.check_not_carried(r.events(), 2, FakeEngine([]))  # once
-    r.forget(keep_zeros=False)  # zero_grad(): nothing carried, a step may follow
+    r.forget()  # zero_grad(): nothing carried, a step may follow
+    assert not r.carried
     r.check_backward_since_step(r.events())
     r.check_not_carried(r.events(), 1, FakeEngine([], carried=True))
 

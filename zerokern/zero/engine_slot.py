@@ -98,12 +98,13 @@ class EngineSlot:
             if self.table.params[i].grad is not None:
                 self.engine.reducer.on_grad_ready(i, in_backward=False)
 
-    def relayout(self, param_groups: list[dict[str, Any]], first_new: int,
-                 zero_kept: bool) -> None:
+    def relayout(self, param_groups: list[dict[str, Any]], first_new: int) -> None:
         """add_param_group: the parameters from ``first_new`` on were appended to the table.
         Once laid out, the buffers are laid out again with them at the end; the existing
         groups keep their local space (a prefix of the new one; stage 3: the same space), so
-        their state is copied over unchanged."""
+        their state is copied over unchanged, and so are their gradients; the new ones'
+        ``.grad`` (accumulated while they were in no optimizer) is left for the next step to
+        reduce, as torch's AdamW steps with it."""
         old = self.engine
         if old is None:
             return  # laid out at the first step, with the new group in it
@@ -112,8 +113,8 @@ class EngineSlot:
         self.build(param_groups, order)
         with torch.no_grad():
             _carry_state(old.state, self.engine.state)
-        if zero_kept:
-            self.engine.zero_grad(set_to_none=False)
+            if self.rt is None:
+                self.engine.adopt_grads(old, first_new)
 
     def memory_stats(self) -> dict[str, int]:
         """The engine's, or before it exists (stages 0-2) what it will allocate, laid out in

@@ -24,7 +24,9 @@ storage of its own. torch's utilities either compute correctly on it or are refu
 
 The guard lives on the parameter only from the end of a synchronised backward to the end of
 ``step()`` (or ``zero_grad()``, or the start of the next backward, when the real gradient goes
-back so that autograd can accumulate into it).
+back so that autograd can accumulate into it). At stages 1-3 it stays after the step as a
+*stale* guard (guard_set.py), standing for the gradient the step used and no rank kept whole:
+it can be replaced or zeroed (``model.zero_grad()``), and anything else is refused.
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ _ALIASES = {aten.detach.default, aten.alias.default}
 _DIVS = {aten.div_.Tensor, aten.div_.Scalar, aten._foreach_div_.Scalar,
          aten._foreach_div_.Tensor, aten._foreach_div_.List, aten._foreach_div_.ScalarList}
 
+_STALE_HINT = (
+    "this is the gradient of the last step(): ZeroAdamW at stages 1-3 keeps no whole "
+    "gradient after the step (it was reduced into shards and used). Read gradients between "
+    "backward and step(), and clear them after the step with opt.zero_grad() or "
+    "model.zero_grad()")
+
 
 class GradGuard(torch.Tensor):
     """Stands in ``p.grad`` for parameter ``index`` of a ZeroAdamW (see the module docstring);
@@ -66,6 +74,7 @@ class GradGuard(torch.Tensor):
     zk_index: int
     zk_coef: float
     zk_held: torch.Tensor | None
+    zk_stale: bool  # the last step's gradient (stages 1-3), until the next backward
 
     @staticmethod
     def __new__(cls, p: torch.Tensor, owner: Any, index: int) -> GradGuard:
@@ -78,6 +87,7 @@ class GradGuard(torch.Tensor):
         self.zk_index = index
         self.zk_coef = 1.0
         self.zk_held = None
+        self.zk_stale = False
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return (f"GradGuard(shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -89,6 +99,9 @@ class GradGuard(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func not in _ZERO and func not in _ALIASES and args and \
+                any(g.zk_stale for g in _guards(args[0])):
+            raise RuntimeError(f"{func}: {_STALE_HINT}")
         if func in _NORMS:
             return _norms(func, args, kwargs)
         if func in _MULS:

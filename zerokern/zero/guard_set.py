@@ -9,6 +9,15 @@ autograd writes ``.grad``), while the optimizer itself reads the real gradients,
 when the step ends or ``zero_grad()`` drops the gradients. The hooks hold this set weakly: an
 optimizer dropped by the script must not live on through its parameters' hooks, nor act on
 their gradients.
+
+A guard that is no longer on its parameter when it comes off was replaced by the script
+(``p.grad = t`` or ``p.grad = None`` after backward): ``edited`` hears of it (grad_edits.py).
+
+Stages 1-3 keep no whole gradient after the step (stage 1 only this rank's slices of it), so
+the guards of the parameters it updated stay on as *stale* guards until the next backward: a
+script that clears its gradients (``model.zero_grad()``) replaces them, one that does not
+leaves them there, and only then did a gradient really carry over (torch would add it to the
+next one): ``stale`` hears which.
 """
 
 from __future__ import annotations
@@ -34,9 +43,17 @@ class GuardSet:
     reduction, shared with the step."""
 
     def __init__(self, params: list[torch.nn.Parameter],
-                 measure: Callable[[], tuple[list[float], float]]) -> None:
+                 measure: Callable[[], tuple[list[float], float]],
+                 edited: Callable[[dict[int, torch.Tensor | None]], None] | None = None,
+                 stale: Callable[[list[int], list[int], list[int]], None] | None = None
+                 ) -> None:
         self._params = params
         self._measure = measure
+        # edited(edits): by index, what the script put on p.grad in place of the guard.
+        # stale(carried, cleared, zeroed): the last step's guards at the next backward.
+        self._edited = edited
+        self._stale = stale
+        self.stale_on = False  # stale guards may be on the parameters
         self._guards: list[GradGuard | None] = []  # one slot per watched parameter
         self.on = False  # the guards are on the parameters now
         self._cb_task = -1  # the backward (graph task) whose end installs them
@@ -49,7 +66,8 @@ class GuardSet:
         (stages 0-1: the bucket view; otherwise None) goes back first."""
         me = weakref.ref(self)
         self._guards += [None] * len(params)
-        self._hooks += [p.register_hook(functools.partial(_before_accumulate, me))
+        self._hooks += [p.register_hook(functools.partial(_before_accumulate, me,
+                                                          weakref.ref(p)))
                         for p in params]
 
     def arm(self, install: Callable[[], None]) -> None:
@@ -64,6 +82,7 @@ class GuardSet:
         """Every trained parameter's ``.grad`` becomes its GradGuard (the real one, if any,
         kept on the guard), so torch's clipping utilities either compute the global norm or
         are refused, whatever the stage."""
+        self.settle_stale()
         for i, p in enumerate(self._params):
             g = self._guards[i]
             if g is None:
@@ -74,14 +93,22 @@ class GuardSet:
                 p.grad = g
         self.on = True
 
-    def lift(self) -> None:
-        """The real gradients back on the parameters (the recorded scaling stays)."""
+    def lift(self) -> dict[int, torch.Tensor | None]:
+        """The real gradients back on the parameters (the recorded scaling stays). Returns
+        the edits: by index, what the script put on ``p.grad`` in place of its guard."""
         if not self.on:
-            return
-        for p, g in zip(self._params, self._guards):
-            if g is not None and p.grad is g:
+            return {}
+        edits: dict[int, torch.Tensor | None] = {}
+        for i, (p, g) in enumerate(zip(self._params, self._guards)):
+            if g is None:
+                continue
+            if p.grad is g:
                 p.grad = g.zk_held
+            else:
+                edits[i] = p.grad
+                g.zk_held = None  # the script's tensor is what p.grad holds now
         self.on = False
+        return edits
 
     def _relay(self) -> None:
         for p, g in zip(self._params, self._guards):
@@ -96,27 +123,65 @@ class GuardSet:
         the guards go back after it if they were on (``relay=False``: not when the block
         succeeds, because the step ends them anyway; an error leaves ``p.grad`` as it was)."""
         was = self.on
-        self.lift()
+        edits = self.lift()
         done = False
         try:
+            if edits and self._edited is not None:
+                self._edited(edits)
             yield
             done = True
         finally:
             if was and (relay or not done):
                 self._relay()
 
-    def discard(self) -> None:
-        """The step is over (or its gradients dropped): the real .grad goes back."""
-        self.lift()
-        for g in self._guards:
+    def discard(self, stale: list[int] | None = None) -> dict[int, torch.Tensor | None]:
+        """The step is over (or its gradients dropped): the real .grad goes back, and the
+        guards of ``stale`` (stages 1-3: the parameters the step updated) stay on as stale
+        guards, holding it. Returns the edits lift() found; stale guards still on are
+        dropped with what they hold."""
+        edits = self.lift()
+        for p, g in zip(self._params, self._guards):
             if g is not None:
-                g.zk_coef, g.zk_held = 1.0, None
+                if g.zk_stale and p.grad is g:
+                    p.grad = None
+                g.zk_coef, g.zk_held, g.zk_stale = 1.0, None, False
+        self.stale_on = False
         self._norm_cache = None
+        for i in stale or ():
+            g, p = self._guards[i], self._params[i]
+            if g is not None and not isinstance(p.grad, GradGuard):
+                # Stage 1: the view of the flat gradient, back on p.grad if it carries over.
+                g.zk_held, g.zk_stale = p.grad, True
+                p.grad = g
+                self.stale_on = True
+        return edits
+
+    def settle_stale(self) -> None:
+        """A backward starts (or ends) after a step of stages 1-3: the stale guards come off.
+        One still on ``p.grad`` carried a gradient over (no zero_grad() since the step: what
+        it holds goes back, for autograd to add to), one replaced was cleared by the script,
+        one zeroed in place holds a kept zero."""
+        if not self.stale_on:
+            return
+        carried, cleared, zeroed = [], [], []
+        for i, (p, g) in enumerate(zip(self._params, self._guards)):
+            if g is None or not g.zk_stale:
+                continue
+            if p.grad is g:
+                kept_zero = g.zk_coef == 0.0
+                (zeroed if kept_zero else carried).append(i)
+                p.grad = None if kept_zero else g.zk_held
+            elif p.grad is None:
+                cleared.append(i)
+            g.zk_coef, g.zk_held, g.zk_stale = 1.0, None, False
+        self.stale_on = False
+        if self._stale is not None:
+            self._stale(carried, cleared, zeroed)
 
     def coef(self) -> float:
         """The one scalar torch's utilities multiplied every guarded gradient by (clipping
         through p.grad); refused, before anything changes, when they differ."""
-        coefs = {g.zk_coef for g in self._guards if g is not None}
+        coefs = {g.zk_coef for g in self._guards if g is not None and not g.zk_stale}
         if coefs and all(math.isnan(c) for c in coefs):
             return math.nan  # torch's clip by a NaN norm: NaN gradients, as in torch
         if len(coefs) > 1:
@@ -139,7 +204,9 @@ class GuardSet:
     def on_new_backward(self) -> None:
         """A backward started accumulating while the guards are on: the real gradients go
         back, unless torch's utilities already scaled them (the new ones would be added to
-        the clipped ones, which ZeroAdamW cannot)."""
+        the clipped ones, which ZeroAdamW cannot); edits of p.grad since the last backward
+        are handed on before autograd adds to ``p.grad``."""
+        self.settle_stale()
         if not self.on:
             return
         if any(g is not None and g.zk_coef != 1.0 for g in self._guards):
@@ -148,12 +215,20 @@ class GuardSet:
                 "or clip_grads_with_norm_) and then another backward started before step(); "
                 "torch would add the new gradients to the clipped ones, which ZeroAdamW "
                 "cannot. Clip after the last backward of the step, right before step()")
-        self.lift()
+        edits = self.lift()
         self._norm_cache = None
+        if edits and self._edited is not None:
+            self._edited(edits)
 
 
-def _before_accumulate(ref: weakref.ref, grad: torch.Tensor) -> None:
+def _before_accumulate(ref: weakref.ref, pref: weakref.ref, grad: torch.Tensor) -> None:
     """Tensor hook of every trained parameter, run before autograd accumulates into it."""
     guards = ref()
     if guards is not None:
         guards.on_new_backward()
+        return
+    p = pref()
+    if p is not None and isinstance(p.grad, GradGuard):
+        # The optimizer was dropped with a stale guard left on (no zero_grad after its last
+        # step): the gradient it stood for is gone, and autograd cannot add to it.
+        p.grad = None

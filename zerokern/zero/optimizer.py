@@ -11,6 +11,8 @@ done by parts it holds, one file each:
 - ``_reduction`` (reduction.py): the step's one norm-and-flags all-reduce, its record and
   the clipping coefficient;
 - ``_guards`` (guard_set.py): what ``p.grad`` holds between a backward and ``step()``;
+- ``_edits`` (grad_edits.py): gradients the script set or dropped by hand after backward,
+  and the zero gradients ``zero_grad(set_to_none=False)`` keeps;
 - ``_access`` (optimizer_state.py): ``opt.state``, ``shards()`` / ``edit_shards()``, the
   per-rank state dict;
 - ``_interchange`` (interchange.py): the state in torch.optim.AdamW's format.
@@ -38,6 +40,7 @@ from . import interop
 from .agreement import agree_at_construction
 from .config import ZeroConfig
 from .engine_slot import EngineSlot
+from .grad_edits import GradEdits, late_edit_error, param_label
 from .guard_set import GuardSet
 from .interchange import TorchFormat, check_adamw_flags, is_torch_format, strip_adamw_flags
 from .layout import Layout
@@ -258,7 +261,11 @@ class ZeroAdamW(torch.optim.Optimizer):
                                 device=device, fmt=cfg.state_format, seed=int(cfg.seed),
                                 reduce_dtype=cfg.reduce_dtype, rule=self.rule)
         self._reduction = GradReduction(self.comm, self._rt)
-        self._guards = GuardSet(params, self._guard_measure)
+        self._edits = GradEdits(len(params))
+        me = weakref.ref(self)
+        self._guards = GuardSet(params, self._guard_measure,
+                                edited=functools.partial(_edited, me),
+                                stale=functools.partial(_stale, me))
         self._access = StateAccess(table, self._slot, self.comm, stage=cfg.stage,
                                    runtime=rt, shards=self.shards)
         self._interchange = TorchFormat(table, self._access, self.comm, cfg.stage)
@@ -273,6 +280,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._rt.backward_end_callbacks.append(
                 functools.partial(_end_backward, weakref.ref(self)))
             foreign.track(self, self._rt)  # one live optimizer per sharded model, at step()
+            # The last step's stale guards come off before any unit reads p.grad.
+            self._rt.backward_begin_callbacks.append(
+                functools.partial(_begin_backward, weakref.ref(self)))
         self._last_comm = self.comm.reset_stats()
         self._constructed = True
 
@@ -375,6 +385,21 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self._slot.sync:
             self._guards.install()
 
+    def _take_edits(self, edits: dict[int, torch.Tensor | None]) -> None:
+        """The guards came off and some ``p.grad`` had been replaced by the script (set by
+        hand, or to None) since the backward: grad_edits.py. After this step's reduction
+        (clip_grad_norm_, a norm read through p.grad) the other ranks can no longer agree on
+        it: refused, before anything changes."""
+        if self._reduction.current is not None:
+            i = min(edits)
+            raise late_edit_error(self._label(i), edits[i] is None)
+        self._edits.take(edits, self._table.params, self._slot.engine, self._label)
+
+    def _label(self, index: int) -> str:
+        """Parameter ``index`` as an error names it (grad_edits.param_label)."""
+        return param_label(index, self._table.params[index], self._table.shapes[index],
+                           self.param_groups, self._rt)
+
     # -- training-loop API ------------------------------------------------------------------
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -398,16 +423,22 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: drop this step's gradients. ``set_to_none=False`` keeps a zero
-        gradient on every parameter, so the next step updates every parameter (decay,
-        moments), as torch's AdamW does. Call it after every ``step()``."""
-        self._guards.discard()
-        if self._reduction.current is not None:
+        gradient on every parameter that has one (under DDP: that the last step updated, or
+        that got one since), so the next steps update those (decay, moments) with or without
+        a new gradient, as torch's AdamW does. Call it after every ``step()``."""
+        found = self._guards.discard()
+        red = self._reduction.current
+        # torch zeroes the gradients that exist and leaves the others None: AdamW then updates
+        # (decays) the parameters that had one, and only those.
+        kept = self._edits.zero_grad(set_to_none, found, self._table.params,
+                                     None if red is None else red.active, self._slot.engine)
+        if red is not None:
             # Gradients reduced (for a clip_grad_norm_) and then dropped without a step (the
             # "non-finite norm: zero_grad() and skip the batch" pattern): forget the step.
             self._slot.engine.end_step()
-        self._reduction.forget(keep_zeros=not set_to_none)
+        self._reduction.forget()
         if self._slot.engine is not None:
-            self._slot.engine.zero_grad(set_to_none)
+            self._slot.engine.zero_grad(set_to_none, keep=kept)
             return
         for p in self._table.params:
             if set_to_none or p.grad is None:
@@ -432,7 +463,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self.scaler is not None and not math.isfinite(red.sq_norm):
             self.scaler.update(True)  # every rank saw the same sum: all skip together
             self.last_step_skipped = True  # trainers skip their LR scheduler step on it
-            self._end_step()
+            self._end_step(red.active)
             return loss
         scale = grad_scale(red, coef, self.max_grad_norm, self.loss_scale)
         self._slot.engine.update(self._table.runs(self.layout, red.active), self.param_groups,
@@ -440,7 +471,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._table.advance(red.active)
         if self.scaler is not None:
             self.scaler.update(False)
-        self._end_step()
+        self._end_step(red.active)
         return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
@@ -495,7 +526,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             need_norm = need_norm or self.max_grad_norm is not None or self.scaler is not None
             red = self._reduction.reduce(self._slot.engine, events=events, need_norm=need_norm,
                                          loss_scale=self.loss_scale, device=self.device,
-                                         partials=self._param_sq_partials)
+                                         partials=self._param_sq_partials, edits=self._edits,
+                                         layout=self.layout, label=self._label)
         if need_norm:
             self.last_grad_norm = red.norm
         return red
@@ -514,8 +546,14 @@ class ZeroAdamW(torch.optim.Optimizer):
             red.param_sq = self._param_sq_partials().tolist()
         return red.param_sq, red.clip / self.loss_scale
 
-    def _end_step(self) -> None:
-        self._guards.discard()
+    def _end_step(self, active: list[bool]) -> None:
+        # Stages 1-3 keep no whole gradient after the step: the updated parameters' guards
+        # stay on as stale guards, so that the next backward tells a cleared gradient from a
+        # carried one (guard_set.py); stage 0 keeps the averaged gradients, as torch.
+        self._guards.discard(stale=[i for i, a in enumerate(active) if a]
+                             if self.stage >= 1 else None)
+        self._slot.engine.keep_set_grads(self._edits.values)
+        self._edits.end_step(active)
         self._slot.engine.end_step()
         self._slot.mark_params()
         self._access.view.refresh_steps()  # opt.state[p]["step"] counts, as torch's does
@@ -559,11 +597,12 @@ class ZeroAdamW(torch.optim.Optimizer):
             broadcast_params(self.comm, new)
         first = self._table.append(new, shapes,
                                    frozen=[p for p in group["params"] if not p.requires_grad])
+        self._edits.grow(len(self._table.params))
         interop.register_params(new, self)
         self._watch_grads(new, first)
         if self._rt is not None:
             self._rt.hook_params(new)
-        self._slot.relayout(self.param_groups, first, zero_kept=self._reduction.zero_kept)
+        self._slot.relayout(self.param_groups, first)
 
     # -- optimizer state --------------------------------------------------------------------
     def shards(self, model: torch.nn.Module | None = None, *,
@@ -665,3 +704,27 @@ def _end_backward(ref: weakref.ref) -> None:
     opt = ref()
     if opt is not None:
         opt._install_guards()
+
+
+def _begin_backward(ref: weakref.ref) -> None:
+    """Stage 3: the shard_model runtime's start of a backward."""
+    opt = ref()
+    if opt is not None:
+        opt._guards.settle_stale()
+
+
+def _edited(ref: weakref.ref, edits: dict[int, torch.Tensor | None]) -> None:
+    """GuardSet: gradients replaced by the script since the backward."""
+    opt = ref()
+    if opt is not None:
+        opt._take_edits(edits)
+
+
+def _stale(ref: weakref.ref, carried: list[int], cleared: list[int],
+           zeroed: list[int]) -> None:
+    """GuardSet: what became of the last step's gradients (stages 1-3) by the next backward."""
+    opt = ref()
+    if opt is not None:
+        if carried:
+            opt._reduction.carried = True
+        opt._edits.stale_settled(cleared, zeroed)

@@ -9,10 +9,14 @@ On a 2-D mesh (hybrid sharding) the vector is all-reduced within the shard group
 the replicate group with the norm parts of every replica but the first zeroed: the same norm
 and flags, bit for bit, on every rank of the mesh.
 
+The gradients the script set or dropped by hand after backward (grad_edits.py) join the
+reduction here: the set ones are added to the averaged gradient before the norms are taken,
+and how many ranks made each edit rides in the same all-reduce, so that every rank refuses
+alike when they disagree.
+
 This part also keeps the bookkeeping that tells one step's gradients from the next: the
 gradient events of the backward, those seen when the last step ended (a step with no
-backward since is refused; no ``zero_grad()`` since is refused or warned by stage), and
-whether ``zero_grad(set_to_none=False)`` left a zero gradient on every parameter.
+backward since is refused; no ``zero_grad()`` since is refused or warned by stage).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
+from .grad_edits import GradEdits
 from .layout import Layout
 from .stages import Engine
 
@@ -73,10 +78,12 @@ class GradReduction:
     def __init__(self, comm: Comm, runtime: Any = None) -> None:
         self.comm, self.rt = comm, runtime
         self.current: Reduced | None = None
-        self.zero_kept = False  # zero_grad(set_to_none=False): every .grad is a zero tensor
         self._events = 0  # gradients delivered by autograd hooks (stages 0-2)
         self._stepped_events: int | None = None  # events() when the last step ended
         self._warned_carry = False
+        # Stages 2-3: a gradient of the last step was still on p.grad when the next backward
+        # started (no zero_grad of any kind since): torch would have added to it.
+        self.carried = False
         self._sq_views: tuple[Any, list[torch.Tensor], torch.Tensor] | None = None
 
     # -- gradient events --------------------------------------------------------------------
@@ -90,16 +97,13 @@ class GradReduction:
         """The step is over: its reduction is spent."""
         self.current = None
         self._stepped_events = self.events()
+        self.carried = False
 
-    def forget(self, keep_zeros: bool) -> None:
-        """zero_grad(): this step's gradients (and any reduction of them) are dropped;
-        ``keep_zeros``: a zero gradient stays on every parameter."""
+    def forget(self) -> None:
+        """zero_grad(): this step's gradients (and any reduction of them) are dropped."""
         self.current = None
         self._stepped_events = None
-        # torch keeps zero gradients on every parameter: AdamW then updates them all (decay,
-        # moments), those autograd left alone included. Stages 2-3 hold no .grad to zero, so
-        # the next steps count every parameter as having one, as torch would.
-        self.zero_kept = keep_zeros
+        self.carried = False
 
     def check_backward_since_step(self, events: int) -> None:
         if self._stepped_events is not None and events == self._stepped_events:
@@ -113,7 +117,8 @@ class GradReduction:
         """No zero_grad() since the last step: torch's AdamW would add this step's gradients
         to the last step's. Stage 0 does the same (the bucket views keep them); stage 1
         cannot (the last step's sums were averaged in place), so it refuses; stages 2-3 keep
-        no gradient between steps, and cannot tell this from model.zero_grad(): warn once."""
+        no gradient between steps, so they warn once when a gradient of the last step was
+        still on a parameter (its stale guard) as the next backward began (``carried``)."""
         if self._stepped_events is None or events == self._stepped_events:
             return
         if stage == 1 and engine.reducer.carried:
@@ -122,13 +127,14 @@ class GradReduction:
                 "would accumulate gradients across steps, which stage 1 cannot do. Call "
                 "opt.zero_grad() after every step() (use opt.no_sync() to accumulate "
                 "micro-batches within a step)")
-        if stage in (2, 3) and not self._warned_carry:
+        if stage in (2, 3) and self.carried and not self._warned_carry:
             self._warned_carry = True
             warnings.warn(
-                "ZeroAdamW: step() with no opt.zero_grad() since the last step(). At stages "
-                "2-3 gradients are not carried from one step to the next (torch's AdamW would "
-                "accumulate them). If you clear them with model.zero_grad(), this is harmless; "
-                "otherwise call opt.zero_grad() after every step()", stacklevel=3)
+                "ZeroAdamW: step() with no opt.zero_grad() since the last step(): the last "
+                "step's gradients were still on p.grad when the next backward began. At "
+                "stages 2-3 gradients are not carried from one step to the next (torch's "
+                "AdamW would add them to the new ones). Call opt.zero_grad() (or "
+                "model.zero_grad()) after every step()", stacklevel=3)
 
     # -- the reduction ----------------------------------------------------------------------
     def reuse(self, events: int, need_norm: bool, loss_scale: float) -> Reduced:
@@ -153,13 +159,22 @@ class GradReduction:
         return red
 
     def reduce(self, engine: Engine, *, events: int, need_norm: bool, loss_scale: float,
-               device: torch.device, partials: Callable[[], torch.Tensor]) -> Reduced:
+               device: torch.device, partials: Callable[[], torch.Tensor],
+               edits: GradEdits | None = None, layout: Layout | None = None,
+               label: Callable[[int], str] = str) -> Reduced:
         """Finish the engine's reduction and run the one small all-reduce (and host sync) of
-        the step. ``partials()``: this rank's part of every parameter's squared norm."""
+        the step. ``partials()``: this rank's part of every parameter's squared norm.
+        ``edits``: this step's gradients set or dropped by hand (grad_edits.py; every rank
+        passes them or none does), added to ``layout``'s averaged gradient, their counts
+        checked; ``label(i)`` names parameter i in the refusal."""
         got = engine.finish_grads()
-        if self.zero_kept:
-            got = [True] * len(got)
-        flags = torch.tensor([float(x) for x in got], dtype=torch.float32)
+        codes: list[float] = []
+        if edits is not None:
+            assert layout is not None
+            edits.add_values(engine, layout)  # before the norms: they are the step's
+            got = edits.flags(got)
+            codes = edits.counts()
+        flags = torch.tensor([float(x) for x in got] + codes, dtype=torch.float32)
         n = len(got)
         # Each parameter's squared norm rides along in the same all-reduce, for torch's
         # utilities reading p.grad (grad_guard.py): a rank that reads p.grad.norm() alone
@@ -168,12 +183,14 @@ class GradReduction:
         # same size on every rank whatever each one did. Stage 0 holds the averaged
         # gradients: computed there when asked, without a collective.
         extra = not engine.replicated_grads
+        # [total, flags and edit counts (n + len(codes)), squares (n, when extra)]
+        sq = 1 + n + len(codes)
         vec = torch.cat([torch.zeros(1), flags] + ([torch.zeros(n)] if extra else []))
         vec = vec.to(device)
         if extra:
-            vec[1 + n:] = partials()
+            vec[sq:] = partials()
             if need_norm:  # the same pass gives the total: no second read of the shard
-                vec[0] = vec[1 + n:].sum()
+                vec[0] = vec[sq:].sum()
         self.comm.all_reduce(vec, "grad norm and grad flags", count=False)
         if getattr(self.comm, "replicate", None) is not None:
             # A 2-D mesh: the shards are the same on every replica (their gradients were
@@ -183,15 +200,18 @@ class GradReduction:
             if self.comm.replicate.rank != 0:
                 vec[0] = 0.0
                 if extra:
-                    vec[1 + n:] = 0.0
+                    vec[sq:] = 0.0
             self.comm.replicate.all_reduce(vec, "grad norm and grad flags", count=False)
         if need_norm and engine.replicated_grads:  # every rank holds the full averaged grad
             vec[0] = engine.grad_sq_norm()
         vals = vec.tolist()
+        if edits is not None:  # the same sums on every rank: all refuse, or none
+            edits.check_agreed(vals[1 + n:sq], getattr(self.comm, "dp_size",
+                                                       self.comm.world_size), label)
         red = Reduced(events=events, sq_norm=vals[0], active=[v > 0 for v in vals[1:n + 1]],
                       has_norm=need_norm)
         if extra:
-            red.param_sq = vals[1 + n:]
+            red.param_sq = vals[sq:]
         red.norm = math.sqrt(vals[0]) / loss_scale if need_norm else 0.0
         self.current = red
         return red

@@ -97,7 +97,17 @@ class Stage3(Engine):
         self.rt.new_step()
         super().end_step()
 
-    def zero_grad(self, set_to_none: bool) -> None:
+    def has_grad(self, index: int) -> bool:
+        return self.rt.got_grad.get(id(self.params[index]), False)
+
+    def drop_grad(self, index: int) -> None:
+        self.rt.finish_reduce()  # nothing lands in the slices while they are zeroed
+        if self.rt.grad_sink is not None:
+            self.rt.grad_sink.drain()
+        self._zero_reduced(index)
+        self.rt.got_grad[id(self.params[index])] = False
+
+    def zero_grad(self, set_to_none: bool, keep: list[bool] | None = None) -> None:
         for p in self.params:
             p.grad = None
         self.rt.new_step()

@@ -83,6 +83,9 @@ class Stage3Runtime:
         # Run at the end of every synchronised backward, after the reduction (ZeroAdamW puts
         # its GradGuards on the parameters' .grad).
         self.backward_end_callbacks: list[Any] = []
+        # Run when a backward reaches its first unit, before any unit reads p.grad (ZeroAdamW
+        # takes the last step's stale GradGuards off).
+        self.backward_begin_callbacks: list[Any] = []
         self._ddp_checked: set[int] = set()
         self._hooked: set[int] = set()
         # The parameters of the optimizers built on this model (None: no optimizer yet, every
@@ -271,6 +274,8 @@ class Stage3Runtime:
         if task != self._callback_task:  # per backward: one that raised never ran its own
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_task = task
+            for cb in self.backward_begin_callbacks:
+                cb()
         if not u.in_backward:
             u.begin_backward(self._reduces)
             u.gather()

@@ -197,8 +197,34 @@ class Engine(ABC):
         """Forget this step's gradients (after step()); the state's copies are complete."""
         self.state.end_step()
 
+    def drop_grad(self, index: int) -> None:
+        """Forget what parameter ``index`` accumulated and reduced in this step so far (its
+        ``p.grad`` was set by hand or to None after backward: grad_edits.py): zeroed in every
+        buffer that holds it, and no gradient of it counted on this rank. A further backward
+        of the step adds to the zeros, as autograd adds to ``p.grad``."""
+        raise NotImplementedError
+
+    def has_grad(self, index: int) -> bool:
+        """Whether parameter ``index`` got a gradient on this rank in this step so far."""
+        raise NotImplementedError
+
+    def keep_set_grads(self, values: dict[int, torch.Tensor]) -> None:
+        """After the step: gradients the script set by hand (``values``, by index) go back on
+        ``p.grad`` where the stage keeps gradients after the step (stage 0), as torch keeps
+        them there; the other stages keep none (stale guards stand there: guard_set.py)."""
+        del values
+
+    def _zero_reduced(self, index: int) -> None:
+        """Zero parameter ``index``'s part of the averaged gradient the step reads."""
+        for pc in self.layout.pieces:
+            if pc.param == index:
+                for t in self.grad_slices(pc.local_start, pc.numel):
+                    t.zero_()
+
     @abstractmethod
-    def zero_grad(self, set_to_none: bool) -> None: ...
+    def zero_grad(self, set_to_none: bool, keep: list[bool] | None = None) -> None:
+        """Drop this step's gradients. Without ``set_to_none`` the parameters ``keep`` names
+        (default all) hold a zero gradient: stages 0-1 a view of the flat gradient, zeroed."""
 
     @abstractmethod
     def set_sync(self, value: bool) -> None:

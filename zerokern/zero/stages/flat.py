@@ -17,6 +17,7 @@ import torch
 
 from ...comm import Comm, Handle
 from ...memory.alias import own_storage
+from ..grad_guard import GradGuard
 from ..grads import GradReducer
 from ..layout import Bucket, Layout
 from ..placement import BufferSpec
@@ -244,13 +245,29 @@ class FlatEngine(Engine):
         self.reducer.reset()
         super().end_step()
 
+    def has_grad(self, index: int) -> bool:
+        return self.reducer.got_grad[index]
+
+    def drop_grad(self, index: int) -> None:
+        self.reducer.drain()  # nothing lands in the buffers while they are zeroed
+        self.state.drain()
+        for b, boff, _, n in self.reducer.frags[index]:
+            if self.flat_grad is not None:
+                # Stages 0-1: autograd's flat gradient holds every round's part of the step.
+                self.flat_grad.narrow(0, self.layout.buckets[b].flat_start + boff, n).zero_()
+            elif b in self.buffers:  # stage 2: a bucket still filling in the pool
+                self.buffers[b].narrow(0, boff, n).zero_()
+        self._zero_reduced(index)  # the reduced rounds (stage 2, reduce dtype, offload)
+        self.reducer.got_grad[index] = False
+
     def set_sync(self, value: bool) -> None:
         self.reducer.sync = value
 
-    def zero_grad(self, set_to_none: bool) -> None:
+    def zero_grad(self, set_to_none: bool, keep: list[bool] | None = None) -> None:
         keep_views = not set_to_none  # stages 0-1 (stage 2 has its own zero_grad)
         for i, p in enumerate(self.params):
-            if keep_views:
+            # torch zeroes the gradients that exist and leaves the others None.
+            if keep_views and (keep is None or keep[i]):
                 off = self.layout.param_flat_offset[i]
                 p.grad = self.flat_grad.narrow(0, off, p.numel()).view_as(p)
             else:
@@ -259,6 +276,28 @@ class FlatEngine(Engine):
             self.flat_grad.zero_()
         self.reducer.drain()  # a backward that raised may have left collectives in flight
         self.reducer.reset(zeroed=True)
+
+    def adopt_grads(self, old: FlatEngine, count: int) -> None:
+        """After add_param_group re-laid the buffers out (stages 0-1: they hold .grad): the
+        first ``count`` parameters' gradients (views of ``old``'s flat gradient: zeros kept
+        by zero_grad(set_to_none=False), or the last step's, not zeroed yet) move into this
+        engine's, as views again, and the reducer remembers whether they were zeroed."""
+        self.reducer.zeroed = old.reducer.zeroed
+        if self.flat_grad is None:
+            return
+        for i in range(count):
+            p = self.params[i]
+            stale = p.grad if isinstance(p.grad, GradGuard) else None
+            g = p.grad if stale is None else stale.zk_held  # a stale guard holds the view
+            if g is None or isinstance(g, GradGuard):
+                continue
+            view = self.flat_grad.narrow(0, self.layout.param_flat_offset[i],
+                                         p.numel()).view_as(p)
+            view.copy_(g)
+            if stale is None:
+                p.grad = view
+            else:
+                stale.zk_held = view
 
     def flat_slices(self, s: int, e: int) -> list[tuple[int, int, int]]:
         """(local start, flat start, numel) of local range [s, e) in stages 1-2: this rank's

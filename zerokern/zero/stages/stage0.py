@@ -81,6 +81,14 @@ class Stage0(FlatEngine):
         average_(own, self.comm)
         self.comm.all_gather(t, own, f"averaged gradients of {self.bucket_label(b)}")
 
+    def keep_set_grads(self, values: dict[int, torch.Tensor]) -> None:
+        # As views of autograd's flat gradient: without zero_grad() the next backward adds
+        # to them (the flat gradient in the parameters' dtype holds this rank's own sum).
+        with torch.no_grad():
+            for i, t in values.items():
+                self.after_delivery(i)
+                self.params[i].grad.copy_(t)
+
     def grad_sq_norm(self) -> torch.Tensor:
         return ops.sq_norm(self.avg_grad, backend=self.backend)
 

@@ -74,7 +74,7 @@ class Stage2(FlatEngine):
         self.finish_pooled_reduce(b, src)
         self.release_buffer(self.buffers.pop(b))
 
-    def zero_grad(self, set_to_none: bool) -> None:
+    def zero_grad(self, set_to_none: bool, keep: list[bool] | None = None) -> None:
         for p in self.params:
             p.grad = None
         self.reducer.drain()  # a backward that raised may have left collectives in flight
