@@ -182,17 +182,26 @@ class Unit:
         self.slice_of(self.ctx.local_params).copy_(full.narrow(0, self.ctx.comm.rank * s, s))
         self._placeholders()
 
-    def gather(self, *, wait: bool = True) -> None:
+    def gather(self, *, wait: bool = True, own: bool = False) -> None:
         """SHARDED -> GATHERING (GATHERED when the gather completed at once), and with
         ``wait`` on to GATHERED. A released unit first takes values assigned to its
-        placeholders (adopt.py); a REDUCING one first finishes its reduce-scatter."""
+        placeholders (adopt.py); a REDUCING one first finishes its reduce-scatter.
+
+        ``own`` (implies ``wait``): the buffer is an allocation of its own, never an arena
+        block (one gathered in the arena is copied out of it). Tensors saved from it then
+        keep their values however long they live: the release only drops the unit's
+        reference, and the memory is never handed to another unit (recompute.py)."""
         ctx = self.ctx
         ctx.check_usable()
         if self.state is UnitState.REDUCING:
             ctx.finish_reduce()  # one buffer per unit at a time; the reduce is the one in flight
         if self.state is UnitState.SHARDED:
             adopt(self)
-            buf, blk = ctx.alloc(self.plan.padded_numel)
+            if own:
+                buf, blk = torch.empty(self.plan.padded_numel, dtype=ctx.dtype,
+                                       device=ctx.device), None
+            else:
+                buf, blk = ctx.alloc(self.plan.padded_numel)
             self.buf, self.block = buf, blk
             self._move(UnitState.GATHERING)  # from here a release gives the buffer back
             src = self.slice_of(ctx.local_params)
@@ -200,23 +209,23 @@ class Unit:
                 # Offloaded slice: to the device, into this rank's part of the gather buffer,
                 # then gathered in place (the gather is ordered after the copy on the device).
                 s = self.plan.shard_numel
-                own = buf.narrow(0, ctx.comm.rank * s, s)
-                self.h2d = ctx.copier.to_device(own, src)
+                mine = buf.narrow(0, ctx.comm.rank * s, s)
+                self.h2d = ctx.copier.to_device(mine, src)
                 self.h2d.fence()
-                src = own
+                src = mine
             self.work = ctx.comm.all_gather(buf, src,
                                             f"parameters of unit {self.name}{_COLLECTIVE_HINT}",
                                             async_op=ctx.overlap)
-            for p, shape, off, n in zip(self.params, self.shapes, self.plan.param_offsets,
-                                        self.plan.numels):
-                p.data = buf.narrow(0, off, n).view(shape)
+            self._bind(buf)
             if self.work is None:  # done at once (world size 1, or a synchronous group)
                 self._move(UnitState.GATHERED)
-        if wait and self.state is UnitState.GATHERING:
+        if (wait or own) and self.state is UnitState.GATHERING:
             if self.work is not None:
                 ctx.wait(self.work, self.name, "all-gather of the parameters")
                 self.work = None
             self._move(UnitState.GATHERED)
+        if own and self.block is not None:
+            self._leave_arena()
 
     def release(self) -> None:
         """GATHERING | GATHERED -> SHARDED: the buffer returns to the arena and the parameters
@@ -348,6 +357,24 @@ class Unit:
         ctx = self.ctx
         ctx.gathered_units += 1 if self.gathered else -1
         ctx.peak_units = max(ctx.peak_units, ctx.gathered_units)
+
+    def _leave_arena(self) -> None:
+        """GATHERED in an arena block -> the same values in an allocation of its own; the
+        block goes back to the arena."""
+        assert self.buf is not None and self.block is not None
+        if self.h2d is not None:  # the host slice's copy is done before the buffer is read
+            self.h2d.wait()
+            self.h2d = None
+        buf = self.buf.clone()
+        self._bind(buf)
+        self.ctx.gather_arena.free(self.block)
+        self.buf, self.block = buf, None
+
+    def _bind(self, buf: torch.Tensor) -> None:
+        """The parameters become views of the full flat buffer ``buf``."""
+        for p, shape, off, n in zip(self.params, self.shapes, self.plan.param_offsets,
+                                    self.plan.numels):
+            p.data = buf.narrow(0, off, n).view(shape)
 
     def _placeholders(self) -> None:
         for p, shape in zip(self.params, self.shapes):
