@@ -34,6 +34,18 @@ from .saved import SavedTensorHooks
 from .unit import GradPhase, Unit
 
 
+def _slots(u: Unit, owner: dict[int, tuple[Unit, int]]) -> list[tuple[torch.nn.Module, str, int]]:
+    """Where ``u``'s parameters are registered: (module, name, index in u.params)."""
+    out, seen = [], set()
+    for m in u.module.modules(remove_duplicate=False):
+        for name, p in m._parameters.items():
+            if p is None or (id(m), name) in seen or owner.get(id(p), (None,))[0] is not u:
+                continue
+            seen.add((id(m), name))
+            out.append((m, name, owner[id(p)][1]))
+    return out
+
+
 def _from_ctx(name: str) -> property:
     return property(lambda self: getattr(self.ctx, name), doc=f"UnitContext.{name}.")
 
@@ -98,6 +110,8 @@ class Stage3Runtime:
         self._recompute = Recompute()  # activation checkpointing's forwards in the backward
         self._param_unit: dict[int, tuple[Unit, int]] = {
             id(p): (u, j) for u in self.units for j, p in enumerate(u.params)}
+        for u in self.units:
+            u.slots = _slots(u, self._param_unit)
 
     # What the context holds, under the names the optimizer side, the checkpoint functions
     # and the tests read (UnitContext documents them).
@@ -177,6 +191,10 @@ class Stage3Runtime:
             # recompute): the recompute's saved-tensor hooks come off in order.
             u.module.register_forward_hook(lambda m, a, out: self._after_forward(),
                                            always_call=True)
+            if not u.is_root:  # the root stays gathered through the backward
+                for sub in u.module.modules():
+                    if sub is not u.module:
+                        sub.register_forward_pre_hook(lambda m, a, u=u: self._inner_forward(u))
             if u.is_root:
                 # Runs even when the forward raised (after the hook above otherwise): then
                 # nothing stays gathered and the saved-tensor hooks are removed.
@@ -251,6 +269,13 @@ class Stage3Runtime:
                 "ZeroAdamW(stage=3) reduces its gradients itself; remove the DDP(...) wrapper")
         self._ddp_checked.add(id(ddp))
 
+    def _inner_forward(self, u: Unit) -> None:
+        # A checkpoint region inside the unit's forward recomputes in the backward, possibly
+        # after the unit's gradients were all in and it was released: it reads the
+        # parameters now (recompute.py).
+        if in_backward_now():
+            u.gather(own=True)  # until its reduce, or the end of the backward
+
     def _post_forward(self, u: Unit, out: Any) -> Any:
         grad_mode = torch.is_grad_enabled()
         if in_backward_now():
@@ -299,11 +324,12 @@ class Stage3Runtime:
             self._queue_end_of_backward(task)
         if not u.in_backward:
             u.begin_backward(self._reduces)
-            u.gather()
+            # In a backward every gather has a buffer of its own (recompute.py).
+            u.gather(own=True)
             for i in self.order.backward_prefetch(u.index, self.prefetch):
                 nxt = self.units[i]
                 if not nxt.gathered and not nxt.in_backward:
-                    nxt.gather(wait=False)
+                    nxt.gather(wait=False, own=True)
         return grad
 
     def _queue_end_of_backward(self, task: int) -> None:
@@ -326,7 +352,9 @@ class Stage3Runtime:
         if not u.in_backward:  # its output hook did not fire (output not seen by autograd)
             self.pre_backward(u, None)
         if u.grad_arrived(j):
-            u.reduce(self._reduces)
+            # The root stays gathered until the backward ends: a recompute of a region that
+            # holds layers outside any unit reads it (recompute.py).
+            u.reduce(self._reduces, keep=u.is_root)
 
     def _end_of_backward(self) -> None:
         """Units whose gradients did not all arrive (unused parameters) are reduced with zeros

@@ -157,6 +157,10 @@ class Unit:
     h2d: Ticket | None = field(default=None, repr=False)  # offload_params: slice -> device
     rs: _Reduce | None = field(default=None, repr=False)  # its reduce-scatter in flight
     waiting: set[int] = field(default_factory=set, repr=False)  # params whose grads are due
+    # Where its parameters are registered (module, name, index in params), and whether the
+    # frozen ones are presented there as aliases of an own buffer now (gather(own=True)).
+    slots: list[tuple[torch.nn.Module, str, int]] = field(default_factory=list, repr=False)
+    aliased: bool = False
 
     @property
     def gathered(self) -> bool:
@@ -187,10 +191,12 @@ class Unit:
         ``wait`` on to GATHERED. A released unit first takes values assigned to its
         placeholders (adopt.py); a REDUCING one first finishes its reduce-scatter.
 
-        ``own`` (implies ``wait``): the buffer is an allocation of its own, never an arena
-        block (one gathered in the arena is copied out of it). Tensors saved from it then
-        keep their values however long they live: the release only drops the unit's
-        reference, and the memory is never handed to another unit (recompute.py)."""
+        ``own`` (in a backward): the buffer is an allocation of its own, never an arena
+        block (one gathered in the arena is copied out of it), and the modules see each
+        frozen parameter as a detached alias of it. Tensors a recompute saves from it (views,
+        or a frozen parameter itself) then keep their values however long they live: the
+        release drops the unit's references only, and the memory never goes to another
+        unit (recompute.py)."""
         ctx = self.ctx
         ctx.check_usable()
         if self.state is UnitState.REDUCING:
@@ -217,9 +223,11 @@ class Unit:
                                             f"parameters of unit {self.name}{_COLLECTIVE_HINT}",
                                             async_op=ctx.overlap)
             self._bind(buf)
+            if own:
+                self._alias_frozen()
             if self.work is None:  # done at once (world size 1, or a synchronous group)
                 self._move(UnitState.GATHERED)
-        if (wait or own) and self.state is UnitState.GATHERING:
+        if (wait or own and self.block is not None) and self.state is UnitState.GATHERING:
             if self.work is not None:
                 ctx.wait(self.work, self.name, "all-gather of the parameters")
                 self.work = None
@@ -248,11 +256,14 @@ class Unit:
         self.buf, self.block = None, None
         self._move(UnitState.SHARDED)
 
-    def reduce(self, reduces: Callable[[torch.nn.Parameter], bool]) -> None:
+    def reduce(self, reduces: Callable[[torch.nn.Parameter], bool], *,
+               keep: bool = False) -> None:
         """In its backward, gathered or not: -> REDUCING. The reduce-scatter in flight
         finishes first; then the gradients of the parameters ``reduces`` accepts (zeros for
         the others and the padding) are flattened and their reduce-scatter into this unit's
-        slice started, .grad is freed, the phase ends (REDUCED), the parameters released."""
+        slice started, .grad is freed, the phase ends (REDUCED), the parameters released.
+        ``keep``: a gathered unit stays GATHERED, its reduce-scatter in flight all the same
+        (the root in a backward: a recompute may still read it; recompute.py)."""
         if not self.in_backward:
             raise self._illegal("reduce", self.phase, "BACKWARD or BACKWARD_AGAIN")
         ctx = self.ctx
@@ -283,6 +294,8 @@ class Unit:
         for p, _ in grads:
             p.grad = None
         self.end_backward(reduced=True)
+        if keep and self.gathered:
+            return
         self.release()
         self._move(UnitState.REDUCING)
 
@@ -294,7 +307,7 @@ class Unit:
             raise self._illegal("finish_reduce", self.state, "REDUCING")
         ctx = self.ctx
         self.rs, ctx.inflight = None, None
-        if self.state is UnitState.REDUCING:  # else its release in reduce() raised
+        if self.state is UnitState.REDUCING:  # else kept gathered, or its release raised
             self._move(UnitState.SHARDED)
         if rs.work is not None:
             if ctx.broken is not None:
@@ -367,6 +380,7 @@ class Unit:
             self.h2d = None
         buf = self.buf.clone()
         self._bind(buf)
+        self._alias_frozen()
         self.ctx.gather_arena.free(self.block)
         self.buf, self.block = buf, None
 
@@ -376,7 +390,20 @@ class Unit:
                                     self.plan.numels):
             p.data = buf.narrow(0, off, n).view(shape)
 
+    def _alias_frozen(self) -> None:
+        # A recompute's saved-tensor hooks keep a tensor that needs no gradient as itself:
+        # the Parameter would be read at unpack time, the placeholder once released.
+        for mod, name, j in self.slots:
+            p = self.params[j]
+            if not p.requires_grad:
+                mod._parameters[name] = p.detach()
+                self.aliased = True
+
     def _placeholders(self) -> None:
+        if self.aliased:
+            for mod, name, j in self.slots:
+                mod._parameters[name] = self.params[j]
+            self.aliased = False
         for p, shape in zip(self.params, self.shapes):
             p.data = self.ctx.nan.expand(shape)
 
