@@ -352,9 +352,16 @@ class Stage3Runtime:
         if not u.in_backward:  # its output hook did not fire (output not seen by autograd)
             self.pre_backward(u, None)
         if u.grad_arrived(j):
-            # The root stays gathered until the backward ends: a recompute of a region that
-            # holds layers outside any unit reads it (recompute.py).
-            u.reduce(self._reduces, keep=u.is_root)
+            u.reduce(self._reduces, keep=self._keep(u))
+
+    def _keep(self, u: Unit) -> bool:
+        # Gathered until the backward ends (recompute.py): the root, which a checkpoint region
+        # holding layers outside any unit reads, and a unit whose own module holds parameters
+        # that get no gradient here, which a region inside its forward may read after the
+        # unit's gradients are all in (no submodule call re-gathers it: _inner_forward).
+        return u.is_root or any(mod is u.module and not (u.params[j].requires_grad
+                                                         and self._reduces(u.params[j]))
+                                for mod, _, j in u.slots)
 
     def _end_of_backward(self) -> None:
         """Units whose gradients did not all arrive (unused parameters) are reduced with zeros
