@@ -42,7 +42,9 @@ One step (runtime.py drives it from module and autograd hooks):
    ``local_grads`` (REDUCING), ``.grad`` is freed, the parameters released. One reduce is in
    flight at a time, overlapping the backward of the units before; the next reduce (or the
    end of the backward) finishes it: averaged (the one division by N of every stage) and, in
-   a further backward of the same step (BACKWARD_AGAIN), added to the slice.
+   a further backward of the same step (BACKWARD_AGAIN), added to the slice. In a backward
+   gathers take a buffer of their own, not the arena's, and the root stays gathered through
+   its reduce: activation checkpointing's recompute saves views of them (recompute.py).
 4. End of backward (a callback queued on autograd's engine). Units whose gradients did not
    all arrive (unused parameters) reduce too, in the same order on every rank, with zeros for
    what did not come; everything still gathered is released; the optimizer's callbacks run.
