@@ -208,6 +208,7 @@ CASES_1 = ([(p, "all") for p in PLACEMENTS] + [(p, "late") for p in PLACEMENTS]
                                        "region_inside_unit")])
 
 
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # nested reentrant
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 @pytest.mark.parametrize(("placement", "trained"), CASES_1)
 def test_world1_gradients_are_torchs_for_the_same_checkpointing(placement, trained, reentrant):
@@ -314,6 +315,7 @@ CASES_2 = ([(p, "float32", "all") for p in PLACEMENTS]
                                                 "layer_outside_units", "region_inside_unit")])
 
 
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 @pytest.mark.parametrize(("placement", "dtype", "trained"), CASES_2)
 def test_world2_matches_unchecked_and_ddp_adamw(placement, dtype, trained, reentrant, tmp_path):
