@@ -203,18 +203,23 @@ def trained_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # -- world size 1: bitwise torch's gradients, step after step ---------------------------------
-CASES_1 = ([(p, "all") for p in PLACEMENTS] + [(p, "late") for p in PLACEMENTS]
-           + [(p, "adapters") for p in ("region_is_unit", "units_finer_than_region",
-                                       "region_inside_unit")])
+FOUR = ("region_is_unit", "units_finer_than_region", "layer_outside_units", "region_inside_unit")
+CASES_1 = ([(p, t, "float32") for t in ("all", "late") for p in PLACEMENTS]
+           + [(p, "adapters", "float32") for p in ("region_is_unit", "units_finer_than_region",
+                                                  "region_inside_unit")]
+           + [(p, "all", "bfloat16") for p in FOUR])
 
 
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # nested reentrant
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
-@pytest.mark.parametrize(("placement", "trained"), CASES_1)
-def test_world1_gradients_are_torchs_for_the_same_checkpointing(placement, trained, reentrant):
-    ref = build(placement, reentrant, trained)
+@pytest.mark.parametrize(("placement", "trained", "dtype"), CASES_1)
+def test_world1_gradients_are_torchs_for_the_same_checkpointing(placement, trained, dtype,
+                                                                 reentrant):
+    dtype = getattr(torch, dtype)
+    ref = build(placement, reentrant, trained, dtype=dtype)
     ours, opt = shard(copy.deepcopy(ref), placement)
-    plain, popt = shard(build(placement, reentrant, trained, checkpointed=False), placement)
+    plain, popt = shard(build(placement, reentrant, trained, checkpointed=False, dtype=dtype),
+                        placement)
     for step in range(3):
         loss_of(ours, step, 0).backward()
         loss_of(ref, step, 0).backward()
@@ -228,8 +233,12 @@ def test_world1_gradients_are_torchs_for_the_same_checkpointing(placement, train
         popt.zero_grad()
         ref.load_state_dict(zerokern.full_state_dict(ours))  # the next step starts alike
         ref.zero_grad()
-    assert_same(trained_params(ours), trained_params(plain), not reentrant,
-                "against the model without checkpointing")
+    # The reentrant backward sums the region's input gradients in another order: in bf16 a
+    # gradient near zero can then round to another value, and Adam's first steps move by lr
+    # whatever the gradient's size. Its bf16 gradients were torch's own above.
+    if dtype == torch.float32 or not reentrant:
+        assert_same(trained_params(ours), trained_params(plain), not reentrant,
+                    "against the model without checkpointing")
 
 
 def test_world1_one_end_of_backward_per_backward():
@@ -309,15 +318,16 @@ def _parity(rank: int, world: int, placement: str, reentrant: bool, dtype_name: 
                                                msg=lambda m, n=n, s=step: f"step {s} {n}: {m}")
 
 
-CASES_2 = ([(p, "float32", "all") for p in PLACEMENTS]
-           + [(p, "float32", "late") for p in ("layer_outside_units", "region_inside_unit")]
-           + [(p, "bfloat16", "all") for p in ("region_is_unit", "units_finer_than_region",
-                                                "layer_outside_units", "region_inside_unit")])
+# bf16 with use_reentrant=False only: against the unchecked model bitwise (the reentrant
+# backward's other summation order is torch's; its bf16 gradients are tested at world size 1).
+CASES_2 = ([(p, "float32", "all", r) for p in PLACEMENTS for r in (False, True)]
+           + [(p, "float32", "late", r) for p in ("layer_outside_units", "region_inside_unit")
+              for r in (False, True)]
+           + [(p, "bfloat16", "all", False) for p in FOUR])
 
 
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
-@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
-@pytest.mark.parametrize(("placement", "dtype", "trained"), CASES_2)
+@pytest.mark.parametrize(("placement", "dtype", "trained", "reentrant"), CASES_2)
 def test_world2_matches_unchecked_and_ddp_adamw(placement, dtype, trained, reentrant, tmp_path):
     run_ranks(2, _parity, dict(placement=placement, reentrant=reentrant, dtype_name=dtype,
                                trained=trained), tmp_path=tmp_path, kwargs=True)
