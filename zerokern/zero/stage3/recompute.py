@@ -1,37 +1,45 @@
-"""Stage 3 and activation checkpointing: a unit's forward run again inside a backward.
+"""Stage 3 and activation checkpointing: forwards run again inside a backward.
 
 torch.utils.checkpoint runs a region's forward a second time during the backward: with
 ``use_reentrant=False`` when autograd first unpacks a tensor the region saved (under
-checkpoint's own saved-tensor hooks, which keep ``x.detach()`` of what the recompute saves);
-with ``use_reentrant=True`` in the backward of the region's autograd Function, followed by a
-backward of its own, a graph task nested in the outer one. The units whose forward runs there
-(whatever the placement: the region is one unit, contains several, contains units finer than
-it or layers outside any unit, or lies inside a unit) follow these rules (runtime.py):
+checkpoint's own saved-tensor hooks, which keep ``x.detach()`` of what the recompute saves,
+and a tensor that needs no gradient as itself); with ``use_reentrant=True`` in the backward of
+the region's autograd Function, followed by a backward of its own, a graph task nested in the
+outer one. Wherever the regions lie (one unit, several, units finer than the region, layers
+outside any unit, inside a unit, nested), the runtime follows these rules:
 
-- The unit is gathered into a buffer of its own (``Unit.gather(own=True)``), never an arena
-  block. The recompute saves views of its parameters (``weight.t()``, the parameter itself)
-  that the backward reads later, possibly after the unit's gradients are all in and it was
-  reduced and released (a frozen parameter's backward may come last). A released arena block
-  goes to the next unit; an own buffer lives as long as a tensor saved from it.
-- It stays gathered after the recomputed forward: its backward follows, and reduces and
-  releases it as after any forward. Memory: the units of one region at once, as their
-  recomputed activations are.
-- It is not a forward of the step: not recorded in the forward order that prefetching
-  follows, no saved-tensor hooks of the root's forward, no other unit released.
-- When no saved-tensor hooks are active (the reentrant recompute), its forward runs under
-  hooks that keep every saved tensor as a detached alias (as checkpoint's do): autograd
-  otherwise keeps a parameter saved as itself (``torch.addmm(b, x, weight)``, HF's Conv1D)
-  and reads its ``.data`` when unpacking, the placeholder (NaN) once the unit is released.
+- In a backward every gather takes a buffer of its own (``Unit.gather(own=True)``), never an
+  arena block, and the modules see the unit's frozen parameters as detached aliases of it.
+  What a recompute saves are views of the parameters (``weight.t()``) or a frozen parameter
+  itself, read later in the backward, possibly after the unit's gradients were all in and it
+  was reduced and released: a released arena block goes to the next unit, a released
+  parameter becomes the placeholder (NaN). An own buffer lives as long as a tensor saved
+  from it.
+- A unit whose forward runs again is gathered for it and stays gathered until its backward
+  reduces it (or the backward ends). The recompute is not a forward of the step: it is not
+  recorded in the order prefetching follows, releases nothing, and enters no root hooks.
+- A region inside a unit's forward gathers the unit again when it calls one of its
+  submodules (a pre-forward hook on each). What no hook sees stays gathered until the
+  backward ends (``keeps_gathered``): the root, which a region over layers outside any unit
+  reads, and a unit whose own module holds parameters that get no gradient.
+- When no saved-tensor hooks are active (the reentrant recompute), a recomputed unit's
+  forward runs under hooks that keep every saved tensor as a detached alias, as
+  checkpoint's do: autograd otherwise keeps a parameter saved as itself
+  (``torch.addmm(b, x, weight)``, HF's Conv1D) and reads its ``.data`` when unpacking.
 - The backward nested in the outer one ends first: the end-of-backward callback (which
   reduces what is left, releases everything and runs the optimizer's callbacks) is queued
-  on the outer backward only (``nested``).
+  on the outer backward only (``Recompute.nested``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .unit import Unit
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -46,6 +54,29 @@ def in_backward_now() -> bool:
     """Whether autograd's engine is running a backward on this thread (a forward now is a
     recompute)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def slots(u: Unit, owner: dict[int, tuple[Unit, int]]) -> list[tuple[torch.nn.Module, str, int]]:
+    """Where ``u``'s parameters are registered (module, name, index in ``u.params``): where
+    a gather in a backward presents the frozen ones as aliases (Unit.gather(own=True))."""
+    out, seen = [], set()
+    for m in u.module.modules(remove_duplicate=False):
+        for name, p in m._parameters.items():
+            if p is None or (id(m), name) in seen or owner.get(id(p), (None,))[0] is not u:
+                continue
+            seen.add((id(m), name))
+            out.append((m, name, owner[id(p)][1]))
+    return out
+
+
+def keeps_gathered(u: Unit, reduces: Callable[[torch.nn.Parameter], bool]) -> bool:
+    """Whether ``u`` stays gathered when its gradients are all in, until the backward ends:
+    the root, which a region over layers outside any unit reads, and a unit whose own module
+    (not a submodule, whose forward would gather it again) holds parameters that get no
+    gradient here, which a region inside its forward may read after that."""
+    return u.is_root or any(mod is u.module and not (u.params[j].requires_grad
+                                                     and reduces(u.params[j]))
+                            for mod, _, j in u.slots)
 
 
 class Recompute:
@@ -69,8 +100,10 @@ class Recompute:
         """A backward ended, or a new forward begins: no recompute is under way."""
         self.task = None
 
-    def enter(self) -> None:
-        """A unit's recomputed forward begins (its pre-forward hook)."""
+    def enter(self, task: int) -> None:
+        """A unit's recomputed forward begins (its pre-forward hook) in backward ``task``."""
+        if self.task is None:
+            self.task = task
         hooks = None
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
             hooks = torch.autograd.graph.saved_tensors_hooks(_alias, _same)

@@ -4,8 +4,9 @@ It builds the units and their context, and turns module and autograd events into
 transitions, as FSDP2's FSDPState hooks drive its FSDPParamGroup: forward pre/post hooks
 (gather, prefetch in the previous forward's order, release), hooks on a unit's output tensors
 (its backward begins: pre_backward), post-accumulate-grad hooks (a gradient arrived; the unit
-reduces when none is due), the end-of-backward callback, the no_sync flush, ``p.data = t``
-adoption, and the step seam the optimizer side calls (prepare_step, new_step). shard.py,
+reduces when none is due), the end-of-backward callback (once per backward: activation
+checkpointing's recompute and nested backwards, recompute.py), the no_sync flush, ``p.data =
+t`` adoption, and the step seam the optimizer side calls (prepare_step, new_step). shard.py,
 registry.py, rebind.py, the checkpoint functions and engine.py (the optimizer side) use it.
 
 One class a little over ~300 lines: its hooks share one per-step state (forward order, sync,
@@ -29,21 +30,9 @@ from ..state_format import QUANT_ALIGN, quant_align
 from .adopt import adopt
 from .context import UnitContext, gather_arena_bytes
 from .order import ForwardOrder
-from .recompute import Recompute, in_backward_now
+from .recompute import Recompute, in_backward_now, keeps_gathered, slots
 from .saved import SavedTensorHooks
 from .unit import GradPhase, Unit
-
-
-def _slots(u: Unit, owner: dict[int, tuple[Unit, int]]) -> list[tuple[torch.nn.Module, str, int]]:
-    """Where ``u``'s parameters are registered: (module, name, index in u.params)."""
-    out, seen = [], set()
-    for m in u.module.modules(remove_duplicate=False):
-        for name, p in m._parameters.items():
-            if p is None or (id(m), name) in seen or owner.get(id(p), (None,))[0] is not u:
-                continue
-            seen.add((id(m), name))
-            out.append((m, name, owner[id(p)][1]))
-    return out
 
 
 def _from_ctx(name: str) -> property:
@@ -111,7 +100,7 @@ class Stage3Runtime:
         self._param_unit: dict[int, tuple[Unit, int]] = {
             id(p): (u, j) for u in self.units for j, p in enumerate(u.params)}
         for u in self.units:
-            u.slots = _slots(u, self._param_unit)
+            u.slots = slots(u, self._param_unit)
 
     # What the context holds, under the names the optimizer side, the checkpoint functions
     # and the tests read (UnitContext documents them).
@@ -240,8 +229,7 @@ class Stage3Runtime:
             task = torch._C._current_graph_task_id()
             if not self._recompute.nested(task, self._callback_task):
                 self._queue_end_of_backward(task)
-                self._recompute.task = task
-            self._recompute.enter()
+            self._recompute.enter(task)
             u.gather(own=True)
             return
         if u.is_root:
@@ -352,16 +340,7 @@ class Stage3Runtime:
         if not u.in_backward:  # its output hook did not fire (output not seen by autograd)
             self.pre_backward(u, None)
         if u.grad_arrived(j):
-            u.reduce(self._reduces, keep=self._keep(u))
-
-    def _keep(self, u: Unit) -> bool:
-        # Gathered until the backward ends (recompute.py): the root, which a checkpoint region
-        # holding layers outside any unit reads, and a unit whose own module holds parameters
-        # that get no gradient here, which a region inside its forward may read after the
-        # unit's gradients are all in (no submodule call re-gathers it: _inner_forward).
-        return u.is_root or any(mod is u.module and not (u.params[j].requires_grad
-                                                         and self._reduces(u.params[j]))
-                                for mod, _, j in u.slots)
+            u.reduce(self._reduces, keep=keeps_gathered(u, self._reduces))
 
     def _end_of_backward(self) -> None:
         """Units whose gradients did not all arrive (unused parameters) are reduced with zeros
