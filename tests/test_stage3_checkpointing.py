@@ -256,24 +256,26 @@ def test_world1_one_end_of_backward_per_backward():
         assert sorted(rt.order.current) == sorted(u.index for u in rt.units)
 
 
-def test_world1_backward_gathers_outside_the_arena():
-    """In the backward every unit is gathered into a buffer of its own (a recompute's saved
-    tensors keep their values however long they live), and the root stays gathered after
-    its gradients are all in and reduced, until the backward ends."""
+def test_world1_recompute_gathers_outside_the_arena():
+    """A unit recomputed in the backward is gathered into a buffer of its own (the tensors the
+    recompute saves keep their values however long they live), and the root stays gathered
+    after its gradients are all in and reduced, until the backward ends."""
     model, _ = shard(build("region_is_unit", False, "all"), "region_is_unit")
     rt = runtime_of_module(model)
     root = next(u for u in rt.units if u.is_root)
     seen = []
 
     def watch(_p):  # after zerokern's own hook: block 0 and then the root reduced
-        seen.append([(u.is_root, u.phase.name, u.gathered, u.block is None)
-                     for u in rt.units if u.gathered])
+        seen.append([(u.is_root, u.phase.name, u.block is None) for u in rt.units
+                     if u.gathered])
 
     model.blocks[0].down.weight.register_post_accumulate_grad_hook(watch)
     model.emb.weight.register_post_accumulate_grad_hook(watch)  # the root's last gradient
     loss_of(model, 0, 0).backward()
-    assert len(seen) == 2 and all(own for s in seen for _, _, _, own in s), seen
-    assert (True, "REDUCED", True, True) in seen[1], seen
+    assert len(seen) == 2, seen
+    assert (False, "BACKWARD", True) in seen[0], seen  # block 0, recomputed
+    assert all(own for s in seen for root_, _, own in s if not root_), seen
+    assert (True, "REDUCED", False) in seen[1], seen
     assert not root.gathered
     assert_clean(model)
 

@@ -8,20 +8,21 @@ the region's autograd Function, followed by a backward of its own, a graph task 
 outer one. Wherever the regions lie (one unit, several, units finer than the region, layers
 outside any unit, inside a unit, nested), the runtime follows these rules:
 
-- In a backward every gather takes a buffer of its own (``Unit.gather(own=True)``), never an
-  arena block, and the modules see the unit's frozen parameters as detached aliases of it.
-  What a recompute saves are views of the parameters (``weight.t()``) or a frozen parameter
-  itself, read later in the backward, possibly after the unit's gradients were all in and it
-  was reduced and released: a released arena block goes to the next unit, a released
-  parameter becomes the placeholder (NaN). An own buffer lives as long as a tensor saved
-  from it.
-- A unit whose forward runs again is gathered for it and stays gathered until its backward
-  reduces it (or the backward ends). The recompute is not a forward of the step: it is not
-  recorded in the order prefetching follows, releases nothing, and enters no root hooks.
-- A region inside a unit's forward gathers the unit again when it calls one of its
+- A unit whose forward runs again is gathered for it into a buffer of its own
+  (``Unit.gather(own=True)``; one gathered in the arena is copied out of it), and the
+  modules see its frozen parameters as detached aliases of that buffer. What a recompute
+  saves are views of the parameters (``weight.t()``) or a frozen parameter itself, read later
+  in the backward, possibly after the unit's gradients were all in and it was reduced and
+  released: a released arena block goes to the next unit, a released parameter becomes the
+  placeholder (NaN). An own buffer lives as long as a tensor saved from it.
+- It stays gathered until its backward reduces it (or the backward ends). The recompute is
+  not a forward of the step: it is not recorded in the order prefetching follows, releases
+  nothing, and enters no root hooks. Gathers outside a recompute stay in the arena.
+- A region inside a unit's forward gathers the unit the same way when it calls one of its
   submodules (a pre-forward hook on each). What no hook sees stays gathered until the
-  backward ends (``keeps_gathered``): the root, which a region over layers outside any unit
-  reads, and a unit whose own module holds parameters that get no gradient.
+  backward ends (``keeps_gathered``), so its arena block is not reused: the root, which a
+  region over layers outside any unit reads, and a unit whose own module holds parameters
+  that get no gradient.
 - When no saved-tensor hooks are active (the reentrant recompute), a recomputed unit's
   forward runs under hooks that keep every saved tensor as a detached alias, as
   checkpoint's do: autograd otherwise keeps a parameter saved as itself

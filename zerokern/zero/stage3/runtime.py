@@ -312,12 +312,11 @@ class Stage3Runtime:
             self._queue_end_of_backward(task)
         if not u.in_backward:
             u.begin_backward(self._reduces)
-            # In a backward every gather has a buffer of its own (recompute.py).
-            u.gather(own=True)
+            u.gather()
             for i in self.order.backward_prefetch(u.index, self.prefetch):
                 nxt = self.units[i]
                 if not nxt.gathered and not nxt.in_backward:
-                    nxt.gather(wait=False, own=True)
+                    nxt.gather(wait=False)
         return grad
 
     def _queue_end_of_backward(self, task: int) -> None:

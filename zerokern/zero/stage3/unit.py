@@ -42,9 +42,9 @@ One step (runtime.py drives it from module and autograd hooks):
    ``local_grads`` (REDUCING), ``.grad`` is freed, the parameters released. One reduce is in
    flight at a time, overlapping the backward of the units before; the next reduce (or the
    end of the backward) finishes it: averaged (the one division by N of every stage) and, in
-   a further backward of the same step (BACKWARD_AGAIN), added to the slice. In a backward
-   gathers take a buffer of their own, not the arena's, and the root stays gathered through
-   its reduce: activation checkpointing's recompute saves views of them (recompute.py).
+   a further backward of the same step (BACKWARD_AGAIN), added to the slice. Activation
+   checkpointing's recompute gathers into buffers of their own, not the arena's (it saves
+   views of them), and the root stays gathered through its reduce (recompute.py).
 4. End of backward (a callback queued on autograd's engine). Units whose gradients did not
    all arrive (unused parameters) reduce too, in the same order on every rank, with zeros for
    what did not come; everything still gathered is released; the optimizer's callbacks run.
@@ -193,12 +193,12 @@ class Unit:
         ``wait`` on to GATHERED. A released unit first takes values assigned to its
         placeholders (adopt.py); a REDUCING one first finishes its reduce-scatter.
 
-        ``own`` (in a backward): the buffer is an allocation of its own, never an arena
-        block (one gathered in the arena is copied out of it), and the modules see each
-        frozen parameter as a detached alias of it. Tensors a recompute saves from it (views,
-        or a frozen parameter itself) then keep their values however long they live: the
-        release drops the unit's references only, and the memory never goes to another
-        unit (recompute.py)."""
+        ``own`` (for a recompute in the backward): the buffer is an allocation of its own,
+        never an arena block (one gathered in the arena is copied out of it), and the modules
+        see each frozen parameter as a detached alias of it. Tensors a recompute saves from
+        it (views, or a frozen parameter itself) then keep their values however long they
+        live: the release drops the unit's references only, and the memory never goes to
+        another unit (recompute.py)."""
         ctx = self.ctx
         ctx.check_usable()
         if self.state is UnitState.REDUCING:
