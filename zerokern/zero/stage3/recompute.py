@@ -19,7 +19,8 @@ outside any unit, inside a unit, nested), the runtime follows these rules:
   not a forward of the step: it is not recorded in the order prefetching follows, releases
   nothing, and enters no root hooks. Gathers outside a recompute stay in the arena.
 - A region inside a unit's forward gathers the unit the same way when it calls one of its
-  submodules (a pre-forward hook on each). What no hook sees stays gathered until the
+  submodules (a pre-forward hook on each); the arena block it leaves stays reserved until
+  the backward ends, as the region may have saved views of it before that call. What no hook sees stays gathered until the
   backward ends (``keeps_gathered``), so its arena block is not reused: the root, which a
   region over layers outside any unit reads, and a unit whose own module holds parameters
   that get no gradient.

@@ -235,6 +235,7 @@ class Stage3Runtime:
         if u.is_root:
             self._check_not_in_ddp()
             self._recompute.reset()  # a backward that raised ended without its callback
+            self.ctx.free_retired()
         if u.is_root and not u.in_backward:
             self.order.start()
             if torch.is_grad_enabled():
@@ -261,7 +262,12 @@ class Stage3Runtime:
         # A checkpoint region inside the unit's forward recomputes in the backward, possibly
         # after the unit's gradients were all in and it was released: it reads the
         # parameters now (recompute.py).
-        if in_backward_now():
+        if not in_backward_now():
+            return
+        if u.block is not None:  # gathered in the arena, and maybe viewed by this recompute
+            u.gather()
+            u.leave_arena(retire=True)
+        else:
             u.gather(own=True)  # until its reduce, or the end of the backward
 
     def _post_forward(self, u: Unit, out: Any) -> Any:
@@ -354,6 +360,7 @@ class Stage3Runtime:
         self.finish_reduce()
         for u in self.units:
             u.release()
+        self.ctx.free_retired()
         if self.sync:
             for cb in self.backward_end_callbacks:
                 cb()

@@ -235,7 +235,7 @@ class Unit:
                 self.work = None
             self._move(UnitState.GATHERED)
         if own and self.block is not None:
-            self._leave_arena()
+            self.leave_arena()
 
     def release(self) -> None:
         """GATHERING | GATHERED -> SHARDED: the buffer returns to the arena and the parameters
@@ -373,17 +373,23 @@ class Unit:
         ctx.gathered_units += 1 if self.gathered else -1
         ctx.peak_units = max(ctx.peak_units, ctx.gathered_units)
 
-    def _leave_arena(self) -> None:
+    def leave_arena(self, *, retire: bool = False) -> None:
         """GATHERED in an arena block -> the same values in an allocation of its own; the
-        block goes back to the arena."""
-        assert self.buf is not None and self.block is not None
+        block goes back to the arena (``retire``: at the end of the backward, for tensors
+        saved from it until now: UnitContext.retired)."""
+        if self.state is not UnitState.GATHERED or self.block is None:
+            raise self._illegal("leave_arena", self.state, "GATHERED in an arena block")
+        assert self.buf is not None
         if self.h2d is not None:  # the host slice's copy is done before the buffer is read
             self.h2d.wait()
             self.h2d = None
         buf = self.buf.clone()
         self._bind(buf)
         self._alias_frozen()
-        self.ctx.gather_arena.free(self.block)
+        if retire:
+            self.ctx.retired.append(self.block)
+        else:
+            self.ctx.gather_arena.free(self.block)
         self.buf, self.block = buf, None
 
     def _bind(self, buf: torch.Tensor) -> None:
