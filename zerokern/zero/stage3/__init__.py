@@ -2,7 +2,8 @@
 
 Start with unit.py: its docstring is the whole step, and ``Unit`` the lifecycle of one unit.
 context.py holds what the units share (comm, arenas), runtime.py the hooks that move them,
-saved.py autograd's saved tensors, adopt.py values assigned to released parameters, and
+saved.py autograd's saved tensors, recompute.py activation checkpointing's forwards
+in the backward, adopt.py values assigned to released parameters, and
 engine.py the optimizer side: the state of this rank's slices, stepped unit by unit.
 """
 

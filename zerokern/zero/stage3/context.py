@@ -71,6 +71,9 @@ class UnitContext:
         self.wait_timeout = told.wait_limit(*gather_timeout, comm.backend)
         self.broken: str | None = None
         self.abandoned: list[torch.Tensor] = []  # buffers a pending collective may still write
+        # Arena blocks of units moved out of them in a backward's recompute, which tensors
+        # saved earlier in that recompute may still view: returned when the backward ends.
+        self.retired: list[Block] = []
         # Persistent model state of this rank: its slice of every unit (params and grads),
         # each in its own arena on the device, or in host memory when offloaded.
         self.param_arena, self.local_params = self._alloc_local(offload_params)
@@ -168,6 +171,12 @@ class UnitContext:
             "gather_overflow": self.overflow_bytes,
             "peak_gathered_units": self.peak_units,
         }
+
+    def free_retired(self) -> None:
+        """The blocks units left in a backward go back to the arena (it ended)."""
+        for blk in self.retired:
+            self.gather_arena.free(blk)
+        self.retired = []
 
     def finish_reduce(self) -> None:
         """Complete the reduce-scatter in flight, if any (Unit.finish_reduce)."""

@@ -4,8 +4,9 @@ It builds the units and their context, and turns module and autograd events into
 transitions, as FSDP2's FSDPState hooks drive its FSDPParamGroup: forward pre/post hooks
 (gather, prefetch in the previous forward's order, release), hooks on a unit's output tensors
 (its backward begins: pre_backward), post-accumulate-grad hooks (a gradient arrived; the unit
-reduces when none is due), the end-of-backward callback, the no_sync flush, ``p.data = t``
-adoption, and the step seam the optimizer side calls (prepare_step, new_step). shard.py,
+reduces when none is due), the end-of-backward callback (once per backward: activation
+checkpointing's recompute and nested backwards, recompute.py), the no_sync flush, ``p.data =
+t`` adoption, and the step seam the optimizer side calls (prepare_step, new_step). shard.py,
 registry.py, rebind.py, the checkpoint functions and engine.py (the optimizer side) use it.
 
 One class a little over ~300 lines: its hooks share one per-step state (forward order, sync,
@@ -29,6 +30,7 @@ from ..state_format import QUANT_ALIGN, quant_align
 from .adopt import adopt
 from .context import UnitContext, gather_arena_bytes
 from .order import ForwardOrder
+from .recompute import Recompute, in_backward_now, keeps_gathered, slots
 from .saved import SavedTensorHooks
 from .unit import GradPhase, Unit
 
@@ -97,8 +99,11 @@ class Stage3Runtime:
         self.order = ForwardOrder({u.index for u in self.units if u.is_root})
         self._saved_hooks = SavedTensorHooks(self)
         self._callback_task = -1  # the backward whose end-of-backward callback is queued
+        self._recompute = Recompute()  # activation checkpointing's forwards in the backward
         self._param_unit: dict[int, tuple[Unit, int]] = {
             id(p): (u, j) for u in self.units for j, p in enumerate(u.params)}
+        for u in self.units:
+            u.slots = slots(u, self._param_unit)
 
     # What the context holds, under the names the optimizer side, the checkpoint functions
     # and the tests read (UnitContext documents them).
@@ -174,6 +179,14 @@ class Stage3Runtime:
         for u in self.units:
             u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+            # Runs even when the forward raised (checkpoint's early stop raises in the
+            # recompute): the recompute's saved-tensor hooks come off in order.
+            u.module.register_forward_hook(lambda m, a, out: self._after_forward(),
+                                           always_call=True)
+            if not u.is_root:  # the root stays gathered through the backward
+                for sub in u.module.modules():
+                    if sub is not u.module:
+                        sub.register_forward_pre_hook(lambda m, a, u=u: self._inner_forward(u))
             if u.is_root:
                 # Runs even when the forward raised (after the hook above otherwise): then
                 # nothing stays gathered and the saved-tensor hooks are removed.
@@ -215,8 +228,17 @@ class Stage3Runtime:
 
     # -- forward -----------------------------------------------------------------------------
     def _pre_forward(self, u: Unit) -> None:
+        if in_backward_now():  # activation checkpointing's recompute (recompute.py)
+            task = torch._C._current_graph_task_id()
+            if not self._recompute.nested(task, self._callback_task):
+                self._queue_end_of_backward(task)
+            self._recompute.enter(task)
+            u.gather(own=True)
+            return
         if u.is_root:
             self._check_not_in_ddp()
+            self._recompute.reset()  # a backward that raised ended without its callback
+            self.ctx.free_retired()
         if u.is_root and not u.in_backward:
             self.order.start()
             if torch.is_grad_enabled():
@@ -239,13 +261,28 @@ class Stage3Runtime:
                 "ZeroAdamW(stage=3) reduces its gradients itself; remove the DDP(...) wrapper")
         self._ddp_checked.add(id(ddp))
 
+    def _inner_forward(self, u: Unit) -> None:
+        # A checkpoint region inside the unit's forward recomputes in the backward, possibly
+        # after the unit's gradients were all in and it was released: it reads the
+        # parameters now (recompute.py).
+        if not in_backward_now():
+            return
+        if u.block is not None:  # gathered in the arena, and maybe viewed by this recompute
+            u.gather()
+            u.leave_arena(retire=True)
+        else:
+            u.gather(own=True)  # until its reduce, or the end of the backward
+
     def _post_forward(self, u: Unit, out: Any) -> Any:
         grad_mode = torch.is_grad_enabled()
+        if in_backward_now():
+            # A recompute: the reentrant one's own backward begins the unit's at these
+            # outputs; it stays gathered until its backward releases it (recompute.py).
+            if grad_mode and not u.in_backward:
+                self._hook_outputs(u, out)
+            return out
         if grad_mode and not u.in_backward:
-            tensors = [t for t in tree_flatten(out)[0]
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
-            for t in tensors:
-                t.register_hook(lambda g, u=u: self.pre_backward(u, g))
+            self._hook_outputs(u, out)
         if u.is_root and not u.in_backward:
             self._saved_hooks.exit()
             for other in self.units:  # prefetched but never run this time
@@ -257,8 +294,17 @@ class Stage3Runtime:
             u.release()
         return out
 
+    def _hook_outputs(self, u: Unit, out: Any) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g, u=u: self.pre_backward(u, g))
+
+    def _after_forward(self) -> None:
+        if in_backward_now():
+            self._recompute.leave()
+
     def _after_root_forward(self, module: Any, args: Any, out: Any) -> None:
-        if not (out is None and sys.exc_info()[0] is not None):
+        if in_backward_now() or not (out is None and sys.exc_info()[0] is not None):
             return  # the forward returned: _post_forward has done everything
         self._saved_hooks.exit()
         for u in self.units:
@@ -271,11 +317,8 @@ class Stage3Runtime:
         """A gradient of ``u``'s output (or a saved tensor of it) is needed: its backward
         begins, it is gathered and the units before it are prefetched."""
         task = torch._C._current_graph_task_id()
-        if task != self._callback_task:  # per backward: one that raised never ran its own
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_task = task
-            for cb in self.backward_begin_callbacks:
-                cb()
+        if not self._recompute.nested(task, self._callback_task):
+            self._queue_end_of_backward(task)
         if not u.in_backward:
             u.begin_backward(self._reduces)
             u.gather()
@@ -284,6 +327,14 @@ class Stage3Runtime:
                 if not nxt.gathered and not nxt.in_backward:
                     nxt.gather(wait=False)
         return grad
+
+    def _queue_end_of_backward(self, task: int) -> None:
+        # Per backward: one that raised never ran its own.
+        if task != self._callback_task:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_task = task
+            for cb in self.backward_begin_callbacks:
+                cb()
 
     def _on_grad(self, u: Unit, j: int) -> None:
         p = u.params[j]
@@ -299,11 +350,12 @@ class Stage3Runtime:
         if not u.in_backward:  # its output hook did not fire (output not seen by autograd)
             self.pre_backward(u, None)
         if u.grad_arrived(j):
-            u.reduce(self._reduces)
+            u.reduce(self._reduces, keep=keeps_gathered(u, self._reduces))
 
     def _end_of_backward(self) -> None:
         """Units whose gradients did not all arrive (unused parameters) are reduced with zeros
         in a fixed order, the same on every rank; everything still gathered is released."""
+        self._recompute.reset()
         pending = [u for u in self.units if u.in_backward]
         for u in sorted(pending, key=lambda x: -self.order.last_pos(x.index)):
             if self.sync:
@@ -313,6 +365,7 @@ class Stage3Runtime:
         self.finish_reduce()
         for u in self.units:
             u.release()
+        self.ctx.free_retired()
         if self.sync:
             for cb in self.backward_end_callbacks:
                 cb()

@@ -42,7 +42,9 @@ One step (runtime.py drives it from module and autograd hooks):
    ``local_grads`` (REDUCING), ``.grad`` is freed, the parameters released. One reduce is in
    flight at a time, overlapping the backward of the units before; the next reduce (or the
    end of the backward) finishes it: averaged (the one division by N of every stage) and, in
-   a further backward of the same step (BACKWARD_AGAIN), added to the slice.
+   a further backward of the same step (BACKWARD_AGAIN), added to the slice. Activation
+   checkpointing's recompute gathers into buffers of their own, not the arena's (it saves
+   views of them), and the root stays gathered through its reduce (recompute.py).
 4. End of backward (a callback queued on autograd's engine). Units whose gradients did not
    all arrive (unused parameters) reduce too, in the same order on every rank, with zeros for
    what did not come; everything still gathered is released; the optimizer's callbacks run.
@@ -157,6 +159,10 @@ class Unit:
     h2d: Ticket | None = field(default=None, repr=False)  # offload_params: slice -> device
     rs: _Reduce | None = field(default=None, repr=False)  # its reduce-scatter in flight
     waiting: set[int] = field(default_factory=set, repr=False)  # params whose grads are due
+    # Where its parameters are registered (module, name, index in params), and whether the
+    # frozen ones are presented there as aliases of an own buffer now (gather(own=True)).
+    slots: list[tuple[torch.nn.Module, str, int]] = field(default_factory=list, repr=False)
+    aliased: bool = False
 
     @property
     def gathered(self) -> bool:
@@ -182,17 +188,28 @@ class Unit:
         self.slice_of(self.ctx.local_params).copy_(full.narrow(0, self.ctx.comm.rank * s, s))
         self._placeholders()
 
-    def gather(self, *, wait: bool = True) -> None:
+    def gather(self, *, wait: bool = True, own: bool = False) -> None:
         """SHARDED -> GATHERING (GATHERED when the gather completed at once), and with
         ``wait`` on to GATHERED. A released unit first takes values assigned to its
-        placeholders (adopt.py); a REDUCING one first finishes its reduce-scatter."""
+        placeholders (adopt.py); a REDUCING one first finishes its reduce-scatter.
+
+        ``own`` (for a recompute in the backward): the buffer is an allocation of its own,
+        never an arena block (one gathered in the arena is copied out of it), and the modules
+        see each frozen parameter as a detached alias of it. Tensors a recompute saves from
+        it (views, or a frozen parameter itself) then keep their values however long they
+        live: the release drops the unit's references only, and the memory never goes to
+        another unit (recompute.py)."""
         ctx = self.ctx
         ctx.check_usable()
         if self.state is UnitState.REDUCING:
             ctx.finish_reduce()  # one buffer per unit at a time; the reduce is the one in flight
         if self.state is UnitState.SHARDED:
             adopt(self)
-            buf, blk = ctx.alloc(self.plan.padded_numel)
+            if own:
+                buf, blk = torch.empty(self.plan.padded_numel, dtype=ctx.dtype,
+                                       device=ctx.device), None
+            else:
+                buf, blk = ctx.alloc(self.plan.padded_numel)
             self.buf, self.block = buf, blk
             self._move(UnitState.GATHERING)  # from here a release gives the buffer back
             src = self.slice_of(ctx.local_params)
@@ -200,23 +217,25 @@ class Unit:
                 # Offloaded slice: to the device, into this rank's part of the gather buffer,
                 # then gathered in place (the gather is ordered after the copy on the device).
                 s = self.plan.shard_numel
-                own = buf.narrow(0, ctx.comm.rank * s, s)
-                self.h2d = ctx.copier.to_device(own, src)
+                mine = buf.narrow(0, ctx.comm.rank * s, s)
+                self.h2d = ctx.copier.to_device(mine, src)
                 self.h2d.fence()
-                src = own
+                src = mine
             self.work = ctx.comm.all_gather(buf, src,
                                             f"parameters of unit {self.name}{_COLLECTIVE_HINT}",
                                             async_op=ctx.overlap)
-            for p, shape, off, n in zip(self.params, self.shapes, self.plan.param_offsets,
-                                        self.plan.numels):
-                p.data = buf.narrow(0, off, n).view(shape)
+            self._bind(buf)
+            if own:
+                self._alias_frozen()
             if self.work is None:  # done at once (world size 1, or a synchronous group)
                 self._move(UnitState.GATHERED)
-        if wait and self.state is UnitState.GATHERING:
+        if (wait or own and self.block is not None) and self.state is UnitState.GATHERING:
             if self.work is not None:
                 ctx.wait(self.work, self.name, "all-gather of the parameters")
                 self.work = None
             self._move(UnitState.GATHERED)
+        if own and self.block is not None:
+            self.leave_arena()
 
     def release(self) -> None:
         """GATHERING | GATHERED -> SHARDED: the buffer returns to the arena and the parameters
@@ -239,11 +258,14 @@ class Unit:
         self.buf, self.block = None, None
         self._move(UnitState.SHARDED)
 
-    def reduce(self, reduces: Callable[[torch.nn.Parameter], bool]) -> None:
+    def reduce(self, reduces: Callable[[torch.nn.Parameter], bool], *,
+               keep: bool = False) -> None:
         """In its backward, gathered or not: -> REDUCING. The reduce-scatter in flight
         finishes first; then the gradients of the parameters ``reduces`` accepts (zeros for
         the others and the padding) are flattened and their reduce-scatter into this unit's
-        slice started, .grad is freed, the phase ends (REDUCED), the parameters released."""
+        slice started, .grad is freed, the phase ends (REDUCED), the parameters released.
+        ``keep``: a gathered unit stays GATHERED, its reduce-scatter in flight all the same
+        (the root in a backward: a recompute may still read it; recompute.py)."""
         if not self.in_backward:
             raise self._illegal("reduce", self.phase, "BACKWARD or BACKWARD_AGAIN")
         ctx = self.ctx
@@ -274,6 +296,8 @@ class Unit:
         for p, _ in grads:
             p.grad = None
         self.end_backward(reduced=True)
+        if keep and self.gathered:
+            return
         self.release()
         self._move(UnitState.REDUCING)
 
@@ -285,7 +309,7 @@ class Unit:
             raise self._illegal("finish_reduce", self.state, "REDUCING")
         ctx = self.ctx
         self.rs, ctx.inflight = None, None
-        if self.state is UnitState.REDUCING:  # else its release in reduce() raised
+        if self.state is UnitState.REDUCING:  # else kept gathered, or its release raised
             self._move(UnitState.SHARDED)
         if rs.work is not None:
             if ctx.broken is not None:
@@ -349,7 +373,45 @@ class Unit:
         ctx.gathered_units += 1 if self.gathered else -1
         ctx.peak_units = max(ctx.peak_units, ctx.gathered_units)
 
+    def leave_arena(self, *, retire: bool = False) -> None:
+        """GATHERED in an arena block -> the same values in an allocation of its own; the
+        block goes back to the arena (``retire``: at the end of the backward, for tensors
+        saved from it until now: UnitContext.retired)."""
+        if self.state is not UnitState.GATHERED or self.block is None:
+            raise self._illegal("leave_arena", self.state, "GATHERED in an arena block")
+        assert self.buf is not None
+        if self.h2d is not None:  # the host slice's copy is done before the buffer is read
+            self.h2d.wait()
+            self.h2d = None
+        buf = self.buf.clone()
+        self._bind(buf)
+        self._alias_frozen()
+        if retire:
+            self.ctx.retired.append(self.block)
+        else:
+            self.ctx.gather_arena.free(self.block)
+        self.buf, self.block = buf, None
+
+    def _bind(self, buf: torch.Tensor) -> None:
+        """The parameters become views of the full flat buffer ``buf``."""
+        for p, shape, off, n in zip(self.params, self.shapes, self.plan.param_offsets,
+                                    self.plan.numels):
+            p.data = buf.narrow(0, off, n).view(shape)
+
+    def _alias_frozen(self) -> None:
+        # A recompute's saved-tensor hooks keep a tensor that needs no gradient as itself:
+        # the Parameter would be read at unpack time, the placeholder once released.
+        for mod, name, j in self.slots:
+            p = self.params[j]
+            if not p.requires_grad:
+                mod._parameters[name] = p.detach()
+                self.aliased = True
+
     def _placeholders(self) -> None:
+        if self.aliased:
+            for mod, name, j in self.slots:
+                mod._parameters[name] = self.params[j]
+            self.aliased = False
         for p, shape in zip(self.params, self.shapes):
             p.data = self.ctx.nan.expand(shape)
 
