@@ -253,7 +253,7 @@ def per_rank_dtypes(rank, world):
     try:
         zerokern.ZeroAdamW(base.parameters(), stage=2)
     except Exception as exc:  # noqa: BLE001
-        named(exc, ("dtype",))
+        named(exc, ("dtype", "bfloat16"))
         return
     raise Silent("different dtypes by rank accepted")
 
@@ -313,7 +313,7 @@ def e_zero_all(ours, ref, rank, step, opt):
 
 def e_scale_one(ours, ref, rank, step, opt):
     _trained(ours)[0].grad.mul_(0.5)
-    ref[0].grad.mul_(0.5)
+    _trained(ref)[0].grad.mul_(0.5)
 
 
 def e_set_same(ours, ref, rank, step, opt):
@@ -331,7 +331,7 @@ def e_set_diff(ours, ref, rank, step, opt):
 
 def e_none_one(ours, ref, rank, step, opt):
     _trained(ours)[0].grad = None
-    ref[0].grad = None
+    _trained(ref)[0].grad = None
 
 
 def e_none_all(ours, ref, rank, step, opt):
@@ -385,7 +385,7 @@ def e_clip_value(ours, ref, rank, step, opt):
 
 def e_norm(ours, ref, rank, step, opt):
     a = torch.linalg.vector_norm(_trained(ours)[0].grad).item()
-    b = torch.linalg.vector_norm(ref[0].grad).item()
+    b = torch.linalg.vector_norm(_trained(ref)[0].grad).item()
     if not math.isclose(a, b, rel_tol=1e-4):
         raise Silent(f"norm of p.grad {a} vs {b}")
 
@@ -1090,6 +1090,10 @@ def _in_rank(rank, world, index):
                            f"{str(exc)[:300]}") from None
 
 
+def _noop(rank, world):
+    dist.barrier()
+
+
 def main():
     import dist_utils
 
@@ -1104,6 +1108,8 @@ def main():
             continue
         if pool is None:
             pool = dist_utils._Pool(2, "gloo")
+            # Forming the group takes long on a loaded machine: not part of a case's time.
+            pool.run(pickle.dumps((_noop, (), False)), 600.0)
         t = time.monotonic()
         errors = pool.run(pickle.dumps((_in_rank, (i,), False)), CASE_TIMEOUT)
         dt = time.monotonic() - t
