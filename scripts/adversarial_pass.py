@@ -1119,7 +1119,7 @@ def main():
             pool.close(graceful=False)
             pool = None
             verdicts = []
-            for r, msg in sorted(errors.items()):
+            for _r, msg in sorted(errors.items()):
                 if "VERDICT silent" in msg:
                     verdicts.append(("silent", msg.rsplit("VERDICT silent: ", 1)[1].strip()))
                 elif "VERDICT unclear" in msg:
