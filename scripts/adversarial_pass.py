@@ -1011,7 +1011,8 @@ def cases():
     add("sd rank bf16/none -> fp32/none", 3, sd_wrong_format(FORMATS[4], FORMATS[3]))
     # family 4
     for kw, words in [
-        (dict(lr=float("nan")), ("lr",)), (dict(lr=float("inf")), ("lr",)), (dict(lr=-1.0), ("lr",)),
+        (dict(lr=float("nan")), ("lr",)), (dict(lr=float("inf")), ("lr",)),
+        (dict(lr=-1.0), ("lr",)),
         (dict(lr="0.1"), ("lr",)), (dict(betas=(1.0, 0.9)), ("beta",)),
         (dict(betas=(0.9, float("nan"))), ("beta",)), (dict(betas=(0.9,)), ("beta",)),
         (dict(eps=-1e-8), ("eps",)), (dict(eps=float("nan")), ("eps",)),
