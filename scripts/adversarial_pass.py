@@ -159,6 +159,7 @@ def train(rank, world, *, stage=2, dtype=torch.float32, kw=None, groups=None, st
     for step in range(steps):
         for mb in range(accum):
             x, y = data(step * accum + mb, rank)
+            x = x.to(dtype)
             ctx = opt.no_sync() if mb < accum - 1 else _Null()
             with ctx:
                 F.cross_entropy(ours(x).float(), y).backward()
@@ -476,10 +477,15 @@ FORMATS = [("fp32", "fp32", torch.float32), ("bf16", "fp32", torch.float32),
            ("bf16", "none", torch.bfloat16), ("int8", "none", torch.bfloat16)]
 
 
+def _dtype_of(model):
+    """The dtype the model's inputs must have (its parameters')."""
+    return next(model.parameters()).dtype
+
+
 def _run(model, opt, rank, steps, start=0):
     for step in range(start, start + steps):
         x, y = data(step, rank)
-        F.cross_entropy(model(x).float(), y).backward()
+        F.cross_entropy(model(x.to(_dtype_of(model))).float(), y).backward()
         opt.step()
         opt.zero_grad()
 
@@ -550,7 +556,7 @@ def torch_sd_into(moments, master, dtype, stage):
             x1, y1 = data(9, 1)
             if model is ours:
                 x, y = (x0, y0) if rank == 0 else (x1, y1)
-                F.cross_entropy(model(x).float(), y).backward()
+                F.cross_entropy(model(x.to(dtype)).float(), y).backward()
             else:
                 (0.5 * (F.cross_entropy(model(x0), y0) + F.cross_entropy(model(x1), y1))
                  ).backward()

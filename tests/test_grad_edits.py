@@ -6,8 +6,9 @@ an error naming the parameter.
   without clipping after it, and a further backward adds to it;
 - ``p.grad = None`` after backward: that parameter is skipped (no update, no decay, no state
   change, its step count stays); a further backward gives it a fresh gradient;
-- ranks that disagree on such an edit: refused on every rank, nothing updated, and training
-  goes on after opt.zero_grad(); an edit after clip_grad_norm_: refused;
+- ranks that disagree on such an edit, or set different values (one element of one rank
+  is enough): refused on every rank, nothing updated, and training goes on after
+  opt.zero_grad(); an edit after clip_grad_norm_: refused;
 - add_param_group after gradients accumulated on the new parameters (under opt.zero_grad()
   only, which does not reach them): their accumulated gradient, averaged over the ranks, is
   used; zero_grad(set_to_none=False) keeps zeros only where a gradient existed, as torch;
@@ -165,14 +166,22 @@ def disagree_case(rank, world, stage, named):
     opt.zero_grad()
     ropt.zero_grad()
     want = "fc1.weight" if named or stage == 3 else r"parameter \d+, shape \(29, 13\)"
-    for edit in ("none", "tensor", "mixed"):
+    for edit in ("none", "tensor", "mixed", "values", "one element"):
         _backward(ours, ddp, 1, rank)
-        if rank == 0:  # the other ranks keep the averaged gradient, or do the other edit
+        if edit == "values":  # every rank sets it, to its own value
+            _set([ours], "fc1.weight", 0.02 + 0.01 * rank)
+        elif edit == "one element":  # the same on every rank but one element of one rank
+            _set([ours], "fc1.weight", 0.02)
+            if rank == 1:
+                ours.get_parameter("fc1.weight").grad[3, 5] += 1e-7
+        elif rank == 0:  # the other ranks keep the averaged gradient, or do the other edit
             _set([ours], "fc1.weight", None if edit != "tensor" else 0.02)
         elif edit == "mixed":
             _set([ours], "fc1.weight", 0.02)
         before = zerokern.full_state_dict(ours, rank0_only=False)
-        with pytest.raises(RuntimeError, match=f"ranks edited p.grad differently.*{want}"):
+        how = ("set p.grad by hand to different values" if edit in ("values", "one element")
+               else "edited p.grad differently")
+        with pytest.raises(RuntimeError, match=f"ranks {how}.*{want}"):
             opt.step()
         after = zerokern.full_state_dict(ours, rank0_only=False)
         assert all(torch.equal(before[k], after[k]) for k in before), "updated anyway"
@@ -272,3 +281,26 @@ def carry_case(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_model_zero_grad_after_step_is_not_warned(stage, tmp_path):
     run_ranks(2, carry_case, stage, tmp_path=tmp_path)
+
+
+def test_fingerprint_tells_tensors_apart(monkeypatch):
+    """The values check's hash: the same for the same bytes (however it is chunked), different
+    for one flipped bit, another dtype or another shape of the same bytes."""
+    from zerokern.zero import grad_edits
+
+    torch.manual_seed(0)
+    t = torch.randn(1000)
+    fp = grad_edits.fingerprint(t)
+    assert fp == grad_edits.fingerprint(t.clone())
+    monkeypatch.setattr(grad_edits, "_FP_CHUNK", 7)
+    assert fp == grad_edits.fingerprint(t)
+    seen = {fp}
+    for i in (0, 1, 500, 999):
+        u = t.clone()
+        u.view(torch.int32)[i] ^= 1  # one bit of one element
+        seen.add(grad_edits.fingerprint(u))
+    seen.add(grad_edits.fingerprint(t.view(40, 25)))
+    seen.add(grad_edits.fingerprint(t.view(torch.int32)))
+    seen.add(grad_edits.fingerprint(t.bfloat16()))
+    seen.add(grad_edits.fingerprint(t[:999]))
+    assert len(seen) == 9

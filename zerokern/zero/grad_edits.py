@@ -15,7 +15,11 @@ reduction is done, so a further backward adds to it as autograd adds to ``p.grad
 Every rank must make the same edits (each DDP rank would otherwise step with its own
 gradient): how many ranks set each parameter's gradient and how many dropped it travel in the
 step's one norm-and-flags all-reduce, and a disagreement is refused on every rank, naming the
-parameter, before anything is updated. An edit after that reduction cannot be agreed on any
+parameter, before anything is updated. When every rank set a gradient by hand, the values
+must be the same too: a 62-bit fingerprint of each set tensor's bytes (``fingerprint``) goes
+into one more small all-reduce (MAX of the fingerprint and of its negation: equal exactly
+when every rank holds the same bytes), made only in a step where gradients were set by hand,
+which every rank knows from the sums. An edit after that reduction cannot be agreed on any
 more: it is refused on the rank that made it.
 
 Zeros kept: ``zero_grad(set_to_none=False)`` zeroes the gradients that exist and leaves the
@@ -35,6 +39,29 @@ from .layout import Layout
 from .stages import Engine
 
 SET, DROPPED = 1, 2  # the last edit of a parameter's gradient in this step, on this rank
+_FP_CHUNK = 1 << 22  # elements hashed at a time: bounds the int64 scratch of a large tensor
+_FP_MOD = (1 << 61) - 1  # a Mersenne prime: the fingerprint fits an int64 with its negation
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    """A hash of ``t``'s dtype, shape and bytes, the same on every device: the words of
+    its bytes, each times a weight that depends on its position, summed in int64 (wrapping,
+    so the order of the sum does not matter), then reduced mod 2^61 - 1. Tensors that
+    differ collide by a chance of the order of 2^-61 (the weights are odd, under 2^31)."""
+    flat = t.detach().contiguous().reshape(-1)
+    width = flat.element_size() * flat.numel()
+    word = torch.int32 if width % 4 == 0 else torch.int16 if width % 2 == 0 else torch.uint8
+    words = flat.view(torch.uint8).view(word) if flat.numel() else flat.new_zeros(0, dtype=word)
+    acc = 0
+    for at in range(0, words.numel(), _FP_CHUNK):
+        w = words[at:at + _FP_CHUNK].to(torch.int64)
+        pos = torch.arange(at, at + w.numel(), dtype=torch.int64, device=w.device)
+        weight = ((pos * 0x9E3779B1 + 0x7F4A7C15) & 0x7FFFFFFF) | 1
+        # mod 2^64, as one int64 sum of the whole tensor would wrap: chunking changes nothing
+        acc = (acc + int((w * weight).sum())) & 0xFFFFFFFFFFFFFFFF
+    # dtype and shape by their text (Python's hash() of a str differs between processes)
+    meta = sum(ord(c) * (i + 1) for i, c in enumerate(f"{t.dtype}{tuple(t.shape)}"))
+    return (acc % _FP_MOD * 1_000_003 + meta) % _FP_MOD
 
 
 class GradEdits:
@@ -101,6 +128,31 @@ class GradEdits:
         per parameter 1 if this rank dropped it."""
         return ([1.0 if k == SET else 0.0 for k in self.kind]
                 + [1.0 if k == DROPPED else 0.0 for k in self.kind])
+
+    def set_indices(self, sums: Sequence[float]) -> list[int]:
+        """The parameters every rank set by hand (after check_agreed: the same on every
+        rank, from the summed counts)."""
+        return [i for i in range(len(self.kind)) if sums[i] > 0.5]
+
+    def fingerprints(self, indices: Sequence[int]) -> list[int]:
+        """This rank's fingerprint of each set gradient in ``indices``."""
+        return [fingerprint(self.values[i]) for i in indices]
+
+    def check_values(self, indices: Sequence[int], highest: Sequence[int],
+                     lowest: Sequence[int], label: Any) -> None:
+        """``highest`` / ``lowest``: the largest and smallest fingerprint of each set
+        gradient over every rank. Refused, on every rank alike, when they differ."""
+        bad = [i for i, hi, lo in zip(indices, highest, lowest) if hi != lo]
+        if not bad:
+            return
+        what = ", ".join(label(i) for i in bad[:4])
+        more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
+        raise RuntimeError(
+            f"ZeroAdamW: the ranks set p.grad by hand to different values after backward "
+            f"({what}{more}). Under DDP each rank would step with its own gradient and the "
+            "replicas would drift apart. Set the same tensor on every rank (for instance "
+            "average it with torch.distributed.all_reduce first), or none; call "
+            "opt.zero_grad() to drop this step's gradients")
 
     def check_agreed(self, sums: Sequence[float], ranks: int, label: Any) -> None:
         """``sums``: counts() summed over every rank. Refused, on every rank alike (they all

@@ -12,7 +12,8 @@ and flags, bit for bit, on every rank of the mesh.
 The gradients the script set or dropped by hand after backward (grad_edits.py) join the
 reduction here: the set ones are added to the averaged gradient before the norms are taken,
 and how many ranks made each edit rides in the same all-reduce, so that every rank refuses
-alike when they disagree.
+alike when they disagree; gradients every rank set are then checked for equal values (a
+fingerprint each, in one more small all-reduce made only in such a step).
 
 This part also keeps the bookkeeping that tells one step's gradients from the next: the
 gradient events of the backward, those seen when the last step ended (a step with no
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..comm import Comm
 from .grad_edits import GradEdits
@@ -208,6 +210,7 @@ class GradReduction:
         if edits is not None:  # the same sums on every rank: all refuse, or none
             edits.check_agreed(vals[1 + n:sq], getattr(self.comm, "dp_size",
                                                        self.comm.world_size), label)
+            self._check_set_values(edits, vals[1 + n:sq], device, label)
         red = Reduced(events=events, sq_norm=vals[0], active=[v > 0 for v in vals[1:n + 1]],
                       has_norm=need_norm)
         if extra:
@@ -215,6 +218,26 @@ class GradReduction:
         red.norm = math.sqrt(vals[0]) / loss_scale if need_norm else 0.0
         self.current = red
         return red
+
+    def _check_set_values(self, edits: GradEdits, sums: list[float], device: torch.device,
+                          label: Callable[[int], str]) -> None:
+        """Gradients every rank set by hand must hold the same values: the largest of each
+        one's fingerprint and of its negation over every rank (one int64 MAX all-reduce, on
+        a mesh then across the replicas) are each other's negation only when all ranks agree.
+        Made only when some gradient was set, which every rank knows from ``sums``."""
+        indices = edits.set_indices(sums)
+        if not indices:
+            return
+        fps = edits.fingerprints(indices)
+        vec = torch.tensor(fps + [-f for f in fps], dtype=torch.int64, device=device)
+        self.comm.all_reduce(vec, "hand-set gradient fingerprints", count=False,
+                             op=dist.ReduceOp.MAX)
+        if getattr(self.comm, "replicate", None) is not None:
+            self.comm.replicate.all_reduce(vec, "hand-set gradient fingerprints", count=False,
+                                           op=dist.ReduceOp.MAX)
+        got = vec.tolist()
+        k = len(indices)
+        edits.check_values(indices, got[:k], [-v for v in got[k:]], label)
 
     def sq_partials(self, engine: Engine, layout: Layout, n_params: int,
                     device: torch.device) -> torch.Tensor:
