@@ -118,3 +118,94 @@ def test_copies_of_the_state_are_snapshots():
     assert pickle.loads(pickle.dumps(opt)).state == {}
     torch.save(opt, io.BytesIO())
     assert copy.deepcopy(opt).state == {}
+
+
+def _refused_unchanged(model, opt, sd, match):
+    """Loading ``sd`` raises ``match``; the model and the optimizer's state are untouched."""
+    params = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    with pytest.raises((ValueError, TypeError), match=match):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    after = opt.state_dict()
+    for k in ("exp_avg", "exp_avg_sq", "steps"):
+        assert torch.equal(after["state"][k], state["state"][k]), k
+
+
+@pytest.mark.parametrize("bad", ["extra key", "steps a str", "steps float", "steps negative"])
+def test_bad_per_rank_state_dict_is_refused_naming_the_key(bad):
+    """A per-rank state dict (zerokern's own format) with an unknown top-level key or step
+    counts that are not non-negative integers: refused, naming the key, nothing changed
+    (issue 35's adversarial pass; before, an extra key was ignored and "steps" failed inside
+    .tolist())."""
+    model = _model()
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=1, **HP)
+    _train(model, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    if bad == "extra key":
+        sd["bogus"] = 1
+        match = "unknown top-level key 'bogus'"
+    else:
+        n = sd["state"]["steps"].numel()
+        sd["state"]["steps"] = {"steps a str": "three",
+                                "steps float": torch.full((n,), 2.0),
+                                "steps negative": torch.full((n,), -1)}[bad]
+        match = "'steps'"
+    _refused_unchanged(model, opt, sd, match)
+
+
+@pytest.mark.parametrize("bad", ["step a str", "NaN exp_avg_sq", "negative exp_avg_sq",
+                                 "inf exp_avg"])
+def test_bad_torch_state_dict_is_refused_naming_the_key(bad):
+    """A torch-format state dict whose step is not a number, or whose moments hold a NaN, an
+    infinity or a negative second moment (every later update of that parameter would be NaN):
+    refused naming the key and the parameter, nothing changed."""
+    model = _model()
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=1, **HP)
+    _train(model, opt, 2)
+    sd = copy.deepcopy(opt.full_state_dict(rank0_only=False))
+    st = sd["state"][1]
+    if bad == "step a str":
+        st["step"] = "two"
+        match = "step of parameter 1 must be a number"
+    elif bad == "NaN exp_avg_sq":
+        st["exp_avg_sq"][0] = float("nan")
+        match = "exp_avg_sq of parameter 1 holds a NaN"
+    elif bad == "negative exp_avg_sq":
+        st["exp_avg_sq"][0] = -1.0
+        match = "exp_avg_sq of parameter 1 holds negative values"
+    else:
+        st["exp_avg"][-1] = float("inf")
+        match = "exp_avg of parameter 1 holds a NaN or an infinity"
+    _refused_unchanged(model, opt, sd, match)
+
+
+def test_missing_parameter_state_starts_afresh_as_torch():
+    """A torch-format state dict without one parameter's state (torch keeps none for a
+    parameter that never had a gradient): that parameter starts afresh, as torch's AdamW
+    loading the same dict has it, and both then train alike."""
+    model, ref = _model(), _model()
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=1, backend="torch", **HP)
+    ropt = torch.optim.AdamW(ref.parameters(), foreach=False, **HP)
+    _train(model, opt, 2)
+    _train(ref, ropt, 2)
+    sd = copy.deepcopy(opt.full_state_dict(rank0_only=False))
+    del sd["state"][2]
+    opt.load_state_dict(copy.deepcopy(sd))
+    ropt.load_state_dict(copy.deepcopy(sd))
+    _train(model, opt, 2, seed=2)
+    _train(ref, ropt, 2, seed=2)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_process_group_that_is_not_a_group_is_refused():
+    """``process_group=5`` (a rank, not a group): refused naming the argument, instead of
+    torch's "Group 5 is not registered" from deep inside the first collective."""
+    from fake_pg import fake_group
+
+    with fake_group(0, 2):
+        model = _model()
+        with pytest.raises(TypeError, match="process_group must be a torch.distributed "
+                                            "ProcessGroup.*got int"):
+            zerokern.ZeroAdamW(model.parameters(), stage=1, process_group=5, **HP)

@@ -248,6 +248,9 @@ class Comm:
         self.group = process_group if self.distributed else None
         if process_group is not None and not self.distributed:
             raise ValueError("process_group was given but torch.distributed is not initialized")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup (from "
+                            f"dist.new_group) or None, got {type(process_group).__name__}")
         launched = os.environ.get("WORLD_SIZE", "1")
         if not self.distributed and launched.isdigit() and int(launched) > 1:
             # torchrun (or another launcher) started several ranks: running each as world

@@ -20,6 +20,7 @@ into a ``master="none"`` optimizer.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -175,9 +176,17 @@ class TorchFormat:
                         f"state_dict: {key} of parameter {torch_index[i]} has shape "
                         f"{tuple(st[key].shape)}, the parameter {tuple(shape)}: it comes from "
                         "another model")
-            step = float(st["step"])
-            if step < 0 or step != int(step):
+            try:
+                step = float(st["step"])
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(f"state_dict: step of parameter {torch_index[i]} must be a "
+                                 f"number or a one-element tensor, got {st['step']!r:.60}"
+                                 ) from None
+            if not math.isfinite(step) or step < 0 or step != int(step):
                 raise ValueError(f"state_dict: step of parameter {torch_index[i]} is {step}")
+            for key in rule.state_names:
+                rule.check_state(key, st[key], f"state_dict: {key} of parameter "
+                                               f"{torch_index[i]}")
         for gi, sg in enumerate(groups):
             hp = {k: sg.get(k, g[k]) for g in [param_groups[gi]] for k in rule.defaults}
             rule.check_hparams(hp, f" (state_dict param group {gi})", self.access.slot.fmt)

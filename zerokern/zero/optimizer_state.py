@@ -27,6 +27,9 @@ from .shards import ParamShard, ShardRange, StoredRange
 from .state_format import StateFormat
 from .state_view import ShardedStateView
 
+# The top-level keys of a per-rank state dict (state_dict() below writes exactly these).
+_RANK_KEYS = frozenset({"state", "param_groups", "scaler", "zerokern"})
+
 
 def code_maps(rule: UpdateRule) -> dict[str, str]:
     """The int8 code map of each of the rule's buffers, as state dicts and checkpoints name
@@ -178,6 +181,11 @@ class StateAccess:
             raise ValueError("state_dict: neither a ZeroAdamW state dict (no 'zerokern' "
                              "entry) nor a torch.optim.AdamW one ('state' and "
                              "'param_groups')")
+        extra = sorted(set(state_dict) - _RANK_KEYS, key=str)
+        if extra:
+            raise ValueError(f"state_dict: unknown top-level key {extra[0]!r} in a ZeroAdamW "
+                             f"per-rank state dict (it holds {sorted(_RANK_KEYS)}): not a "
+                             "state dict this zerokern wrote")
         st = state_dict["state"]
         if len(state_dict["param_groups"]) != len(param_groups):
             raise ValueError("state_dict: number of param groups differs")
@@ -210,6 +218,7 @@ class StateAccess:
                         f"{mine[k]}; use zerokern.load_checkpoint to change world size or "
                         "stage")
             self._check_buffers(st)
+            self._check_steps(st.get("steps"))
         eng = self.slot.engine
         if self.slot.fmt.in_place:  # the saved format is this one (checked)
             set_seed(self.slot, saved_fmt["seed"])  # the rounding continues where it was
@@ -274,6 +283,20 @@ class StateAccess:
         if state.fmt.is_default:
             return {k: b.main.data for k, b in state.buffers.items()}
         return state.tensors()
+
+    def _check_steps(self, steps: Any) -> None:
+        """The per-parameter step counts: an integer tensor, one non-negative count each."""
+        n = len(self.table.params)
+        if (not torch.is_tensor(steps) or steps.dtype.is_floating_point
+                or steps.dtype.is_complex or steps.dtype == torch.bool
+                or tuple(steps.shape) != (n,)):
+            got = (f"{steps.dtype} of shape {tuple(steps.shape)}" if torch.is_tensor(steps)
+                   else repr(steps)[:60])
+            raise ValueError(f"state_dict: 'steps' must be an integer tensor of shape ({n},) "
+                             f"(one step count per trained parameter), got {got}")
+        if bool((steps < 0).any()):
+            raise ValueError(f"state_dict: 'steps' holds a negative step count "
+                             f"({int(steps.min())})")
 
     def _check_buffers(self, st: dict[str, Any]) -> None:
         """Each stored buffer of the state dict matches this state's (dtype and length), before

@@ -25,6 +25,7 @@ class AdamWRule(UpdateRule):
     code_maps: ClassVar[dict[str, str]] = {"exp_avg": SIGNED_MAP_ID,
                                            "exp_avg_sq": UNSIGNED_MAP_ID}
     torch_class = torch.optim.AdamW
+    nonnegative = ("exp_avg_sq",)
 
     def check_hparams(self, group: Mapping[str, Any], where: str = "",
                       fmt: StateFormat | None = None) -> None:

@@ -64,6 +64,23 @@ class UpdateRule(ABC):
     torch_class: ClassVar[type[torch.optim.Optimizer]]
     """torch's optimizer of the same update: its state dicts are the interchange format."""
 
+    nonnegative: ClassVar[tuple[str, ...]] = ()
+    """The buffers that are never negative (a second moment): a loaded negative is refused."""
+
+    def check_state(self, name: str, t: Any, where: str) -> None:
+        """A loaded buffer ``name`` (torch's format): a floating-point tensor of finite
+        values (and not negative where ``nonnegative`` says so). A NaN or a negative second
+        moment would make every later update of the parameter NaN."""
+        if not torch.is_tensor(t) or not t.dtype.is_floating_point:
+            raise ValueError(f"{where} must be a floating-point tensor, got "
+                             f"{t.dtype if torch.is_tensor(t) else type(t).__name__}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where} holds a NaN or an infinity: the state is corrupt "
+                             "(a run that diverged?); load an earlier checkpoint")
+        if name in self.nonnegative and bool((t < 0).any()):
+            raise ValueError(f"{where} holds negative values ({float(t.min()):.3g}); it is "
+                             "a sum of squares, never negative: the state is corrupt")
+
     def map_id(self, name: str) -> str:
         return self.code_maps.get(name, SIGNED_MAP_ID)
 
