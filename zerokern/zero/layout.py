@@ -64,12 +64,6 @@ class Layout:
     param_flat_offset: tuple[int, ...]  # by global param index
     pieces: tuple[Piece, ...]  # this rank's pieces in local order
 
-    def group_local_range(self, g: int) -> tuple[int, int]:
-        start = self.group_local_start[g]
-        plan = self.plans[g]
-        size = plan.padded_numel if self.stage == 0 else plan.local_numel
-        return start, start + size
-
 
 def build_layout(
     group_param_numels: Sequence[Sequence[int]],

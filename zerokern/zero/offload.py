@@ -130,9 +130,6 @@ class HostArena:
         self.blocks.setdefault(kind, []).append(blk)
         return blk.tensor.zero_()
 
-    def bytes_of(self, kind: str) -> int:
-        return sum(b.nbytes for b in self.blocks.get(kind, []))
-
     def stats(self) -> dict[str, int]:
         s = self.arena.stats()
         return {"in_use": int(s["in_use"]), "capacity": int(s["capacity"])}
