@@ -43,6 +43,18 @@ def _main(argv):
     return main(argv)
 
 
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``python -m zerokern estimate ARGS`` in this process (test_cli_json_subprocess runs the
+    real command line once): its exit status, stdout and stderr."""
+    capsys.readouterr()
+    try:
+        code = _main(["estimate", *args])
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return int(code or 0), out.out, out.err
+
+
 # --------------------------------------------------------------------------------------------
 # Memory formulas (§5.1-5.4)
 # --------------------------------------------------------------------------------------------
@@ -280,13 +292,12 @@ def test_cli_json_subprocess():
     assert "ring" in r["communication"]["counting"]
 
 
-def test_cli_table_subprocess():
-    p = _run_cli(
-        "--params", "7.5e9", "--gpus", "1", "4", "16", "64", "256", "1024",
+def test_cli_table(capsys):
+    code, out, err = _cli(
+        capsys, "--params", "7.5e9", "--gpus", "1", "4", "16", "64", "256", "1024",
         "--gpu-mem", "32", "--bandwidth", "100",
     )  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    out = p.stdout
+    assert code == 0, err
     row64 = next(line for line in out.splitlines() if line.split()[:1] == ["64"])
     assert row64.split() == ["64", "120", "31.4", "*", "16.6", "*", "1.88", "*"]
     row4 = next(line for line in out.splitlines() if line.split()[:1] == ["4"])
@@ -359,10 +370,10 @@ def test_missing_arguments(argv, needle, capsys):
     assert "error" in captured.err and needle in captured.err
 
 
-def test_bad_arguments_subprocess():
-    p = _run_cli("--params", "7.5e9", "--gpus", "0")
-    assert p.returncode == 2
-    assert "argument --gpus" in p.stderr and p.stdout == ""
+def test_zero_gpus_exits_2_naming_the_argument(capsys):
+    code, out, err = _cli(capsys, "--params", "7.5e9", "--gpus", "0")
+    assert code == 2
+    assert "argument --gpus" in err and out == ""
 
 
 def test_dispatcher_skips_missing_command_module(monkeypatch, capsys):
@@ -479,9 +490,9 @@ def test_offload_rows_in_report_json_and_text(capsys):
     assert got["min_gpus_to_fit"] is None  # no --gpu-mem: the device rows are unchanged
 
 
-def test_host_mem_must_be_positive():
-    proc = _run_cli("estimate", "--params", "1e9", "--host-mem", "0")
-    assert proc.returncode == 2 and "--host-mem" in proc.stderr
+def test_host_mem_must_be_positive(capsys):
+    code, _, err = _cli(capsys, "--params", "1e9", "--host-mem", "0")
+    assert code == 2 and "--host-mem" in err
 
 
 # --------------------------------------------------------------------------------------------
@@ -576,11 +587,10 @@ def test_cli_moments_master_json(moments, master, capsys):
     assert r["rows"][0]["bytes"]["stage2"] == pytest.approx(2e9 + (2 + k) * 1e9 / 4)
 
 
-def test_cli_int8_no_master_table_subprocess():
-    p = _run_cli("--params", "7.5e9", "--gpus", "1", "64", "--gpu-mem", "32", "--moments",
-                 "int8", "--master", "none")
-    assert p.returncode == 0, p.stderr
-    out = p.stdout
+def test_cli_int8_no_master_table(capsys):
+    code, out, err = _cli(capsys, "--params", "7.5e9", "--gpus", "1", "64", "--gpu-mem", "32",
+                          "--moments", "int8", "--master", "none")
+    assert code == 0, err
     # (2 + 2 + 2.03125) x 7.5 = 45.2 GB at N = 1; at 64: 30.2, 15.5, 0.707 GB
     row64 = next(line for line in out.splitlines() if line.split()[:1] == ["64"])
     assert row64.split() == ["64", "45.2", "30.2", "*", "15.5", "*", "0.707", "*"]
