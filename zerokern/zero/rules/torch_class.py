@@ -23,6 +23,7 @@ its first step (all others) gets an empty state there, as torch's own first step
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +102,7 @@ class TorchClassRule(TorchRule):
                              "differentiable=False")
         p = torch.nn.Parameter(torch.tensor(_PROBE_VALUES))
         try:
-            opt = self.torch_class([p], **hp)
+            opt = construct(self.torch_class, p, hp)
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{self.label}{where}: {exc}") from None
         init = {k: _clone(v) for k, v in opt.state.get(p, {}).items()}
@@ -163,8 +164,8 @@ class TorchClassRule(TorchRule):
     # -- the update ----------------------------------------------------------------------------
     def _instance(self) -> torch.optim.Optimizer:
         if self._runner is None:
-            self._runner = self.torch_class([torch.nn.Parameter(torch.zeros(1))],
-                                            **self.defaults)
+            self._runner = construct(self.torch_class, torch.nn.Parameter(torch.zeros(1)),
+                                     self.defaults)
         return self._runner
 
     def _start_state(self, pr: Probe, group: Mapping[str, Any], step: int,
@@ -240,6 +241,23 @@ class TorchClassRule(TorchRule):
 
     def __repr__(self) -> str:
         return f"TorchClassRule({self.label})"
+
+
+def construct(cls: type[torch.optim.Optimizer], p: torch.nn.Parameter,
+              hp: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """``cls([p], **hp)`` with the keys its constructor takes, the others (a group key the
+    class puts there itself, e.g. AdamW's ``decoupled_weight_decay``) set in its group."""
+    try:
+        sig = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        sig = None
+    if sig is None or any(q.kind is inspect.Parameter.VAR_KEYWORD for q in sig.values()):
+        takes = dict(hp)
+    else:
+        takes = {k: v for k, v in hp.items() if k in sig}
+    opt = cls([p], **takes)
+    opt.param_groups[0].update({k: v for k, v in hp.items() if k not in takes})
+    return opt
 
 
 def class_name(cls: type) -> str:
