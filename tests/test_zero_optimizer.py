@@ -34,6 +34,7 @@ from models import IntGradNet
 from test_zero_parity import _ref_average
 
 import zerokern
+from zerokern.zero.registry import runtime_of_module
 
 STEPS = 3
 TOL = STEPS * 80 * U_FP32
@@ -89,7 +90,7 @@ def _loss(model, step, rank):
 
 
 def _compare(ours, ref, what, exact=False):
-    sharded = any(p.numel() == 0 for p in ours.parameters())  # stage 3: gather them
+    sharded = runtime_of_module(ours) is not None  # stage 3: gather them
     full = zerokern.full_state_dict(ours, rank0_only=False) if sharded else \
         dict(ours.named_parameters())
     for (name, _), b in zip(ours.named_parameters(), ref.parameters()):
@@ -166,17 +167,20 @@ def parity_case(rank, world, *, stages, cases, offload=False, mesh=False):
 
 @pytest.mark.parametrize("world", [2])
 def test_elementwise_classes_match_ddp_at_every_stage(world, tmp_path):
-    run_ranks(world, parity_case, tmp_path=tmp_path, stages=(0, 1, 2, 3), cases=CASES)
+    run_ranks(world, parity_case, dict(stages=(0, 1, 2, 3), cases=CASES), tmp_path=tmp_path,
+              kwargs=True)
 
 
 def test_offload_and_three_ranks(tmp_path):
     pick = [CASES[1], CASES[6], CASES[4]]
-    run_ranks(3, parity_case, tmp_path=tmp_path, stages=(1, 2, 3), cases=pick, offload=True)
+    run_ranks(3, parity_case, dict(stages=(1, 2, 3), cases=pick, offload=True),
+              tmp_path=tmp_path, kwargs=True)
 
 
 def test_two_d_mesh(tmp_path):
     pick = [CASES[0], CASES[6], CASES[5]]
-    run_ranks(4, parity_case, tmp_path=tmp_path, stages=(0, 2, 3), cases=pick, mesh=True)
+    run_ranks(4, parity_case, dict(stages=(0, 2, 3), cases=pick, mesh=True),
+              tmp_path=tmp_path, kwargs=True)
 
 
 def adamw_case(rank, world):
@@ -242,7 +246,7 @@ def interchange_case(rank, world, *, path):
 
 
 def test_state_dicts_and_checkpoints_round_trip(tmp_path):
-    run_ranks(2, interchange_case, tmp_path=tmp_path, path=str(tmp_path))
+    run_ranks(2, interchange_case, dict(path=str(tmp_path)), tmp_path=tmp_path, kwargs=True)
 
 
 def test_checkpoint_of_another_class_is_refused(tmp_path):

@@ -104,4 +104,4 @@ def rule_for(cls: type[torch.optim.Optimizer], given: Mapping[str, Any],
         probe = cls([torch.nn.Parameter(torch.zeros(1))], **given)
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"{_name(cls)}: {exc}") from None
-    return TorchClassRule(cls, probe.defaults)
+    return TorchClassRule(cls, probe.defaults, given)

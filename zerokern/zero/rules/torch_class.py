@@ -60,10 +60,13 @@ def raw_step(opt: torch.optim.Optimizer) -> None:
 
 class TorchClassRule(TorchRule):
     """The update of torch optimizer class ``cls`` (element-wise: ``elementwise.py``) over
-    flat fp32 ranges; ``defaults``: the class's defaults with the user's values."""
+    flat fp32 ranges; ``defaults``: the class's defaults with the user's values, ``given``:
+    the user's keywords."""
 
-    def __init__(self, cls: type[torch.optim.Optimizer], defaults: Mapping[str, Any]) -> None:
+    def __init__(self, cls: type[torch.optim.Optimizer], defaults: Mapping[str, Any],
+                 given: Mapping[str, Any] | None = None) -> None:
         self.torch_class = cls  # type: ignore[misc]
+        self.given = dict(given or {})  # the hyperparameters the caller gave the class
         self.name = f"torch:{cls.__module__}.{cls.__qualname__}"  # type: ignore[misc]
         self.defaults = dict(defaults)  # type: ignore[misc]
         self.state_names: tuple[str, ...] = ()  # type: ignore[misc]  # declare() sets them
@@ -102,7 +105,7 @@ class TorchClassRule(TorchRule):
                              "differentiable=False")
         p = torch.nn.Parameter(torch.tensor(_PROBE_VALUES))
         try:
-            opt = construct(self.torch_class, p, hp)
+            opt = self._build(p, hp)
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{self.label}{where}: {exc}") from None
         init = {k: _clone(v) for k, v in opt.state.get(p, {}).items()}
@@ -164,9 +167,19 @@ class TorchClassRule(TorchRule):
     # -- the update ----------------------------------------------------------------------------
     def _instance(self) -> torch.optim.Optimizer:
         if self._runner is None:
-            self._runner = construct(self.torch_class, torch.nn.Parameter(torch.zeros(1)),
-                                     self.defaults)
+            self._runner = self._build(torch.nn.Parameter(torch.zeros(1)), self.defaults)
         return self._runner
+
+    def _build(self, p: torch.nn.Parameter, hp: Mapping[str, Any]) -> torch.optim.Optimizer:
+        """The class over ``[p]`` with the group values ``hp``: constructed with them (its
+        own checks), or, where its constructor does not take them all as keywords (a
+        subclass fixing some), as the caller constructed it and given them in its group."""
+        try:
+            return construct(self.torch_class, p, hp)
+        except TypeError:
+            opt = construct(self.torch_class, p, self.given)
+            opt.param_groups[0].update(hp)
+            return opt
 
     def _start_state(self, pr: Probe, group: Mapping[str, Any], step: int,
                      device: torch.device) -> dict[str, Any]:
