@@ -160,7 +160,7 @@ def parity_case(rank, world, *, stages, cases, offload=False, mesh=False):
                     got = full["state"][i][k]
                     if torch.is_tensor(v):
                         torch.testing.assert_close(got.float(), v.float(), rtol=TOL, atol=TOL,
-                                                   msg=lambda m, k=k: f"{what} {i} {k}: {m}")
+                                                   msg=lambda m, w=f"{what} {i} {k}": f"{w}: {m}")
                     else:
                         assert got == v, (what, i, k)
 

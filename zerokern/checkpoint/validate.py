@@ -46,7 +46,6 @@ from .format import (
     meta_digest,
     rank_file,
 )
-from .optimizer_entry import OPTIMIZER, check_entry, check_hyper, state_tensors
 from .moments import (
     MOMENTS,
     MOMENTS_TABLE,
@@ -61,6 +60,7 @@ from .moments import (
     tensor_name,
     values_dtype,
 )
+from .optimizer_entry import OPTIMIZER, check_entry, check_hyper, state_tensors
 
 # meta.json's top-level keys (plan_save, then _finish: save_id, files; META_DIGEST from format
 # version 2 on, where it is required).

@@ -1,6 +1,6 @@
 from . import interop
-from .config import ZeroConfig
 from .any_optimizer import ZeroOptimizer
+from .config import ZeroConfig
 from .optimizer import ZeroAdamW
 from .shard import full_state_dict, shard_model
 

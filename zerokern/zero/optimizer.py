@@ -20,8 +20,6 @@ from .config import ZeroConfig
 from .rules import ADAMW, UpdateRule
 
 
-
-
 class ZeroAdamW(ZeroOptimizer):
     """AdamW with ZeRO partitioning across the ranks of ``process_group``.
 

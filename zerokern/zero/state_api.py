@@ -72,7 +72,8 @@ class StateSurface:
         """This rank's own ``state_dict()``, or a full state dict in the torch optimizer
         class's format (every rank passes the same one: from full_state_dict, any world size
         or stage, or a single-process run of the torch class; 16-bit parameters then take
-        their fp32 master from the current parameters). A per-rank state dict loads only into the moments/master format
+        their fp32 master from the current parameters). A per-rank state dict loads only
+        into the moments/master format
         that saved it (refused otherwise); a torch-format one is stored in this optimizer's
         format (int8: quantized on load), which is how a state changes format."""
         if is_torch_format(state_dict):
@@ -94,8 +95,9 @@ class StateSurface:
     def full_state_dict(self, *, rank0_only: bool = True,
                         cpu_offload: bool = True) -> dict[str, Any]:
         """This optimizer's whole state in its torch class's format (``ZeroAdamW``:
-        torch.optim.AdamW's), on rank 0 (other ranks get ``{}``) or, with ``rank0_only=False``, on every rank; tensors on the CPU with
-        ``cpu_offload``. A collective: call it on every rank. The moments are fp32 whatever
+        torch.optim.AdamW's), on rank 0 (other ranks get ``{}``) or, with
+        ``rank0_only=False``, on every rank; tensors on the CPU with ``cpu_offload``. A
+        collective: call it on every rank. The moments are fp32 whatever
         the parameters' dtype (what AdamW holds for fp32 parameters; the fp32 master of
         16-bit parameters is not part of torch's format); compressed moments are dequantized
         and a top-level ``"state_format"`` entry names the format. For interchange and small

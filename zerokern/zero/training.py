@@ -77,8 +77,9 @@ class TrainingLoop:
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One step of the optimizer over this rank's shard, then the parameters gathered where the stage
-        keeps them whole. Finishes the gradient reduction, runs the one norm-and-flags
+        """One step of the optimizer over this rank's shard, then the parameters gathered
+        where the stage keeps them whole. Finishes the gradient reduction, runs the one
+        norm-and-flags
         all-reduce (clipping, the fp16 overflow skip), updates, and returns ``closure()``'s
         loss as torch's does. A collective: call it on every rank."""
         loss = None
@@ -115,7 +116,8 @@ class TrainingLoop:
         these parameters comes here too). With a loss scaler the norm is of the unscaled
         gradients."""
         if float(norm_type) != 2.0:
-            raise ValueError(f"norm_type: {type(self).__name__} clips by the 2-norm only, got {norm_type!r}")
+            raise ValueError(f"norm_type: {type(self).__name__} clips by the 2-norm only, got "
+                             f"{norm_type!r}")
         # max_norm=inf is torch's way to ask for the norm alone (the HF Trainer logs it so).
         if not (isinstance(max_norm, (int, float)) or torch.is_tensor(max_norm)) or \
                 not (finite_ge0(max_norm) or float(max_norm) == math.inf):

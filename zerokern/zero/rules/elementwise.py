@@ -93,7 +93,8 @@ def check_elementwise(cls: Any, elementwise: bool) -> None:
 def rule_for(cls: type[torch.optim.Optimizer], given: Mapping[str, Any],
              elementwise: bool = False) -> UpdateRule:
     """The rule stepping ``cls`` with the hyperparameters ``given``: AdamW's fused rule for
-    ``torch.optim.AdamW`` itself (without ``amsgrad`` or ``maximize``), else a ``TorchClassRule`` with the class's defaults (the
+    ``torch.optim.AdamW`` itself (without ``amsgrad`` or ``maximize``), else a
+    ``TorchClassRule`` with the class's defaults (the
     class's own constructor checks ``given``: its ValueError or TypeError)."""
     check_elementwise(cls, elementwise)
     # The fused kernels implement AdamW without AMSGrad and minimizing; torch's own step
