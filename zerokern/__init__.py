@@ -6,7 +6,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import CollectiveError, CollectiveTimeout
 from .compose import parallelize, shard_for
 from .memory import Arena, ArenaOutOfMemory, Block
-from .zero import ZeroAdamW, ZeroConfig, full_state_dict, shard_model
+from .zero import ZeroAdamW, ZeroConfig, ZeroOptimizer, full_state_dict, shard_model
 
 __version__ = "0.1.0"
 
@@ -19,6 +19,7 @@ __all__ = [
     "CollectiveTimeout",
     "ZeroAdamW",
     "ZeroConfig",
+    "ZeroOptimizer",
     "full_state_dict",
     "shard_model",
     "__version__",

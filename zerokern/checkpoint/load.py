@@ -64,6 +64,7 @@ from .moments import (
     has_table,
     read_fp32_into,
 )
+from .optimizer_entry import apply_scalars, match_rule
 from .save import ModelNames, Team, agree, attempt, model_names, stage3_runtime
 from .validate import check_meta, check_rank_file
 
@@ -248,6 +249,7 @@ def match(ck: Opened, model: torch.nn.Module, opt: Any) -> Match:
                 f"{sorted(src)}; build the groups as when saving"
             )
         groups.append(src.pop() if src else None)
+    match_rule(ck.dir, meta, opt, groups)  # the same update rule, hyperparameters it takes
     order = None
     if rt is None and opt.layout is None and meta.get("ready_order"):
         order = [
@@ -390,6 +392,7 @@ def apply(ck: Opened, m: Match, model: torch.nn.Module, opt: Any) -> None:
                         _read_param(rd, n, p)
         for n, b in m.names.buffers.items():
             b.copy_(rd.handle(ck.buffer_file[n]).get_tensor(f"buffer/{n}"))
+    apply_scalars(meta, opt, m.names.param)
     sf = meta.get(STATE_FORMAT)
     if StateFormat.saved_in_place(sf) and opt.state_format.in_place:
         opt.seed = sf["seed"]  # the stochastic rounding goes on as it would have

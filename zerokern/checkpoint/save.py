@@ -67,6 +67,7 @@ from .moments import (
     format_entry,
     values_dtype,
 )
+from .optimizer_entry import OPTIMIZER, known_hyper, optimizer_entry
 from .validate import HYPER_KEYS
 
 
@@ -122,10 +123,10 @@ def stage3_runtime(model: torch.nn.Module, opt: Any) -> Any:
     return rt
 
 
-def _known_group_key(group: int, key: str) -> bool:
+def _known_group_key(group: int, key: str, opt: Any = None) -> bool:
     """Only the param-group keys a load accepts are saved: refuse others now rather than
     write a checkpoint that can never be loaded."""
-    if key not in HYPER_KEYS:
+    if key not in HYPER_KEYS and not known_hyper(opt, key):
         raise ValueError(
             f"param group {group} has the key {key!r}, which a checkpoint does not hold "
             f"(known: {', '.join(sorted(HYPER_KEYS))}); keep such values in "
@@ -220,7 +221,7 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
         groups.append(
             {
                 "hyper": {k: _jsonable(k, v) for k, v in grp.items()
-                          if k != "params" and _known_group_key(g, k)},
+                          if k != "params" and _known_group_key(g, k, opt)},
                 "params": [names.param[id(p)] for p in grp["params"]],
             }
         )
@@ -249,6 +250,9 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
         "extra": extra_json,
     }
+    entry = optimizer_entry(opt, names.param)
+    if entry is not None:  # another rule than AdamW's: its buffers and scalars
+        meta[OPTIMIZER] = entry
     fmt = opt.state_format
     sf = format_entry(fmt.moments, fmt.master, opt.seed)
     if sf is not None:  # a compressed state: stored as the optimizer stores it (moments.py)
@@ -274,7 +278,7 @@ def write_rank_file(path: str, rank: int, opt: Any, plan: Plan, nonce: str) -> d
 
     moment_rows: list[list[Any]] | None = None
     if STATE_FORMAT not in plan.meta:
-        for key, field_ in (("master", "values"), *((k, k) for k in MOMENTS)):
+        for key, field_ in (("master", "values"), *((k, k) for k in opt.rule.state_names)):
             jobs.append(((key, torch.float32, [n]), state_job(key, field_)))
     else:
         moment_rows = _compressed_jobs(jobs, plan, n)

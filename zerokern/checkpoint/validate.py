@@ -60,6 +60,7 @@ from .moments import (
     tensor_name,
     values_dtype,
 )
+from .optimizer_entry import OPTIMIZER, check_entry, check_hyper, state_tensors
 
 # meta.json's top-level keys (plan_save, then _finish: save_id, files; META_DIGEST from format
 # version 2 on, where it is required).
@@ -168,7 +169,7 @@ def check_meta(meta: Any, d: str) -> PieceIndex:
             f"reads up to {FORMAT_VERSION})"
         )
     _check_digest(c, meta, version)
-    c.keys(meta, "the top level", KEYS | {META_DIGEST, STATE_FORMAT, MESH},
+    c.keys(meta, "the top level", KEYS | {META_DIGEST, STATE_FORMAT, MESH, OPTIMIZER},
            KEYS | ({META_DIGEST} if version >= 2 else frozenset()))
     for key in ("zerokern_version", "torch_version", "save_id"):
         c.require(isinstance(meta[key], str) and meta[key] != "", key, "a string", meta[key])
@@ -186,7 +187,9 @@ def check_meta(meta: Any, d: str) -> PieceIndex:
     _check_params(c, meta["params"], len(meta["param_groups"]))
     _check_buffers(c, meta["buffers"])
     _check_names(c, meta)
-    _check_groups(c, meta["param_groups"], meta["params"])
+    if OPTIMIZER in meta:  # the state of another rule than AdamW's
+        check_entry(meta, c.error)
+    _check_groups(c, meta["param_groups"], meta["params"], OPTIMIZER in meta)
     _check_scaler(c, meta["scaler"])
     if STATE_FORMAT in meta:
         check_state_format(meta[STATE_FORMAT], meta["param_dtype"], c.error)
@@ -277,7 +280,8 @@ def _check_names(c: _Fields, meta: dict[str, Any]) -> None:
         c.names(meta["ready_order"], "ready_order", trained, "a trained parameter")
 
 
-def _check_groups(c: _Fields, groups: list, params: dict[str, Any]) -> None:
+def _check_groups(c: _Fields, groups: list, params: dict[str, Any],
+                  torch_class: bool = False) -> None:
     """Each group's hyperparameters, and its parameter list agreeing with params[...].group."""
     listed: dict[str, int] = {}
     for g, grp in enumerate(groups):
@@ -292,7 +296,12 @@ def _check_groups(c: _Fields, groups: list, params: dict[str, Any]) -> None:
                 raise c.error(f"{field}.params[{k}]",
                               f"is {n!r}, whose params[{n!r}].group is {params[n]['group']}")
             listed[n] = g
-        _check_hyper(c, grp["hyper"], f"{field}.hyper", len(grp["params"]))
+        if torch_class:  # a torch class's hyperparameters: checked by the class at load
+            c.require(isinstance(grp["hyper"], dict), f"{field}.hyper", "a JSON object",
+                      grp["hyper"])
+            check_hyper(grp["hyper"], f"{field}.hyper", c.error)
+        else:
+            _check_hyper(c, grp["hyper"], f"{field}.hyper", len(grp["params"]))
     for n, p in params.items():
         if p["group"] is not None and n not in listed:
             raise c.error(f"params[{n!r}].group",
@@ -394,7 +403,7 @@ def check_rank_file(meta: dict[str, Any], i: int, tensors: dict[str, TensorInfo]
     # The state triple is always written (1-D, one length), even when empty: fp32, but the
     # values of master="none" are the bf16 parameters; with a moments table only the values.
     expect: dict[str, tuple[torch.dtype, tuple[int, ...] | None]] = {
-        t: (torch.float32, None) for t in (STATE if rows is None else STATE[:1])
+        t: (torch.float32, None) for t in (state_tensors(meta) if rows is None else STATE[:1])
     }
     expect["master"] = (values_dtype(meta), None)
     if rows is not None:
@@ -414,7 +423,7 @@ def check_rank_file(meta: dict[str, Any], i: int, tensors: dict[str, TensorInfo]
                                    else len(info.shape) != 1):
             raise bad(f"tensor {t!r} is {info.dtype} of shape {list(info.shape)}, expected "
                       f"{dtype} of shape {list(shape) if shape is not None else '[n]'}")
-    same = [STATE] if rows is None else [
+    same = [state_tensors(meta)] if rows is None else [
         [tensor_name(k, fmt) for k in MOMENTS] for fmt in {r[3] for r in rows}] + [
         [absmax_name(k) for k in MOMENTS] for fmt in {r[3] for r in rows} if blockwise(fmt)]
     for group in same:

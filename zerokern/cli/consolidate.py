@@ -438,6 +438,11 @@ def _plan_adamw(src: _Source, plan: _Plan) -> None:
     state only for parameters that took a step (torch creates it lazily, at the first one)."""
     defaults = adamw_defaults()
     meta = src.meta
+    if "optimizer" in meta:  # another rule's buffers (checkpoint/optimizer_entry.py)
+        raise CheckpointError(
+            f"{src.ck.dir}: the checkpoint holds the state of {meta['optimizer']['class']}, "
+            "not torch.optim.AdamW: consolidate its weights only, or load it with "
+            "zerokern.load_checkpoint and take opt.full_state_dict() (the class's format)")
     state: dict[int, Any] = {}
     groups, k, data = [], 0, 0
     for g in meta["param_groups"]:

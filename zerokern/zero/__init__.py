@@ -1,4 +1,5 @@
 from . import interop
+from .any_optimizer import ZeroOptimizer
 from .config import ZeroConfig
 from .optimizer import ZeroAdamW
 from .shard import full_state_dict, shard_model
@@ -7,4 +8,4 @@ from .shard import full_state_dict, shard_model
 # (interop.py says why); every other call is torch's own.
 interop.install()
 
-__all__ = ["ZeroAdamW", "ZeroConfig", "full_state_dict", "shard_model"]
+__all__ = ["ZeroAdamW", "ZeroConfig", "ZeroOptimizer", "full_state_dict", "shard_model"]

@@ -45,7 +45,7 @@ def agreement_comm(comm: Comm | None = None, *, mesh: Any = None,
 def agree_at_construction(options: dict[str, Any] | None, failure: BaseException | None, *,
                           runtime: Any, mesh: Any, process_group: Any,
                           param_groups: list[dict[str, Any]], table: Any,
-                          where: str = "ZeroAdamW") -> Comm:
+                          where: str = "ZeroAdamW", rule: Any = None) -> Comm:
     """ZeroAdamW's one comparison (``agree``) and, once every rank agrees, its Comm: the
     stage-3 runtime's, the mesh's, or ``process_group``'s.
 
@@ -58,6 +58,7 @@ def agree_at_construction(options: dict[str, Any] | None, failure: BaseException
         param_groups: the optimizer's param groups (those torch's constructor made).
         table: the ParamTable, or None where it was not built (a refusal).
         where: the call, for the errors.
+        rule: the update rule (its hyperparameters are compared), or None for AdamW's.
     """
     if runtime is None and failure is not None:
         # Refused before the runtime was looked up: its group, if the parameters have one,
@@ -79,21 +80,45 @@ def agree_at_construction(options: dict[str, Any] | None, failure: BaseException
         raise
     known = failure is None and table is not None
     agree(group, where, options=options, failure=failure, mesh=mesh_facts,
-          groups=group_facts(param_groups, table.group_counts()) if known else None,
+          groups=group_facts(param_groups, table.group_counts(), hyper_keys(rule))
+          if known else None,
           params=param_facts(table.shapes, table.params) if known else None)
     if runtime is not None:
         return runtime.comm
     return comm_of_mesh(own_mesh) if own_mesh is not None else group
 
 
-def group_facts(param_groups: list[dict[str, Any]], counts: list[int]) -> list[dict[str, Any]]:
-    """Each param group's hyperparameters (plain floats) and count of trained parameters."""
+ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def hyper_keys(rule: Any) -> tuple[str, ...]:
+    """The param-group keys compared across ranks: a torch class's hyperparameters (every key
+    of its defaults: flags such as ``foreach`` change its rounding), else AdamW's four."""
+    from .rules import TorchClassRule  # here: rules import validation that imports this
+
+    return tuple(rule.defaults) if isinstance(rule, TorchClassRule) else ADAMW_KEYS
+
+
+def group_facts(param_groups: list[dict[str, Any]], counts: list[int],
+                keys: tuple[str, ...] = ADAMW_KEYS) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters ``keys`` (plain values) and count of trained
+    parameters."""
     out = []
     for g, n in zip(param_groups, counts):
-        out.append({"lr": float(g["lr"]), "betas": tuple(float(b) for b in g["betas"]),
-                    "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]),
-                    "trained": n})
+        out.append({**{k: _plain(g.get(k)) for k in keys}, "trained": n})
     return out
+
+
+def _plain(v: Any) -> Any:
+    """A hyperparameter as a value every rank compares alike (numbers as floats)."""
+    if torch.is_tensor(v):
+        return tuple(float(x) for x in v.reshape(-1).tolist()) if v.numel() != 1 \
+            else float(v)
+    if isinstance(v, (tuple, list)):
+        return tuple(_plain(x) for x in v)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    return v if v is None or isinstance(v, (bool, str)) else repr(v)
 
 
 def param_facts(shapes: list[torch.Size], params: list[torch.nn.Parameter],
@@ -203,8 +228,8 @@ def _option_diffs(gathered: list[dict[str, Any]]) -> list[str]:
         diffs.append(f"the number of param groups is {_by_value(counts)}")
         return diffs
     for gi in range(counts[0]):
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            values = [g[gi][key] for g in groups]
+        for key in [k for k in groups[0][gi] if k != "trained"]:
+            values = [g[gi].get(key) for g in groups]
             if any(v != values[0] for v in values):
                 diffs.append(f"{key} (param group {gi}) is {_by_value(values)}")
     return diffs

@@ -28,6 +28,7 @@ import torch
 from ..comm import Comm
 from .optimizer_state import StateAccess, set_seed
 from .param_table import ParamTable
+from .rules import TorchClassRule
 from .state_format import StateFormat
 
 
@@ -88,8 +89,10 @@ class TorchFormat:
     """ZeroAdamW's state out in torch.optim.AdamW's format (``full_state_dict``) and in
     (``load_state_dict`` of such a dict), through the sharded-state interface of ``access``."""
 
-    def __init__(self, table: ParamTable, access: StateAccess, comm: Comm, stage: int) -> None:
+    def __init__(self, table: ParamTable, access: StateAccess, comm: Comm, stage: int,
+                 rule_state: Any = None) -> None:
         self.table, self.access, self.comm, self.stage = table, access, comm, stage
+        self.rule_state = rule_state  # a torch class's per-parameter scalars (rule_state.py)
 
     def save(self, param_groups: list[dict[str, Any]], *, rank0_only: bool,
              cpu_offload: bool) -> dict[str, Any]:
@@ -99,13 +102,15 @@ class TorchFormat:
         state: dict[int, dict[str, Any]] = {}
         fmt, rule = self.access.slot.fmt, self.access.slot.rule
         stored_as: dict[int, str] = {}
+        cls_rule = rule if isinstance(rule, TorchClassRule) else None
         with torch.no_grad():
             for sh in self.access.shards(param_groups):
-                if sh.step == 0:
-                    continue  # torch's AdamW has no state for a parameter never stepped
+                probe = None if cls_rule is None else cls_rule.probe(param_groups[sh.group])
+                if sh.step == 0 and (probe is None or not probe.init):
+                    continue  # torch has no state for a parameter never stepped
                 stored_as[torch_index[sh.index]] = fmt.effective(sh.numel)
                 full = {}
-                for key in rule.state_names:
+                for key in (rule.state_names if probe is None else probe.buffers):
                     buf = torch.zeros(sh.numel, dtype=torch.float32, device=sh.param.device)
                     for r in sh.ranges:  # fp32 views, or dequantized one range at a time
                         buf.narrow(0, r.start, r.numel).copy_(r.read(key))
@@ -113,8 +118,11 @@ class TorchFormat:
                         self.comm.all_reduce(buf, f"{key} of parameter {sh.index}",
                                              count=False)
                     full[key] = buf.view(sh.shape)
+                if sh.step == 0 and probe is not None:  # as the class made it (Adagrad)
+                    full = {k: probe.init[k].reshape(-1)[:1].expand(sh.numel).clone().view(
+                        sh.shape) for k in probe.buffers}
                 if keep:
-                    entry = {"step": torch.tensor(float(sh.step))}
+                    entry = self._scalars(sh.index, sh.step, probe)
                     for key, t in full.items():
                         entry[key] = t.cpu() if cpu_offload else t
                     state[torch_index[sh.index]] = entry
@@ -126,11 +134,27 @@ class TorchFormat:
                                    "seed": self.access.slot.seed, "stored_as": stored_as}
         return out
 
+    def _scalars(self, index: int, step: int, probe: Any) -> dict[str, Any]:
+        """A parameter's torch entry besides its buffers: the step count (where the class
+        keeps one) and its per-parameter scalars."""
+        if probe is None:
+            return {"step": torch.tensor(float(step))}
+        out: dict[str, Any] = {}
+        if probe.has_step:
+            out["step"] = torch.tensor(float(step), dtype=probe_dtype(probe))
+        saved = self.rule_state.scalars[index] if step else {}
+        for k in probe.scalars:
+            v = saved.get(k, probe.init.get(k))
+            out[k] = v.detach().clone() if torch.is_tensor(v) else v
+        return out
+
     def _torch_numbering(self, param_groups: list[dict[str, Any]],
                          ) -> tuple[dict[int, int], list[dict[str, Any]]]:
         """Managed index -> torch's index (every parameter of every group, in order), and the
         groups in torch's format with AdamW's default keys filled in."""
-        defaults = _torch_defaults(self.access.slot.rule.torch_class)
+        rule = self.access.slot.rule
+        defaults = (dict(rule.defaults) if isinstance(rule, TorchClassRule)
+                    else _torch_defaults(rule.torch_class))
         torch_index: dict[int, int] = {}
         groups = []
         k = 0
@@ -143,15 +167,16 @@ class TorchFormat:
                 ids.append(k)
                 k += 1
             out = {**defaults, **{key: v for key, v in g.items() if key != "params"}}
-            out["betas"] = tuple(out["betas"])
+            if "betas" in out:
+                out["betas"] = tuple(out["betas"])
             out["params"] = ids
             groups.append(out)
         return torch_index, groups
 
     def load(self, sd: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
-        """Each rank keeps its part of a full torch.optim.AdamW state dict (every rank passes
-        the same dict; from any world size, or a single-process AdamW run). The fp32 master
-        of 16-bit parameters is taken from the current parameters."""
+        """Each rank keeps its part of a full state dict of the torch class (every rank passes
+        the same dict; from any world size, or a single-process run). The fp32 master of
+        16-bit parameters is taken from the current parameters."""
         torch_index, _ = self._torch_numbering(param_groups)
         groups = sd["param_groups"]
         if len(groups) != len(param_groups):
@@ -163,34 +188,45 @@ class TorchFormat:
                                  f"parameters there and {len(g['params'])} here")
         state = sd["state"]
         rule = self.access.slot.rule
+        cls_rule = rule if isinstance(rule, TorchClassRule) else None
+        # The hyperparameters each group steps with after the load: the saved ones.
+        hps = [{k: sg.get(k, g[k]) for k in rule.defaults if k in sg or k in g}
+               for g, sg in zip(param_groups, groups)]
+        for gi, (sg, hp) in enumerate(zip(groups, hps)):
+            rule.check_hparams(hp, f" (state_dict param group {gi})", self.access.slot.fmt)
+            if cls_rule is None:
+                check_adamw_flags({**sg, **hp}, f" (state_dict param group {gi})")
+        group_of = [gi for gi, n in enumerate(self.table.group_counts()) for _ in range(n)]
+        probes = [None if cls_rule is None else cls_rule.probe(hp) for hp in hps]
         for i, shape in enumerate(self.table.shapes):
             st = state.get(torch_index[i], state.get(str(torch_index[i])))
             if not st:
                 continue
-            missing = [k for k in rule.torch_keys if k not in st]
+            pr = probes[group_of[i]]
+            keys = rule.torch_keys if pr is None else (
+                ("step",) if pr.has_step else ()) + pr.buffers + pr.scalars
+            missing = [k for k in keys if k not in st]
             if missing:
                 raise ValueError(f"state_dict: parameter {torch_index[i]} has no {missing[0]}")
-            for key in rule.state_names:
+            for key in (rule.state_names if pr is None else pr.buffers):
                 if tuple(st[key].shape) != tuple(shape):
                     raise ValueError(
                         f"state_dict: {key} of parameter {torch_index[i]} has shape "
                         f"{tuple(st[key].shape)}, the parameter {tuple(shape)}: it comes from "
                         "another model")
-            try:
-                step = float(st["step"])
-            except (TypeError, ValueError, RuntimeError):
-                raise ValueError(f"state_dict: step of parameter {torch_index[i]} must be a "
-                                 f"number or a one-element tensor, got {st['step']!r:.60}"
-                                 ) from None
-            if not math.isfinite(step) or step < 0 or step != int(step):
-                raise ValueError(f"state_dict: step of parameter {torch_index[i]} is {step}")
-            for key in rule.state_names:
+            if "step" in keys:
+                try:
+                    step = float(st["step"])
+                except (TypeError, ValueError, RuntimeError):
+                    raise ValueError(f"state_dict: step of parameter {torch_index[i]} must be "
+                                     f"a number or a one-element tensor, got "
+                                     f"{st['step']!r:.60}") from None
+                if not math.isfinite(step) or step < 0 or step != int(step):
+                    raise ValueError(f"state_dict: step of parameter {torch_index[i]} is "
+                                     f"{step}")
+            for key in (rule.state_names if pr is None else pr.buffers):
                 rule.check_state(key, st[key], f"state_dict: {key} of parameter "
                                                f"{torch_index[i]}")
-        for gi, sg in enumerate(groups):
-            hp = {k: sg.get(k, g[k]) for g in [param_groups[gi]] for k in rule.defaults}
-            rule.check_hparams(hp, f" (state_dict param group {gi})", self.access.slot.fmt)
-            check_adamw_flags({**sg, **hp}, f" (state_dict param group {gi})")
         saved_fmt = sd.get("state_format")
         seed = saved_fmt.get("seed") if isinstance(saved_fmt, dict) else None
         if self.access.slot.fmt.in_place and StateFormat.saved_in_place(saved_fmt):
@@ -205,24 +241,51 @@ class TorchFormat:
             self.access.slot.engine.init_master()
             for sh in shards:
                 st = state.get(torch_index[sh.index], state.get(str(torch_index[sh.index])))
-                sh.step = int(float(st["step"])) if st else 0
+                pr = probes[sh.group]
+                buffers = rule.state_names if pr is None else pr.buffers
+                sh.step = _step_of(st, pr)
+                if pr is not None:
+                    self.rule_state.scalars[sh.index] = {
+                        k: st[k].detach().clone() if torch.is_tensor(st[k]) else st[k]
+                        for k in pr.scalars} if st else {}
                 for r in sh.ranges:
-                    if not st:
+                    if not st or len(buffers) < len(rule.state_names):
                         r.zero_moments()  # as a fresh state stores them
+                    if not st:
                         continue
-                    for key in rule.state_names:
+                    for key in buffers:
                         # Stored in this optimizer's format: quantized, rounded or copied.
                         r.write(key, st[key].reshape(-1)[r.start:r.start + r.numel])
         if seed is not None:
             set_seed(self.access.slot, seed)
         for gi, (g, sg) in enumerate(zip(param_groups, groups)):
             # As torch's load_state_dict: the saved group replaces this one, params aside (and
-            # param_names, and ZeroAdamW's hyperparameters, when it lacks them); so initial_lr
+            # param_names, and the rule's hyperparameters, when it lacks them); so initial_lr
             # and the other schedulers' keys come along and StepLR(..., last_epoch=k) resumes.
-            new = strip_adamw_flags({k: v for k, v in sg.items() if k != "params"},
-                                    f" (state_dict param group {gi})")
+            new = {k: v for k, v in sg.items() if k != "params"}
+            if cls_rule is None:
+                new = strip_adamw_flags(new, f" (state_dict param group {gi})")
             for key in list(g):
                 if key not in new and key not in ("params", "param_names", *rule.defaults):
                     del g[key]
             g.update(new)
-            g["betas"] = tuple(g["betas"])
+            if "betas" in g:
+                g["betas"] = tuple(g["betas"])
+
+
+def _step_of(st: dict[str, Any] | None, probe: Any) -> int:
+    """A parameter's step count from its torch entry: its ``step``, or for a class that
+    keeps none (SGD) 1 once it has state (its next step is not its first)."""
+    if not st:
+        return 0
+    if probe is None or probe.has_step:
+        return int(float(st["step"]))
+    return 1 if any(torch.is_tensor(st.get(k)) for k in probe.buffers) else 0
+
+
+def probe_dtype(probe: Any) -> torch.dtype:
+    """The dtype of the class's step tensors."""
+    t = probe.init.get("step")
+    if torch.is_tensor(t):
+        return t.dtype
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32

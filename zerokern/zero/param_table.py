@@ -127,25 +127,33 @@ class ParamTable:
                     "building ZeroAdamW")
 
     def runs(self, layout: Layout, active: list[bool]) -> list[Run]:
+        """``keyed_runs`` without keys."""
+        return [r for r, _ in self.keyed_runs(layout, active)]
+
+    def keyed_runs(self, layout: Layout, active: list[bool],
+                   key: Any = None) -> list[tuple[Run, Any]]:
         """Ranges of this rank's local space for the fused kernel.
 
         Consecutive pieces of this rank's local space merge into one range (the gaps between
         them are padding), normally one per param group; a range is cut only around
         parameters that got no gradient on any rank, parameters with another step count
-        (torch's AdamW keeps a step per parameter) and, in stage 3, frozen parameters."""
-        runs: list[list[int]] = []
-        cur: list[int] | None = None
+        (torch's AdamW keeps a step per parameter), parameters whose ``key(index)`` differs
+        (the per-parameter scalars of a rule: rule_state.py) and, in stage 3, frozen
+        parameters."""
+        runs: list[list[Any]] = []
+        cur: list[Any] | None = None
         for pc in layout.pieces:
             if pc.param < 0 or not active[pc.param]:
                 cur = None
                 continue
             st = self.steps[pc.param] + 1
-            if cur is not None and cur[0] == pc.group and cur[3] == st:
+            k = None if key is None else key(pc.param)
+            if cur is not None and cur[0] == pc.group and cur[3] == st and cur[4] == k:
                 cur[2] = pc.local_start + pc.numel
             else:
-                cur = [pc.group, pc.local_start, pc.local_start + pc.numel, st]
+                cur = [pc.group, pc.local_start, pc.local_start + pc.numel, st, k]
                 runs.append(cur)
-        return [Run(g, lo, hi, st) for g, lo, hi, st in runs]
+        return [(Run(g, lo, hi, st), k) for g, lo, hi, st, k in runs]
 
     def advance(self, active: list[bool]) -> None:
         """One step taken by every parameter that got a gradient on some rank."""

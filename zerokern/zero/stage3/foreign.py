@@ -58,9 +58,9 @@ def uncovered(opt: Any) -> list[torch.nn.Parameter]:
 
 
 def _check_step(opt: Any, args: Any, kwargs: Any) -> None:
-    from ..optimizer import ZeroAdamW  # here: optimizer.py imports this module
+    from ..core import ZeroCore  # here: core.py imports this module
 
-    if isinstance(opt, ZeroAdamW):
+    if isinstance(opt, ZeroCore):
         rt = getattr(opt, "_rt", None)
         if rt is not None and len(_BUILT.get(rt, ())) > 1:
             _refuse_second(rt)
