@@ -217,10 +217,6 @@ class ZeroCore(torch.optim.Optimizer):
         """The step count of managed parameter ``index`` (torch: ``state[p]["step"]``)."""
         return self._table.steps[index]
 
-    def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
-        """The full shape of a managed parameter (stage 3: not its released empty shape)."""
-        return self._table.shapes[self._table.index[id(p)]]
-
     # -- gradients from autograd ------------------------------------------------------------
     def _watch_grads(self, params: list[torch.nn.Parameter], first: int) -> None:
         """Guards for new trained parameters (``first``: the index of the first one) and, at
