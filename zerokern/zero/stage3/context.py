@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...comm import CollectiveTimeout, Comm
+from ...comm.parts import gather_part, reduce_part
 from ...memory import Arena, ArenaOutOfMemory, Block
 from .. import gather_timeout as told
 from ..offload import HOST, Copier, pin_host_memory
@@ -61,6 +62,10 @@ class UnitContext:
         # The dtype gradients are reduced in and kept in (local_grads): the parameters' until
         # an optimizer asks for another (ZeroAdamW(reduce_dtype=), set_grad_dtype).
         self.grad_dtype = dtype
+        # How the units' gradients are reduced and their parameters gathered on this layout
+        # (comm/parts.py): the units call their verbs, never a collective.
+        self.grad_comm = reduce_part(comm, dtype)
+        self.param_comm = gather_part(comm)
         self.local_numel = local_numel
         # Prefetched gathers (and gradient reduce-scatters) run asynchronously on every
         # backend (NCCL stream, gloo threads).
@@ -108,7 +113,8 @@ class UnitContext:
         buffer is in that dtype. Only between steps, with no unit gathered or reducing."""
         if dtype == self.grad_dtype:
             return
-        if self.inflight is not None or self.gather_arena.stats()["in_use"]:
+        if (self.inflight is not None or self.grad_comm.pending
+                or self.gather_arena.stats()["in_use"]):
             raise RuntimeError("reduce_dtype: the sharded model is in a forward or backward "
                                "(units gathered or reducing); build the optimizer between "
                                "steps")
@@ -116,6 +122,7 @@ class UnitContext:
         grads.copy_(self.local_grads)
         self.local_grads = grads
         self.grad_dtype = dtype
+        self.grad_comm = reduce_part(self.comm, dtype)
         self.gather_arena = Arena(gather_bytes, self.device, alignment=GATHER_ALIGN)
 
     def offload_grads(self, sink: GradSink) -> None:
@@ -178,7 +185,14 @@ class UnitContext:
             self.gather_arena.free(blk)
         self.retired = []
 
-    def finish_reduce(self) -> None:
-        """Complete the reduce-scatter in flight, if any (Unit.finish_reduce)."""
+    def finish_scatter(self) -> None:
+        """Complete the reduce-scatter in flight, if any (Unit.finish_reduce); its sum across
+        a mesh's replicas may still run (the next unit's overlaps it)."""
         if self.inflight is not None:
             self.inflight.finish_reduce()
+
+    def finish_reduce(self) -> None:
+        """Complete every reduction in flight: the reduce-scatter and the cross-replica sums
+        (before anything reads ``local_grads``)."""
+        self.finish_scatter()
+        self.grad_comm.settle()

@@ -163,16 +163,11 @@ class Stage3Runtime:
                 full = torch.zeros(u.plan.padded_numel, dtype=self.dtype, device=self.device)
                 for p, off, n in zip(u.params, u.plan.param_offsets, u.plan.numels):
                     full.narrow(0, off, n).copy_(p.detach().reshape(-1))
-                self.comm.broadcast(full, 0, f"initial parameters of unit {u.name}")
+                self.ctx.param_comm.broadcast(full, f"initial parameters of unit {u.name}")
                 u.take_shard(full)
             # A 2-D mesh: every replica takes the first replica's slices (global rank 0's).
-            if getattr(self.comm, "replicate", None) is not None:
-                self.comm.replicate.broadcast(self.local_params, 0, "initial parameter slices")
+            self.ctx.param_comm.share(self.local_params, "initial parameter slices")
         self.comm.reset_stats()
-
-    def local_shard(self, u: Unit, t: torch.Tensor) -> torch.Tensor:
-        """``u``'s part of a rank-local flat tensor (Unit.slice_of)."""
-        return u.slice_of(t)
 
     def install_hooks(self) -> None:
         """The forward hooks of every unit and the gradient hooks of its parameters."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ...comm import Comm, Handle
+from ...comm.parts import gather_part, reduce_part
 from ...memory.alias import own_storage
 from ..grad_guard import GradGuard
 from ..grads import GradReducer
@@ -25,7 +26,7 @@ from ..rules import UpdateRule
 from ..shard_state import ShardState
 from ..state_format import StateFormat
 from .accounting import flat_memory, offload_flat_memory, slot_numel, state_buffers
-from .base import Engine, Run, across_replicas_, average_
+from .base import Engine, Run
 
 
 class FlatEngine(Engine):
@@ -44,7 +45,11 @@ class FlatEngine(Engine):
         # buffers stay in the parameters' dtype, the reduction and the step's gradient are in
         # grad_dtype.
         self.cast = self.grad_dtype != dtype
-        self.hybrid = getattr(comm, "replicate", None) is not None
+        # How gradients are reduced and parameters gathered on this layout (comm/parts.py):
+        # the stage calls their verbs, never a collective.
+        self.grad_comm = reduce_part(comm, self.grad_dtype)
+        self.param_comm = gather_part(comm)
+        self.hybrid = self.grad_comm.mesh.hybrid
         with torch.no_grad():
             self.flat_param = self.alloc("params", layout.flat_numel, dtype)
             for i, p in enumerate(params):
@@ -149,6 +154,8 @@ class FlatEngine(Engine):
         if not self.pool:
             if self.allocated >= self.pool_cap and self.reducer.inflight:
                 self.reducer.wait_oldest()
+            if not self.pool:  # a buffer held by its cross-replica sum (the result is in it)
+                self.grad_comm.settle()
             if not self.pool:
                 self.allocated += 1
                 return self._new_bucket()
@@ -172,19 +179,31 @@ class FlatEngine(Engine):
         send = src if buf is None else buf.narrow(0, 0, bk.numel)
         out, may_async = self.state.reduce_target(bk.shard_start, self.own(b, send), accumulate)
         self._reducing[b] = (out, accumulate, buf)
-        h = self.comm.reduce_scatter(out, send, self.bucket_label(b),
-                                     async_op=self.overlap and may_async)
+        h = self.grad_comm.reduce(out, send, self.bucket_label(b),
+                                  async_op=self.overlap and may_async)
         if h is None:
             self.finish_reduce(b, src)  # the stage's: it gives its buffer back
         return h
 
-    def finish_pooled_reduce(self, b: int, src: torch.Tensor) -> None:
+    def finish_pooled_reduce(self, b: int, src: torch.Tensor,
+                             carrier: torch.Tensor | None = None) -> None:
+        """After bucket ``b``'s reduce-scatter: its slice completed (summed across replicas,
+        averaged) and landed in the state; ``carrier`` (or the copy start_pooled_reduce
+        took) goes back to the pool as soon as nothing still reads it: at once when the
+        slice lives elsewhere, else once it landed."""
         out, accumulate, buf = self._reducing.pop(b)
-        across_replicas_(out, self.comm, self.bucket_label(b))
-        average_(out, self.comm)
-        self.state.receive(b, self.layout.buckets[b].shard_start, out, accumulate)
-        if buf is not None:
-            self.release_buffer(buf)
+        carrier = buf if carrier is None else carrier
+        held = carrier is not None and _overlaps(out, carrier)
+        shard_start = self.layout.buckets[b].shard_start
+
+        def land() -> None:
+            self.state.receive(b, shard_start, out, accumulate)
+            if held:
+                self.release_buffer(carrier)
+
+        self.grad_comm.complete(out, self.bucket_label(b), land)
+        if carrier is not None and not held:
+            self.release_buffer(carrier)
 
     def bucket_label(self, b: int) -> str:
         bk = self.layout.buckets[b]
@@ -215,6 +234,9 @@ class FlatEngine(Engine):
 
     def keeps_earlier_rounds(self) -> bool:
         return True
+
+    def settle(self) -> None:
+        self.grad_comm.settle()
 
     def bucket_tensor(self, b: int) -> torch.Tensor:
         bk = self.layout.buckets[b]
@@ -339,8 +361,8 @@ class FlatEngine(Engine):
                 if a < b:
                     update(Run(r.group, a, b, r.step), bk)
             full = self.flat_param.narrow(0, bk.flat_start, bk.numel)
-            h = self.comm.all_gather(full, source(bk), f"parameters of bucket {bk.index}",
-                                     async_op=self.overlap)
+            h = self.param_comm.gather(full, source(bk), f"parameters of bucket {bk.index}",
+                                       async_op=self.overlap)
             if h is not None:
                 handles.append(h)
         for h in handles:
@@ -384,3 +406,9 @@ class FlatEngine(Engine):
             return flat_memory(self.layout, self.dtype, specs, state, **kw)
         return offload_flat_memory(self.layout, self.dtype, specs, state, **kw,
                                    host_in_use=h["in_use"], host_capacity=h["capacity"])
+
+
+def _overlaps(t: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether ``t`` lies in ``buf``'s memory."""
+    lo = buf.data_ptr()
+    return lo <= t.data_ptr() < lo + buf.numel() * buf.element_size()
