@@ -39,19 +39,20 @@ STORAGE_MOVES: dict[tuple[UnitState, UnitState], str] = {
     (G, S): "release",  # prefetched and never used: the buffer goes back
     (D, S): "release",
     (D, R): "reduce",  # the buffer goes back, the gradients' reduce-scatter is in flight
+    (S, R): "reduce",  # a unit holding no buffer: its gradients are on .grad all the same
     (R, S): "finish_reduce",
 }
 """The storage moves: (from, to) -> the verb that makes it."""
 
-I, B, RD, BA = GradPhase.IDLE, GradPhase.BACKWARD, GradPhase.REDUCED, GradPhase.BACKWARD_AGAIN
+ID, B, RD, BA = GradPhase.IDLE, GradPhase.BACKWARD, GradPhase.REDUCED, GradPhase.BACKWARD_AGAIN
 
 PHASE_MOVES: dict[tuple[GradPhase, GradPhase], str] = {
-    (I, B): "begin_backward",
+    (ID, B): "begin_backward",
     (RD, BA): "begin_backward",  # a further backward of the same step
     (B, RD): "end_backward",  # its gradients were reduced
     (BA, RD): "end_backward",  # reduced, or no_sync: the slice keeps the earlier sum
-    (B, I): "end_backward",  # no_sync: the gradients stay on the parameters
-    (RD, I): "new_step",
+    (B, ID): "end_backward",  # no_sync: the gradients stay on the parameters
+    (RD, ID): "new_step",
     (BA, B): "new_step",
 }
 """The gradient-phase moves: (from, to) -> the verb that makes it."""
@@ -59,11 +60,6 @@ PHASE_MOVES: dict[tuple[GradPhase, GradPhase], str] = {
 
 def check_move(unit: str, now: UnitState | GradPhase, to: UnitState | GradPhase) -> None:
     """Raise IllegalTransition unless ``now -> to`` is in its machine's table."""
-    import os
-    if os.environ.get("ZK_LOG_MOVES"):
-        with open(os.environ["ZK_LOG_MOVES"], "a") as f:
-            f.write(f"{now.name} {to.name}\n")
-        return
     table: dict = STORAGE_MOVES if isinstance(now, UnitState) else PHASE_MOVES
     if (now, to) not in table:
         kind = type(now).__name__

@@ -89,7 +89,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ... import ops
 from ...memory import Block
 from ..offload import Ticket
 from ..plan import UnitPlan
