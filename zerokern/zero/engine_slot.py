@@ -23,11 +23,11 @@ import torch
 
 from ..comm import Comm
 from . import rebind
+from .engines import make_engine, planned_memory
 from .layout import ALIGN_ELEMS, Layout, build_layout, build_stage3_layout
 from .param_table import ParamTable
 from .rules import ADAMW, UpdateRule
 from .shard_state import ShardState
-from .engines import make_engine, planned_memory
 from .stages import Engine
 from .state_format import StateFormat
 from .stored import STORED_PARTS
