@@ -350,7 +350,9 @@ def test_stage3_sums_across_replicas_asynchronously_behind_the_next_unit():
     issued_c = _pos(log, ("issue", "replicate", "all_reduce", f"{c} across replicas", True))
     waited_c = _pos(log, ("wait", "replicate", "all_reduce", f"{c} across replicas"))
     assert _pos(log, ("wait", "shard", "reduce_scatter", c)) < issued_c
-    assert issued_c < _pos(log, ("issue", "shard", "reduce_scatter", a, True)) < waited_c
+    # c's sum across replicas runs while b's reduce-scatter is issued (and a is gathered).
+    assert issued_c < _pos(log, ("issue", "shard", "reduce_scatter", b, True)) < waited_c
+    assert waited_c < _pos(log, ("issue", "shard", "reduce_scatter", a, True))
     assert rt.ctx.grad_comm.pending == 0
 
 

@@ -9,8 +9,8 @@ layout, chosen once from the mesh. The stages (zero/stages/) and stage 3's units
   every rank the whole averaged bucket (stage 0), ``load`` is the cast into the reduce dtype.
 * :class:`FlatGather` / :class:`HybridGather`: the parameter-gather part. ``gather`` is the
   shard group's all-gather (a mesh's replicas hold the same shard: nothing crosses them);
-  ``broadcast`` / ``share`` hand the initial values from rank 0 to the shard group and then
-  across the replicas.
+  ``take_initial`` / ``take_initial_slices`` hand the initial values from rank 0 to the shard
+  group and then across the replicas.
 
 The cross-replica sum runs asynchronously. ``complete`` starts the all-reduce of one slice
 across the replicate group and returns; the slice is averaged and handed on (``then``) at the
@@ -194,11 +194,11 @@ class FlatGather:
         completed at once)."""
         return self._all_gather(out, shard, label, async_op)
 
-    def broadcast(self, t: torch.Tensor, label: str) -> None:
+    def take_initial(self, t: torch.Tensor, label: str) -> None:
         """``t`` from the shard group's rank 0 (setup: the initial values)."""
         self.comm.broadcast(t, 0, label)
 
-    def share(self, t: torch.Tensor, label: str) -> None:
+    def take_initial_slices(self, t: torch.Tensor, label: str) -> None:
         """``t`` (this rank's slices) from the first replica: nothing on a flat group."""
 
 
@@ -206,7 +206,7 @@ class HybridGather(FlatGather):
     """The parameter-gather part of a 2-D mesh: gathers stay within the shard group; the
     initial slices come from the first replica."""
 
-    def share(self, t: torch.Tensor, label: str) -> None:
+    def take_initial_slices(self, t: torch.Tensor, label: str) -> None:
         assert self.mesh.replicate is not None
         self.mesh.replicate.broadcast(t, 0, label)
 

@@ -31,6 +31,9 @@ class IllegalTransition(RuntimeError):
     """A unit was asked for a transition its state does not allow: a bug in the caller."""
 
 
+HOLDS_BUFFER = (UnitState.GATHERING, UnitState.GATHERED)
+IN_BACKWARD = (GradPhase.BACKWARD, GradPhase.BACKWARD_AGAIN)
+
 S, G, D, R = UnitState.SHARDED, UnitState.GATHERING, UnitState.GATHERED, UnitState.REDUCING
 
 STORAGE_MOVES: dict[tuple[UnitState, UnitState], str] = {
@@ -67,3 +70,10 @@ def check_move(unit: str, now: UnitState | GradPhase, to: UnitState | GradPhase)
         raise IllegalTransition(
             f"stage 3 unit {unit!r}: {kind}.{now.name} -> {kind}.{to.name} is not a "
             f"transition of the unit (from {now.name} only to: {', '.join(legal) or 'none'})")
+
+
+def illegal(unit: str, verb: str, now: enum.Enum, allowed: str) -> IllegalTransition:
+    """The error of a verb called in a state it does not start from."""
+    return IllegalTransition(
+        f"stage 3 unit {unit!r}: {verb} is not allowed in {type(now).__name__}."
+        f"{now.name} (only from {allowed})")

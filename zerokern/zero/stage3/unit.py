@@ -15,6 +15,7 @@ IllegalTransition naming both states. Storage (``UnitState``, where the paramete
     SHARDED --gather--> GATHERING --gather (wait)--> GATHERED --release--> SHARDED
     GATHERING --release--> SHARDED  (prefetched, never used)
     GATHERED --reduce--> REDUCING --finish_reduce--> SHARDED
+    SHARDED --reduce--> REDUCING  (no buffer held: its gradients are on .grad)
 
 Gradients of this step (``GradPhase``)::
 
@@ -67,22 +68,18 @@ offloading optimizer (``offload="cpu"``, which attaches its OffloadPipeline) ``l
 lives in host memory: reduce scatters in place in the gradient buffer, and finish_reduce lands
 the averaged slice on the host through the pipeline's staging slots (zero/offload.py).
 
-Hybrid sharding (``shard_model(mesh=)``, a 2-D mesh): the context's comm is the shard group,
-so gathers and reduce-scatters stay within it, and the reduce part then sums the slice across
-the replicate group asynchronously (the next unit's reduce-scatter overlaps it; the end of the
-backward waits for it) and averages it by S * R. With a reduce dtype
-(``ZeroAdamW(reduce_dtype=)``) the gradient buffer and ``local_grads`` are in that dtype: the
-gradients are cast as they are flattened.
+Hybrid sharding (a 2-D mesh): gathers and reduce-scatters stay within the shard group; the
+reduce part then sums the slice across the replicate group asynchronously (overlapping the
+next unit's reduce-scatter) and averages it by S * R. With ``reduce_dtype`` the gradient buffer
+and ``local_grads`` are in that dtype, cast as the gradients are flattened.
 
 A wait in a unit's collective beyond ``gather_timeout`` breaks the context: CollectiveTimeout
 names the unit and the likely cause, buffers a pending collective may still write never return
 to the arena, and every later gather refuses (gather_timeout.py).
-
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -94,7 +91,8 @@ from ..offload import Ticket
 from ..plan import UnitPlan
 from .adopt import adopt
 from .context import UnitContext
-from .states import GradPhase, IllegalTransition, UnitState, check_move
+from .states import HOLDS_BUFFER, IN_BACKWARD, GradPhase, UnitState, check_move, illegal
+from .views import alias_frozen, bind, placeholders
 
 # Appended to the label of a unit's gather: in an error (a peer died, or timed out because it
 # is not running this forward) it says the likely cause.
@@ -111,10 +109,6 @@ class _Reduce(NamedTuple):
     out: torch.Tensor
     accumulate: bool
     block: Block | None
-
-
-_HOLDS_BUFFER = (UnitState.GATHERING, UnitState.GATHERED)
-_IN_BACKWARD = (GradPhase.BACKWARD, GradPhase.BACKWARD_AGAIN)
 
 
 @dataclass(eq=False)
@@ -148,12 +142,12 @@ class Unit:
     @property
     def gathered(self) -> bool:
         """Whether it holds a gather buffer (GATHERING or GATHERED)."""
-        return self.state in _HOLDS_BUFFER
+        return self.state in HOLDS_BUFFER
 
     @property
     def in_backward(self) -> bool:
         """Whether its backward runs in this step (BACKWARD or BACKWARD_AGAIN)."""
-        return self.phase in _IN_BACKWARD
+        return self.phase in IN_BACKWARD
 
     def slice_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This unit's part of a rank-local flat tensor (local_params, local_grads)."""
@@ -164,10 +158,10 @@ class Unit:
         """Setup: keep this rank's slice of the full flat values ``full`` and release the
         parameters (they become placeholders: SHARDED)."""
         if self.state is not UnitState.SHARDED:
-            raise self._illegal("take_shard", self.state, "SHARDED")
+            raise illegal(self.name, "take_shard", self.state, "SHARDED")
         s = self.plan.shard_numel
         self.slice_of(self.ctx.local_params).copy_(full.narrow(0, self.ctx.comm.rank * s, s))
-        self._placeholders()
+        placeholders(self)
 
     def gather(self, *, wait: bool = True, own: bool = False) -> None:
         """SHARDED -> GATHERING (GATHERED when the gather completed at once), and with
@@ -205,9 +199,9 @@ class Unit:
             self.work = ctx.param_comm.gather(buf, src,
                                               f"parameters of unit {self.name}{_COLLECTIVE_HINT}",
                                               async_op=ctx.overlap)
-            self._bind(buf)
+            bind(self, buf)
             if own:
-                self._alias_frozen()
+                alias_frozen(self)
             if self.work is None:  # done at once (world size 1, or a synchronous group)
                 self._move(UnitState.GATHERED)
         if (wait or own and self.block is not None) and self.state is UnitState.GATHERING:
@@ -239,7 +233,7 @@ class Unit:
             self.h2d.wait()
             self.h2d = None
         # Use zerokern.full_state_dict(model) (or run the model) to see the values.
-        self._placeholders()
+        placeholders(self)
         if self.block is not None:
             ctx.gather_arena.free(self.block)
         self.buf, self.block = None, None
@@ -254,7 +248,7 @@ class Unit:
         reduce-scatter in flight all the same (the root in a backward: a recompute may still
         read it; recompute.py)."""
         if not self.in_backward:
-            raise self._illegal("reduce", self.phase, "BACKWARD or BACKWARD_AGAIN")
+            raise illegal(self.name, "reduce", self.phase, "BACKWARD or BACKWARD_AGAIN")
         ctx = self.ctx
         # One reduce-scatter in flight at a time: it overlaps the backward of the units before
         # this one, and the gather arena holds a single gradient buffer.
@@ -292,7 +286,7 @@ class Unit:
         the slice (or lands it on the host) and gives the gradient buffer back."""
         rs = self.rs
         if rs is None:
-            raise self._illegal("finish_reduce", self.state, "REDUCING")
+            raise illegal(self.name, "finish_reduce", self.state, "REDUCING")
         ctx = self.ctx
         self.rs, ctx.inflight = None, None
         if self.state is UnitState.REDUCING:  # else kept gathered, or its release raised
@@ -327,7 +321,7 @@ class Unit:
         elif self.phase is GradPhase.REDUCED:
             self._set_phase(GradPhase.BACKWARD_AGAIN)
         else:
-            raise self._illegal("begin_backward", self.phase, "IDLE or REDUCED")
+            raise illegal(self.name, "begin_backward", self.phase, "IDLE or REDUCED")
         self.waiting = {j for j, p in enumerate(self.params) if p.requires_grad and reduces(p)}
 
     def grad_arrived(self, j: int) -> bool:
@@ -340,7 +334,7 @@ class Unit:
         reduction (no_sync: they stay on the parameters) BACKWARD -> IDLE and
         BACKWARD_AGAIN -> REDUCED (the slice keeps what the earlier backward reduced)."""
         if not self.in_backward:
-            raise self._illegal("end_backward", self.phase, "BACKWARD or BACKWARD_AGAIN")
+            raise illegal(self.name, "end_backward", self.phase, "BACKWARD or BACKWARD_AGAIN")
         if reduced or self.phase is GradPhase.BACKWARD_AGAIN:
             self._set_phase(GradPhase.REDUCED)
         else:
@@ -378,42 +372,19 @@ class Unit:
         block goes back to the arena (``retire``: at the end of the backward, for tensors
         saved from it until now: UnitContext.retired)."""
         if self.state is not UnitState.GATHERED or self.block is None:
-            raise self._illegal("leave_arena", self.state, "GATHERED in an arena block")
+            raise illegal(self.name, "leave_arena", self.state, "GATHERED in an arena block")
         assert self.buf is not None
         if self.h2d is not None:  # the host slice's copy is done before the buffer is read
             self.h2d.wait()
             self.h2d = None
         buf = self.buf.clone()
-        self._bind(buf)
-        self._alias_frozen()
+        bind(self, buf)
+        alias_frozen(self)
         if retire:
             self.ctx.retired.append(self.block)
         else:
             self.ctx.gather_arena.free(self.block)
         self.buf, self.block = buf, None
-
-    def _bind(self, buf: torch.Tensor) -> None:
-        """The parameters become views of the full flat buffer ``buf``."""
-        for p, shape, off, n in zip(self.params, self.shapes, self.plan.param_offsets,
-                                    self.plan.numels):
-            p.data = buf.narrow(0, off, n).view(shape)
-
-    def _alias_frozen(self) -> None:
-        # A recompute's saved-tensor hooks keep a tensor that needs no gradient as itself:
-        # the Parameter would be read at unpack time, the placeholder once released.
-        for mod, name, j in self.slots:
-            p = self.params[j]
-            if not p.requires_grad:
-                mod._parameters[name] = p.detach()
-                self.aliased = True
-
-    def _placeholders(self) -> None:
-        if self.aliased:
-            for mod, name, j in self.slots:
-                mod._parameters[name] = self.params[j]
-            self.aliased = False
-        for p, shape in zip(self.params, self.shapes):
-            p.data = self.ctx.nan.expand(shape)
 
     def _abandon(self) -> None:
         """After a timeout: a pending gather may still write the buffer, so it never goes
@@ -421,8 +392,3 @@ class Unit:
         if self.buf is not None:
             self.ctx.abandoned.append(self.buf)
         self.block, self.work = None, None
-
-    def _illegal(self, verb: str, now: enum.Enum, allowed: str) -> IllegalTransition:
-        return IllegalTransition(
-            f"stage 3 unit {self.name!r}: {verb} is not allowed in {type(now).__name__}."
-            f"{now.name} (only from {allowed})")
