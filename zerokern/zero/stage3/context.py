@@ -2,9 +2,10 @@
 
 One ``UnitContext`` per sharded model, shared by its units: the process group and its
 communication parts, this rank's persistent slices (``local_params`` and ``local_grads``,
-each in its own arena, on the device or in host memory), the gather arena that units borrow full-size buffers from, the placeholder
-released parameters point at, the offload copier and gradient sink, the bound on one wait in a
-collective, and the one gradient reduce-scatter in flight. It holds no hook and no policy: the
+each in its own arena, on the device or in host memory), the gather arena that units borrow
+full-size buffers from, the placeholder released parameters point at, the offload copier and
+gradient sink, the bound on one wait in a collective, and the one gradient reduce-scatter in
+flight. It holds no hook and no policy: the
 runtime (runtime.py) decides when units move, the units (unit.py) how.
 """
 
@@ -45,9 +46,9 @@ class UnitContext:
     """The comm, arenas and shared bookkeeping the units of one sharded model use.
 
     Attributes: ``comm``, ``dtype``, ``device``; ``grad_comm`` / ``param_comm`` (the reduce and
-    gather parts of comm/parts.py, the only way the units reach the wire); ``local_params`` / ``local_grads`` (this
-    rank's slice of every unit, flat, ``local_numel`` elements) in ``param_arena`` /
-    ``grad_arena``; ``gather_arena``; ``overflow_bytes`` (buffers the arena could not hold,
+    gather parts of comm/parts.py, the only way the units reach the wire); ``local_params`` /
+    ``local_grads`` (this rank's slice of every unit, flat, ``local_numel`` elements) in
+    ``param_arena`` / ``grad_arena``; ``gather_arena``; ``overflow_bytes`` (buffers the arena could not hold,
     allocated outside it and counted); ``gathered_units`` / ``peak_units`` (non-root units
     holding a gather buffer now / at most); ``nan`` (the placeholder's one element);
     ``copier`` (offload_params) and ``grad_sink`` (offloaded gradients); ``broken`` (the
