@@ -48,8 +48,8 @@ class UnitContext:
     Attributes: ``comm``, ``dtype``, ``device``; ``grad_comm`` / ``param_comm`` (the reduce and
     gather parts of comm/parts.py, the only way the units reach the wire); ``local_params`` /
     ``local_grads`` (this rank's slice of every unit, flat, ``local_numel`` elements) in
-    ``param_arena`` / ``grad_arena``; ``gather_arena``; ``overflow_bytes`` (buffers the arena could not hold,
-    allocated outside it and counted); ``gathered_units`` / ``peak_units`` (non-root units
+    ``param_arena`` / ``grad_arena``; ``gather_arena``; ``overflow_bytes`` (buffers the arena
+    could not hold, allocated outside it and counted); ``gathered_units`` / ``peak_units`` (non-root units
     holding a gather buffer now / at most); ``nan`` (the placeholder's one element);
     ``copier`` (offload_params) and ``grad_sink`` (offloaded gradients); ``broken`` (the
     message of a collective that timed out, after which nothing runs); ``inflight`` (the
