@@ -49,12 +49,12 @@ class UnitContext:
     gather parts of comm/parts.py, the only way the units reach the wire); ``local_params`` /
     ``local_grads`` (this rank's slice of every unit, flat, ``local_numel`` elements) in
     ``param_arena`` / ``grad_arena``; ``gather_arena``; ``overflow_bytes`` (buffers the arena
-    could not hold, allocated outside it and counted); ``gathered_units`` / ``peak_units`` (non-root units
-    holding a gather buffer now / at most); ``nan`` (the placeholder's one element);
-    ``copier`` (offload_params) and ``grad_sink`` (offloaded gradients); ``broken`` (the
-    message of a collective that timed out, after which nothing runs); ``inflight`` (the
-    unit whose reduce-scatter is in flight); ``adopted`` (parameters whose assigned values
-    the slices took, for the optimizer's master); ``param_names`` (for error messages).
+    could not hold, allocated outside it and counted); ``gathered_units`` / ``peak_units``
+    (non-root units holding a gather buffer now / at most); ``nan`` (the placeholder's one
+    element); ``copier`` (offload_params) and ``grad_sink`` (offloaded gradients); ``broken``
+    (the message of a collective that timed out, after which nothing runs); ``inflight`` (the
+    unit whose reduce-scatter is in flight); ``adopted`` (parameters whose assigned values the
+    slices took, for the optimizer's master); ``param_names`` (for error messages).
     """
 
     def __init__(self, comm: Comm, dtype: torch.dtype, device: torch.device, *,
