@@ -276,6 +276,8 @@ class Unit:
         self.end_backward(reduced=True)
         if keep and self.gathered:
             return
+        if self.state is UnitState.GATHERING and ctx.broken is None:
+            self.gather()  # its all-gather waited for: GATHERED, then on as documented
         if self.gathered:
             self._give_back()
         self._move(UnitState.REDUCING)
