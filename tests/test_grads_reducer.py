@@ -57,6 +57,9 @@ class RecordingOps:
     def after_delivery(self, index):
         pass
 
+    def settle(self):
+        pass
+
     def keeps_earlier_rounds(self):
         return False
 
@@ -169,6 +172,8 @@ class PeerComm:
     """N identical ranks: every peer produced the same tensor as this one, so a sum over ranks
     is N x the local value (exact for small integers) and an all-gather receives, from peer k,
     what this rank would hold in its place (kept from ``peer_values``)."""
+
+    replicate = None  # a flat group
 
     def __init__(self, world, rank):
         self.world_size, self.rank = world, rank

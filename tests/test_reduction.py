@@ -22,6 +22,7 @@ class FakeComm:
     """all_reduce adds ``other`` (what the other rank contributes) in place."""
 
     world_size, rank = 2, 0
+    replicate = None  # a flat group
 
     def __init__(self, other):
         self.other = other

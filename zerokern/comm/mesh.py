@@ -20,6 +20,7 @@ of the default group exactly once, or differs between processes raises ValueErro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -113,6 +114,39 @@ def comm_of_mesh(mesh: Any) -> Comm:
     comm.mesh_ranks = mesh.mesh.tolist() if mesh.ndim == 2 else [mesh.mesh.tolist()]
     comm.mesh_dim_names = mesh.mesh_dim_names
     return comm
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """Where a rank's data-parallel peers are, typed (as FSDP2's ``FSDPMeshInfo`` /
+    ``HSDPMeshInfo``): ``shard``, the group its state and, at stage 3, its parameters are
+    split over, and on a 2-D mesh ``replicate``, the group of the R ranks holding the same
+    shard (None on a flat group). The communication parts (parts.py) are chosen from it once;
+    nothing else asks a Comm whether it is part of a mesh."""
+
+    shard: Comm
+    replicate: Comm | None = None
+
+    @classmethod
+    def of(cls, comm: Comm) -> MeshInfo:
+        """The mesh ``comm`` is the shard group of (``comm_of_mesh`` set its replicate group;
+        a Comm of a process group has none)."""
+        return cls(comm, comm.replicate)
+
+    @property
+    def hybrid(self) -> bool:
+        """A 2-D mesh: gradients are summed across the replicate group too."""
+        return self.replicate is not None
+
+    @property
+    def replicas(self) -> int:
+        """R, the replicate group's size (1 on a flat group)."""
+        return 1 if self.replicate is None else self.replicate.world_size
+
+    @property
+    def dp_size(self) -> int:
+        """S * R: every rank whose gradient goes into one average."""
+        return self.shard.world_size * self.replicas
 
 
 def mesh_shape(comm: Comm) -> tuple[int, int]:

@@ -6,8 +6,8 @@ backward produced their gradients (as DDP rebuilds its buckets after one iterati
 buckets fill front to back and never wait on a late or unused parameter; until then this
 part only learns that order. Stage 3's units fix the layout at construction.
 ``add_param_group`` re-lays the buffers out with the new group appended and carries the
-existing state over. The engine is reached through ``stages.make_engine`` and
-``stages.planned_memory`` only.
+existing state over. The engine is reached through ``engines.make_engine`` and
+``engines.planned_memory`` only.
 
 Parameters written from outside (``model.load_state_dict``, ``p.copy_``, ``p.data = t``) are
 what torch's AdamW trains from at its next step; the fp32 master here would overwrite them.
@@ -23,11 +23,12 @@ import torch
 
 from ..comm import Comm
 from . import rebind
+from .engines import make_engine, planned_memory
 from .layout import ALIGN_ELEMS, Layout, build_layout, build_stage3_layout
 from .param_table import ParamTable
 from .rules import ADAMW, UpdateRule
 from .shard_state import ShardState
-from .stages import Engine, make_engine, planned_memory
+from .stages import Engine
 from .state_format import StateFormat
 from .stored import STORED_PARTS
 from .validate import check_master_dtype, common_dtype_device

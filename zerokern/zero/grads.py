@@ -58,6 +58,9 @@ class BucketOps(Protocol):
     def keeps_earlier_rounds(self) -> bool:
         """True when a bucket slot keeps an earlier round's sum in place (stages 0-1)."""
 
+    def settle(self) -> None:
+        """Finish what finish_reduce left in flight (a mesh's cross-replica sums)."""
+
 
 class GradReducer:
     def __init__(self, layout: Layout, params: list[torch.nn.Parameter], ops_: BucketOps, *,
@@ -162,6 +165,7 @@ class GradReducer:
     def drain(self) -> None:
         while self.inflight:
             self.wait_oldest()
+        self.ops.settle()
 
     def _reduce_ready(self) -> None:
         while self.cursor < len(self.buckets) and \

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm
+from ..comm.mesh import MeshInfo
 from .grad_edits import GradEdits
 from .layout import Layout
 from .stages import Engine
@@ -79,6 +80,7 @@ class GradReduction:
 
     def __init__(self, comm: Comm, runtime: Any = None) -> None:
         self.comm, self.rt = comm, runtime
+        self.mesh = MeshInfo.of(comm)  # a 2-D mesh: the replicate group joins the sums
         self.current: Reduced | None = None
         self._events = 0  # gradients delivered by autograd hooks (stages 0-2)
         self._stepped_events: int | None = None  # events() when the last step ended
@@ -194,22 +196,21 @@ class GradReduction:
             if need_norm:  # the same pass gives the total: no second read of the shard
                 vec[0] = vec[sq:].sum()
         self.comm.all_reduce(vec, "grad norm and grad flags", count=False)
-        if getattr(self.comm, "replicate", None) is not None:
+        if self.mesh.replicate is not None:
             # A 2-D mesh: the shards are the same on every replica (their gradients were
             # all-reduced across it), so the norm is the shard group's sum, taken from the
             # first replica exactly (the others add zeros); the flags are summed over the
             # whole mesh, so every rank of the world skips or updates the same parameters.
-            if self.comm.replicate.rank != 0:
+            if self.mesh.replicate.rank != 0:
                 vec[0] = 0.0
                 if extra:
                     vec[sq:] = 0.0
-            self.comm.replicate.all_reduce(vec, "grad norm and grad flags", count=False)
+            self.mesh.replicate.all_reduce(vec, "grad norm and grad flags", count=False)
         if need_norm and engine.replicated_grads:  # every rank holds the full averaged grad
             vec[0] = engine.grad_sq_norm()
         vals = vec.tolist()
         if edits is not None:  # the same sums on every rank: all refuse, or none
-            edits.check_agreed(vals[1 + n:sq], getattr(self.comm, "dp_size",
-                                                       self.comm.world_size), label)
+            edits.check_agreed(vals[1 + n:sq], self.mesh.dp_size, label)
             self._check_set_values(edits, vals[1 + n:sq], device, label)
         red = Reduced(events=events, sq_norm=vals[0], active=[v > 0 for v in vals[1:n + 1]],
                       has_norm=need_norm)
@@ -232,8 +233,8 @@ class GradReduction:
         vec = torch.tensor(fps + [-f for f in fps], dtype=torch.int64, device=device)
         self.comm.all_reduce(vec, "hand-set gradient fingerprints", count=False,
                              op=dist.ReduceOp.MAX)
-        if getattr(self.comm, "replicate", None) is not None:
-            self.comm.replicate.all_reduce(vec, "hand-set gradient fingerprints", count=False,
+        if self.mesh.replicate is not None:
+            self.mesh.replicate.all_reduce(vec, "hand-set gradient fingerprints", count=False,
                                            op=dist.ReduceOp.MAX)
         got = vec.tolist()
         k = len(indices)

@@ -1,10 +1,11 @@
 """What every stage-3 unit's verbs work over (unit.py says how they are used).
 
-One ``UnitContext`` per sharded model, shared by its units: the process group, this rank's
-persistent slices (``local_params`` and ``local_grads``, each in its own arena, on the device
-or in host memory), the gather arena that units borrow full-size buffers from, the placeholder
-released parameters point at, the offload copier and gradient sink, the bound on one wait in a
-collective, and the one gradient reduce-scatter in flight. It holds no hook and no policy: the
+One ``UnitContext`` per sharded model, shared by its units: the process group and its
+communication parts, this rank's persistent slices (``local_params`` and ``local_grads``,
+each in its own arena, on the device or in host memory), the gather arena that units borrow
+full-size buffers from, the placeholder released parameters point at, the offload copier and
+gradient sink, the bound on one wait in a collective, and the one gradient reduce-scatter in
+flight. It holds no hook and no policy: the
 runtime (runtime.py) decides when units move, the units (unit.py) how.
 """
 
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...comm import CollectiveTimeout, Comm
+from ...comm.parts import gather_part, reduce_part
 from ...memory import Arena, ArenaOutOfMemory, Block
 from .. import gather_timeout as told
 from ..offload import HOST, Copier, pin_host_memory
@@ -43,15 +45,16 @@ def gather_arena_bytes(root_numels: list[int], unit_numels: list[int], prefetch:
 class UnitContext:
     """The comm, arenas and shared bookkeeping the units of one sharded model use.
 
-    Attributes: ``comm``, ``dtype``, ``device``; ``local_params`` / ``local_grads`` (this
-    rank's slice of every unit, flat, ``local_numel`` elements) in ``param_arena`` /
-    ``grad_arena``; ``gather_arena``; ``overflow_bytes`` (buffers the arena could not hold,
-    allocated outside it and counted); ``gathered_units`` / ``peak_units`` (non-root units
-    holding a gather buffer now / at most); ``nan`` (the placeholder's one element);
-    ``copier`` (offload_params) and ``grad_sink`` (offloaded gradients); ``broken`` (the
-    message of a collective that timed out, after which nothing runs); ``inflight`` (the
-    unit whose reduce-scatter is in flight); ``adopted`` (parameters whose assigned values
-    the slices took, for the optimizer's master); ``param_names`` (for error messages).
+    Attributes: ``comm``, ``dtype``, ``device``; ``grad_comm`` / ``param_comm`` (the reduce and
+    gather parts of comm/parts.py, the only way the units reach the wire); ``local_params`` /
+    ``local_grads`` (this rank's slice of every unit, flat, ``local_numel`` elements) in
+    ``param_arena`` / ``grad_arena``; ``gather_arena``; ``overflow_bytes`` (buffers the arena
+    could not hold, allocated outside it and counted); ``gathered_units`` / ``peak_units``
+    (non-root units holding a gather buffer now / at most); ``nan`` (the placeholder's one
+    element); ``copier`` (offload_params) and ``grad_sink`` (offloaded gradients); ``broken``
+    (the message of a collective that timed out, after which nothing runs); ``inflight`` (the
+    unit whose reduce-scatter is in flight); ``adopted`` (parameters whose assigned values the
+    slices took, for the optimizer's master); ``param_names`` (for error messages).
     """
 
     def __init__(self, comm: Comm, dtype: torch.dtype, device: torch.device, *,
@@ -61,6 +64,10 @@ class UnitContext:
         # The dtype gradients are reduced in and kept in (local_grads): the parameters' until
         # an optimizer asks for another (ZeroAdamW(reduce_dtype=), set_grad_dtype).
         self.grad_dtype = dtype
+        # How the units' gradients are reduced and their parameters gathered on this layout
+        # (comm/parts.py): the units call their verbs, never a collective.
+        self.grad_comm = reduce_part(comm, dtype)
+        self.param_comm = gather_part(comm)
         self.local_numel = local_numel
         # Prefetched gathers (and gradient reduce-scatters) run asynchronously on every
         # backend (NCCL stream, gloo threads).
@@ -108,7 +115,8 @@ class UnitContext:
         buffer is in that dtype. Only between steps, with no unit gathered or reducing."""
         if dtype == self.grad_dtype:
             return
-        if self.inflight is not None or self.gather_arena.stats()["in_use"]:
+        if (self.inflight is not None or self.grad_comm.pending
+                or self.gather_arena.stats()["in_use"]):
             raise RuntimeError("reduce_dtype: the sharded model is in a forward or backward "
                                "(units gathered or reducing); build the optimizer between "
                                "steps")
@@ -116,6 +124,7 @@ class UnitContext:
         grads.copy_(self.local_grads)
         self.local_grads = grads
         self.grad_dtype = dtype
+        self.grad_comm = reduce_part(self.comm, dtype)
         self.gather_arena = Arena(gather_bytes, self.device, alignment=GATHER_ALIGN)
 
     def offload_grads(self, sink: GradSink) -> None:
@@ -178,7 +187,14 @@ class UnitContext:
             self.gather_arena.free(blk)
         self.retired = []
 
-    def finish_reduce(self) -> None:
-        """Complete the reduce-scatter in flight, if any (Unit.finish_reduce)."""
+    def finish_scatter(self) -> None:
+        """Complete the reduce-scatter in flight, if any (Unit.finish_reduce); its sum across
+        a mesh's replicas may still run (the next unit's overlaps it)."""
         if self.inflight is not None:
             self.inflight.finish_reduce()
+
+    def finish_reduce(self) -> None:
+        """Complete every reduction in flight: the reduce-scatter and the cross-replica sums
+        (before anything reads ``local_grads``)."""
+        self.finish_scatter()
+        self.grad_comm.settle()

@@ -9,8 +9,8 @@ checkpointing's recompute and nested backwards, recompute.py), the no_sync flush
 t`` adoption, and the step seam the optimizer side calls (prepare_step, new_step). shard.py,
 registry.py, rebind.py, the checkpoint functions and engine.py (the optimizer side) use it.
 
-One class a little over ~300 lines: its hooks share one per-step state (forward order, sync,
-the optimizers' parameters, the queued callback) that would be spread over files if split.
+How the units and their slices are laid out is build.py's. Its hooks share one per-step
+state (forward order, sync, the optimizers' parameters, the queued callback): one class.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from ...comm import Comm
 from .. import gather_timeout as told
 from ..interop import active_ddp_module
 from ..offload import OffloadPipeline
-from ..plan import plan_units
-from ..state_format import QUANT_ALIGN, quant_align
 from .adopt import adopt
-from .context import UnitContext, gather_arena_bytes
+from .build import ModelLayout, shard_initial
+from .context import UnitContext
 from .order import ForwardOrder
 from .recompute import Recompute, in_backward_now, keeps_gathered, slots
 from .saved import SavedTensorHooks
@@ -58,28 +57,13 @@ class Stage3Runtime:
         self.offload_params = offload_params
         p0 = next(p for _, _, ps in units for p in ps)
         self.dtype, self.device = p0.dtype, p0.device
-        # Parameters large enough for 8-bit moments start on a 256-element block, and slices
-        # end on one, whatever optimizer comes next: ZeroAdamW(moments="int8") then finds its
-        # quantization blocks whole on one rank (zero/state_format.py). Smaller ones pack.
-        numels = [[p.numel() for p in ps] for _, _, ps in units]
-        plans = plan_units(numels, comm.world_size, QUANT_ALIGN,
-                           [[quant_align(n) for n in ns] for ns in numels])
-        starts = [0]
-        for plan in plans:
-            starts.append(starts[-1] + plan.shard_numel)
-        self.local_numel = starts[-1]
-        is_root = [mod is root for _, mod, _ in units]
-        # The gather arena's sizes: the root's and the other units' padded numels.
-        self._gather_sizes = ([pl.padded_numel for pl, r in zip(plans, is_root) if r],
-                              [pl.padded_numel for pl, r in zip(plans, is_root) if not r])
+        self.layout = ModelLayout(root, units, comm.world_size, prefetch)
+        self.local_numel = self.layout.local_numel
         self.ctx = UnitContext(
             comm, self.dtype, self.device, local_numel=self.local_numel,
-            gather_bytes=self._gather_bytes(self.dtype),
+            gather_bytes=self.layout.gather_bytes(self.dtype, self.dtype),
             offload_params=offload_params, gather_timeout=gather_timeout)
-        self.units: list[Unit] = [
-            Unit(i, name, mod, ps, [p.shape for p in ps], plan, start, self.ctx, is_root=r)
-            for i, ((name, mod, ps), plan, start, r) in enumerate(zip(units, plans, starts,
-                                                                       is_root))]
+        self.units: list[Unit] = self.layout.units(self.ctx)
         self.got_grad: dict[int, bool] = {}
         self.grad_events = 0  # gradients delivered by autograd hooks
         # Run at the end of every synchronised backward, after the reduction (ZeroAdamW puts
@@ -128,11 +112,6 @@ class Stage3Runtime:
     def param_names(self, names: dict[int, str]) -> None:
         self.ctx.param_names = names
 
-    def _gather_bytes(self, grad_dtype: torch.dtype) -> int:
-        esz = torch.empty(0, dtype=self.dtype).element_size()
-        return gather_arena_bytes(*self._gather_sizes, self.prefetch, esz,
-                                  torch.empty(0, dtype=grad_dtype).element_size())
-
     @property
     def grad_dtype(self) -> torch.dtype:
         """The dtype gradients are reduced in and kept in (``local_grads``)."""
@@ -149,7 +128,7 @@ class Stage3Runtime:
                 f"reduce_dtype: another ZeroAdamW on this model reduces its gradients in "
                 f"{self.ctx.grad_dtype}; every optimizer of one sharded model must reduce in "
                 f"the same dtype (this one: {dtype})")
-        self.ctx.set_grad_dtype(dtype, self._gather_bytes(dtype))
+        self.ctx.set_grad_dtype(dtype, self.layout.gather_bytes(self.dtype, dtype))
 
     def offload_grads(self, sink: OffloadPipeline) -> None:
         """ZeRO-Offload: gradients land in host memory through ``sink`` (UnitContext)."""
@@ -158,21 +137,7 @@ class Stage3Runtime:
     # -- setup -------------------------------------------------------------------------------
     def shard_parameters(self) -> None:
         """Copy (rank 0's) full parameters into this rank's slices and release them."""
-        with torch.no_grad():
-            for u in self.units:
-                full = torch.zeros(u.plan.padded_numel, dtype=self.dtype, device=self.device)
-                for p, off, n in zip(u.params, u.plan.param_offsets, u.plan.numels):
-                    full.narrow(0, off, n).copy_(p.detach().reshape(-1))
-                self.comm.broadcast(full, 0, f"initial parameters of unit {u.name}")
-                u.take_shard(full)
-            # A 2-D mesh: every replica takes the first replica's slices (global rank 0's).
-            if getattr(self.comm, "replicate", None) is not None:
-                self.comm.replicate.broadcast(self.local_params, 0, "initial parameter slices")
-        self.comm.reset_stats()
-
-    def local_shard(self, u: Unit, t: torch.Tensor) -> torch.Tensor:
-        """``u``'s part of a rank-local flat tensor (Unit.slice_of)."""
-        return u.slice_of(t)
+        shard_initial(self.units, self.ctx)
 
     def install_hooks(self) -> None:
         """The forward hooks of every unit and the gradient hooks of its parameters."""

@@ -8,11 +8,14 @@ parameters (plan.py); this rank keeps the contiguous 1/N slice of every unit in
 use a parameter keeps its shape, dtype and device but holds no memory: a zero-stride view of
 one NaN, so a read outside a forward is NaN and a write raises.
 
-A unit moves along two axes; each move is a named method of ``Unit`` (below) that refuses an
-illegal one with IllegalTransition. Storage (``UnitState``, where the parameters are)::
+A unit moves along two axes; each move is a named method of ``Unit`` (below), and every move
+is checked against its machine's table (states.py), which refuses one it does not list with
+IllegalTransition naming both states. Storage (``UnitState``, where the parameters are)::
 
-    SHARDED --gather--> GATHERING --wait--> GATHERED --release--> SHARDED
+    SHARDED --gather--> GATHERING --gather (wait)--> GATHERED --release--> SHARDED
+    GATHERING --release--> SHARDED  (prefetched, never used)
     GATHERED --reduce--> REDUCING --finish_reduce--> SHARDED
+    SHARDED --reduce--> REDUCING  (no buffer held: its gradients are on .grad)
 
 Gradients of this step (``GradPhase``)::
 
@@ -38,11 +41,13 @@ One step (runtime.py drives it from module and autograd hooks):
 3. Backward. The first gradient of a unit's output begins its backward: it is gathered again
    and the units before it in the forward order are prefetched. Each parameter's gradient is
    marked arrived once accumulated; when none is due the unit reduces: its gradients are
-   flattened into an arena buffer and reduce-scattered asynchronously into its slice of
-   ``local_grads`` (REDUCING), ``.grad`` is freed, the parameters released. One reduce is in
-   flight at a time, overlapping the backward of the units before; the next reduce (or the
-   end of the backward) finishes it: averaged (the one division by N of every stage) and, in
-   a further backward of the same step (BACKWARD_AGAIN), added to the slice. Activation
+   flattened into an arena buffer (cast into the reduce dtype) and reduce-scattered
+   asynchronously into its slice of ``local_grads`` by the context's reduce part
+   (comm/parts.py), ``.grad`` is freed, its buffer released (GATHERED -> REDUCING). One
+   reduce-scatter is in flight at a time, overlapping the backward of the units before; the
+   next reduce (or the end of the backward) finishes it (REDUCING -> SHARDED): averaged (the
+   one division by N of every stage) and, in a further backward of the same step
+   (BACKWARD_AGAIN), added to the slice. Activation
    checkpointing's recompute gathers into buffers of their own, not the arena's (it saves
    views of them), and the root stays gathered through its reduce (recompute.py).
 4. End of backward (a callback queued on autograd's engine). Units whose gradients did not
@@ -63,62 +68,36 @@ offloading optimizer (``offload="cpu"``, which attaches its OffloadPipeline) ``l
 lives in host memory: reduce scatters in place in the gradient buffer, and finish_reduce lands
 the averaged slice on the host through the pipeline's staging slots (zero/offload.py).
 
-Hybrid sharding (``shard_model(mesh=)``, a 2-D mesh): the context's comm is the shard group,
-so gathers and reduce-scatters stay within it, and finish_reduce first all-reduces the slice
-across the replicate group (``comm.replicate``) and then averages it by S * R. With a reduce
-dtype (``ZeroAdamW(reduce_dtype=)``) the gradient buffer and ``local_grads`` are in that dtype:
-the gradients are cast as they are flattened.
+Hybrid sharding (a 2-D mesh): gathers and reduce-scatters stay within the shard group; the
+reduce part then sums the slice across the replicate group asynchronously (overlapping the
+next unit's reduce-scatter) and averages it by S * R. With ``reduce_dtype`` the gradient buffer
+and ``local_grads`` are in that dtype, cast as the gradients are flattened.
 
 A wait in a unit's collective beyond ``gather_timeout`` breaks the context: CollectiveTimeout
 names the unit and the likely cause, buffers a pending collective may still write never return
 to the arena, and every later gather refuses (gather_timeout.py).
-
-(Over the ~300 lines a part aims for, by this docstring: the story stays with its class.)
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
-from ... import ops
 from ...memory import Block
 from ..offload import Ticket
 from ..plan import UnitPlan
-from ..stages.base import across_replicas_, average_
 from .adopt import adopt
 from .context import UnitContext
+from .states import HOLDS_BUFFER, IN_BACKWARD, GradPhase, UnitState, check_move, illegal
+from .views import alias_frozen, bind, placeholders
 
 # Appended to the label of a unit's gather: in an error (a peer died, or timed out because it
 # is not running this forward) it says the likely cause.
 _COLLECTIVE_HINT = (" (stage 3: every forward, model.state_dict() and full_state_dict() gather "
                     "from all ranks; run them on every rank, not under `if rank == 0`)")
-
-
-class UnitState(enum.Enum):
-    """Where a unit's parameters are."""
-
-    SHARDED = "sharded"  # only this rank's slice holds values; the parameters are placeholders
-    GATHERING = "gathering"  # gather buffer taken, its all-gather in flight
-    GATHERED = "gathered"  # the buffer holds the full parameters; they are views of it
-    REDUCING = "reducing"  # released, and its gradients' reduce-scatter is in flight
-
-
-class GradPhase(enum.Enum):
-    """Where a unit is in the gradient side of the current step."""
-
-    IDLE = "idle"  # no backward reached it in this step
-    BACKWARD = "backward"  # its backward runs: gathered, gradients due
-    REDUCED = "reduced"  # its gradients were reduce-scattered into the shard
-    BACKWARD_AGAIN = "backward again"  # a further backward of the same step: adds to the shard
-
-
-class IllegalTransition(RuntimeError):
-    """A unit was asked for a transition its state does not allow: a bug in the caller."""
 
 
 class _Reduce(NamedTuple):
@@ -130,10 +109,6 @@ class _Reduce(NamedTuple):
     out: torch.Tensor
     accumulate: bool
     block: Block | None
-
-
-_HOLDS_BUFFER = (UnitState.GATHERING, UnitState.GATHERED)
-_IN_BACKWARD = (GradPhase.BACKWARD, GradPhase.BACKWARD_AGAIN)
 
 
 @dataclass(eq=False)
@@ -167,12 +142,12 @@ class Unit:
     @property
     def gathered(self) -> bool:
         """Whether it holds a gather buffer (GATHERING or GATHERED)."""
-        return self.state in _HOLDS_BUFFER
+        return self.state in HOLDS_BUFFER
 
     @property
     def in_backward(self) -> bool:
         """Whether its backward runs in this step (BACKWARD or BACKWARD_AGAIN)."""
-        return self.phase in _IN_BACKWARD
+        return self.phase in IN_BACKWARD
 
     def slice_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This unit's part of a rank-local flat tensor (local_params, local_grads)."""
@@ -183,10 +158,10 @@ class Unit:
         """Setup: keep this rank's slice of the full flat values ``full`` and release the
         parameters (they become placeholders: SHARDED)."""
         if self.state is not UnitState.SHARDED:
-            raise self._illegal("take_shard", self.state, "SHARDED")
+            raise illegal(self.name, "take_shard", self.state, "SHARDED")
         s = self.plan.shard_numel
         self.slice_of(self.ctx.local_params).copy_(full.narrow(0, self.ctx.comm.rank * s, s))
-        self._placeholders()
+        placeholders(self)
 
     def gather(self, *, wait: bool = True, own: bool = False) -> None:
         """SHARDED -> GATHERING (GATHERED when the gather completed at once), and with
@@ -202,7 +177,7 @@ class Unit:
         ctx = self.ctx
         ctx.check_usable()
         if self.state is UnitState.REDUCING:
-            ctx.finish_reduce()  # one buffer per unit at a time; the reduce is the one in flight
+            ctx.finish_scatter()  # one buffer per unit at a time; the reduce is the one in flight
         if self.state is UnitState.SHARDED:
             adopt(self)
             if own:
@@ -221,12 +196,12 @@ class Unit:
                 self.h2d = ctx.copier.to_device(mine, src)
                 self.h2d.fence()
                 src = mine
-            self.work = ctx.comm.all_gather(buf, src,
-                                            f"parameters of unit {self.name}{_COLLECTIVE_HINT}",
-                                            async_op=ctx.overlap)
-            self._bind(buf)
+            self.work = ctx.param_comm.gather(buf, src,
+                                              f"parameters of unit {self.name}{_COLLECTIVE_HINT}",
+                                              async_op=ctx.overlap)
+            bind(self, buf)
             if own:
-                self._alias_frozen()
+                alias_frozen(self)
             if self.work is None:  # done at once (world size 1, or a synchronous group)
                 self._move(UnitState.GATHERED)
         if (wait or own and self.block is not None) and self.state is UnitState.GATHERING:
@@ -242,6 +217,12 @@ class Unit:
         become placeholders. Nothing to do when it holds no buffer (as FSDP2's reshard)."""
         if not self.gathered:
             return
+        self._give_back()
+        self._move(UnitState.SHARDED)
+
+    def _give_back(self) -> None:
+        """The gather buffer back to the arena (once its gather and host copy are done), the
+        parameters placeholders; the caller moves the state."""
         ctx = self.ctx
         if ctx.broken is not None and self.work is not None:
             self._abandon()
@@ -252,37 +233,34 @@ class Unit:
             self.h2d.wait()
             self.h2d = None
         # Use zerokern.full_state_dict(model) (or run the model) to see the values.
-        self._placeholders()
+        placeholders(self)
         if self.block is not None:
             ctx.gather_arena.free(self.block)
         self.buf, self.block = None, None
-        self._move(UnitState.SHARDED)
 
     def reduce(self, reduces: Callable[[torch.nn.Parameter], bool], *,
                keep: bool = False) -> None:
-        """In its backward, gathered or not: -> REDUCING. The reduce-scatter in flight
-        finishes first; then the gradients of the parameters ``reduces`` accepts (zeros for
-        the others and the padding) are flattened and their reduce-scatter into this unit's
-        slice started, .grad is freed, the phase ends (REDUCED), the parameters released.
-        ``keep``: a gathered unit stays GATHERED, its reduce-scatter in flight all the same
-        (the root in a backward: a recompute may still read it; recompute.py)."""
+        """In its backward, GATHERED -> REDUCING. The reduce-scatter in flight finishes
+        first; then the gradients of the parameters ``reduces`` accepts (zeros for the
+        others and the padding) are flattened (cast into the reduce dtype) and their
+        reduce-scatter into this unit's slice started, .grad is freed, the phase ends
+        (REDUCED), the buffer goes back. ``keep``: the unit stays GATHERED, its
+        reduce-scatter in flight all the same (the root in a backward: a recompute may still
+        read it; recompute.py)."""
         if not self.in_backward:
-            raise self._illegal("reduce", self.phase, "BACKWARD or BACKWARD_AGAIN")
+            raise illegal(self.name, "reduce", self.phase, "BACKWARD or BACKWARD_AGAIN")
         ctx = self.ctx
         # One reduce-scatter in flight at a time: it overlaps the backward of the units before
         # this one, and the gather arena holds a single gradient buffer.
-        ctx.finish_reduce()
+        ctx.finish_scatter()
         grads = [(p, off) for p, off in zip(self.params, self.plan.param_offsets)
                  if p.grad is not None and reduces(p)]
         buf, blk = ctx.alloc(self.plan.padded_numel, ctx.grad_dtype)
         if len(grads) < len(self.params) or self.plan.padding:
             buf.zero_()  # params without a gradient on this rank, and the padding
-        if grads and buf.dtype != ctx.dtype:  # the reduce dtype: cast on the copy
-            for p, off in grads:
-                buf.narrow(0, off, p.numel()).copy_(p.grad.detach().reshape(-1))
-        elif grads:
-            ops.flatten_into_([p.grad.detach().reshape(-1).contiguous() for p, _ in grads], buf,
-                              [off for _, off in grads])
+        if grads:
+            ctx.grad_comm.load(buf, [p.grad.detach().reshape(-1).contiguous() for p, _ in grads],
+                               [off for _, off in grads])
         shard = self.slice_of(ctx.local_grads)
         accumulate = self.phase is GradPhase.BACKWARD_AGAIN
         if ctx.grad_sink is not None:  # in place: the host shard is filled by the sink
@@ -290,23 +268,27 @@ class Unit:
             out = buf.narrow(0, ctx.comm.rank * s, s)
         else:
             out = torch.empty_like(shard) if accumulate else shard
-        work = ctx.comm.reduce_scatter(out, buf, f"gradients of unit {self.name}",
-                                       async_op=ctx.overlap)
+        work = ctx.grad_comm.reduce(out, buf, f"gradients of unit {self.name}",
+                                    async_op=ctx.overlap)
         self.rs, ctx.inflight = _Reduce(work, shard, out, accumulate, blk), self
         for p, _ in grads:
             p.grad = None
         self.end_backward(reduced=True)
         if keep and self.gathered:
             return
-        self.release()
+        if self.state is UnitState.GATHERING and ctx.broken is None:
+            self.gather()  # its all-gather waited for: GATHERED, then on as documented
+        if self.gathered:
+            self._give_back()
         self._move(UnitState.REDUCING)
 
     def finish_reduce(self) -> None:
-        """REDUCING -> SHARDED: wait for its reduce-scatter, average it into the slice (or
-        land it on the host) and give the buffer back."""
+        """REDUCING -> SHARDED: wait for its reduce-scatter and hand the sum to the reduce
+        part, which completes it (across a mesh's replicas, asynchronously), averages it into
+        the slice (or lands it on the host) and gives the gradient buffer back."""
         rs = self.rs
         if rs is None:
-            raise self._illegal("finish_reduce", self.state, "REDUCING")
+            raise illegal(self.name, "finish_reduce", self.state, "REDUCING")
         ctx = self.ctx
         self.rs, ctx.inflight = None, None
         if self.state is UnitState.REDUCING:  # else kept gathered, or its release raised
@@ -315,26 +297,33 @@ class Unit:
             if ctx.broken is not None:
                 return  # its buffer stays out of the arena: the collective is pending
             ctx.wait(rs.work, self.name, "reduce-scatter of the gradients")
-        across_replicas_(rs.out, ctx.comm, f"gradients of unit {self.name}")
-        average_(rs.out, ctx.comm)
-        if ctx.grad_sink is not None:
-            # The gather buffer is reused once the copy out of it is done (device order).
-            ctx.grad_sink.land(self.index, rs.out, rs.shard, rs.accumulate).fence()
-        elif rs.accumulate:
-            rs.shard.add_(rs.out)
-        if rs.block is not None:
-            ctx.gather_arena.free(rs.block)
+        sink = ctx.grad_sink  # offloaded: the sum is in the gradient buffer until landed
+
+        def land() -> None:
+            if sink is not None:
+                # The gather buffer is reused once the copy out of it is done (device order).
+                sink.land(self.index, rs.out, rs.shard, rs.accumulate).fence()
+            elif rs.accumulate:
+                rs.shard.add_(rs.out)
+            if sink is not None and rs.block is not None:
+                ctx.gather_arena.free(rs.block)
+
+        ctx.grad_comm.complete(rs.out, f"gradients of unit {self.name}", land)
+        if sink is not None:
+            ctx.grad_comm.settle()  # the arena holds one gradient buffer: landed before reuse
+        elif rs.block is not None:
+            ctx.gather_arena.free(rs.block)  # the sum is in the slice (or its temporary)
 
     # -- gradients: IDLE -> BACKWARD -> REDUCED -> BACKWARD_AGAIN -> REDUCED ------------------
     def begin_backward(self, reduces: Callable[[torch.nn.Parameter], bool]) -> None:
         """IDLE -> BACKWARD, REDUCED -> BACKWARD_AGAIN: the gradients of its parameters that
         require one and that ``reduces`` accepts are due."""
         if self.phase is GradPhase.IDLE:
-            self.phase = GradPhase.BACKWARD
+            self._set_phase(GradPhase.BACKWARD)
         elif self.phase is GradPhase.REDUCED:
-            self.phase = GradPhase.BACKWARD_AGAIN
+            self._set_phase(GradPhase.BACKWARD_AGAIN)
         else:
-            raise self._illegal("begin_backward", self.phase, "IDLE or REDUCED")
+            raise illegal(self.name, "begin_backward", self.phase, "IDLE or REDUCED")
         self.waiting = {j for j, p in enumerate(self.params) if p.requires_grad and reduces(p)}
 
     def grad_arrived(self, j: int) -> bool:
@@ -347,24 +336,26 @@ class Unit:
         reduction (no_sync: they stay on the parameters) BACKWARD -> IDLE and
         BACKWARD_AGAIN -> REDUCED (the slice keeps what the earlier backward reduced)."""
         if not self.in_backward:
-            raise self._illegal("end_backward", self.phase, "BACKWARD or BACKWARD_AGAIN")
+            raise illegal(self.name, "end_backward", self.phase, "BACKWARD or BACKWARD_AGAIN")
         if reduced or self.phase is GradPhase.BACKWARD_AGAIN:
-            self.phase = GradPhase.REDUCED
+            self._set_phase(GradPhase.REDUCED)
         else:
-            self.phase = GradPhase.IDLE
+            self._set_phase(GradPhase.IDLE)
         self.waiting = set()
 
     def new_step(self) -> None:
         """The step boundary: nothing is reduced in the new step yet (REDUCED -> IDLE,
         BACKWARD_AGAIN -> BACKWARD; a backward under way stays one)."""
         if self.phase is GradPhase.REDUCED:
-            self.phase = GradPhase.IDLE
+            self._set_phase(GradPhase.IDLE)
         elif self.phase is GradPhase.BACKWARD_AGAIN:
-            self.phase = GradPhase.BACKWARD
+            self._set_phase(GradPhase.BACKWARD)
 
     # -- helpers ---------------------------------------------------------------------------
     def _move(self, state: UnitState) -> None:
-        """Set the storage state, counting the non-root units that hold a gather buffer."""
+        """Set the storage state (a move the table allows: states.py), counting the non-root
+        units that hold a gather buffer."""
+        check_move(self.name, self.state, state)
         was = self.gathered
         self.state = state
         if self.is_root or was == self.gathered:
@@ -373,47 +364,29 @@ class Unit:
         ctx.gathered_units += 1 if self.gathered else -1
         ctx.peak_units = max(ctx.peak_units, ctx.gathered_units)
 
+    def _set_phase(self, phase: GradPhase) -> None:
+        """Set the gradient phase (a move the table allows: states.py)."""
+        check_move(self.name, self.phase, phase)
+        self.phase = phase
+
     def leave_arena(self, *, retire: bool = False) -> None:
         """GATHERED in an arena block -> the same values in an allocation of its own; the
         block goes back to the arena (``retire``: at the end of the backward, for tensors
         saved from it until now: UnitContext.retired)."""
         if self.state is not UnitState.GATHERED or self.block is None:
-            raise self._illegal("leave_arena", self.state, "GATHERED in an arena block")
+            raise illegal(self.name, "leave_arena", self.state, "GATHERED in an arena block")
         assert self.buf is not None
         if self.h2d is not None:  # the host slice's copy is done before the buffer is read
             self.h2d.wait()
             self.h2d = None
         buf = self.buf.clone()
-        self._bind(buf)
-        self._alias_frozen()
+        bind(self, buf)
+        alias_frozen(self)
         if retire:
             self.ctx.retired.append(self.block)
         else:
             self.ctx.gather_arena.free(self.block)
         self.buf, self.block = buf, None
-
-    def _bind(self, buf: torch.Tensor) -> None:
-        """The parameters become views of the full flat buffer ``buf``."""
-        for p, shape, off, n in zip(self.params, self.shapes, self.plan.param_offsets,
-                                    self.plan.numels):
-            p.data = buf.narrow(0, off, n).view(shape)
-
-    def _alias_frozen(self) -> None:
-        # A recompute's saved-tensor hooks keep a tensor that needs no gradient as itself:
-        # the Parameter would be read at unpack time, the placeholder once released.
-        for mod, name, j in self.slots:
-            p = self.params[j]
-            if not p.requires_grad:
-                mod._parameters[name] = p.detach()
-                self.aliased = True
-
-    def _placeholders(self) -> None:
-        if self.aliased:
-            for mod, name, j in self.slots:
-                mod._parameters[name] = self.params[j]
-            self.aliased = False
-        for p, shape in zip(self.params, self.shapes):
-            p.data = self.ctx.nan.expand(shape)
 
     def _abandon(self) -> None:
         """After a timeout: a pending gather may still write the buffer, so it never goes
@@ -421,8 +394,3 @@ class Unit:
         if self.buf is not None:
             self.ctx.abandoned.append(self.buf)
         self.block, self.work = None, None
-
-    def _illegal(self, verb: str, now: enum.Enum, allowed: str) -> IllegalTransition:
-        return IllegalTransition(
-            f"stage 3 unit {self.name!r}: {verb} is not allowed in {type(now).__name__}."
-            f"{now.name} (only from {allowed})")

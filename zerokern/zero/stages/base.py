@@ -38,32 +38,6 @@ class Run:
     step: int  # 1-based step count of every parameter in the range
 
 
-def average_(t: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """Sum over the group -> mean, in the gradient dtype: the one division by N of every stage
-    (as DDP divides its buckets), so all stages compute the same numbers. On a 2-D mesh N is
-    S * R, every rank whose gradient went into the sum (``comm.dp_size``)."""
-    n = comm.world_size * replicas(comm)
-    if n > 1:
-        t.div_(n)
-    return t
-
-
-def replicas(comm: Comm) -> int:
-    """R, the replicate group's size (1 on a flat group, or a stand-in comm without one)."""
-    rep = getattr(comm, "replicate", None)
-    return 1 if rep is None else rep.world_size
-
-
-def across_replicas_(t: torch.Tensor, comm: Comm, label: str) -> torch.Tensor:
-    """Hybrid sharding: ``t``, this rank's slice summed within its shard group, summed across
-    the replicate group too (in place, before ``average_``); nothing on a flat group. One
-    collective per slice and round, issued in the order the slices were reduced, so every
-    replicate group sees the same sequence."""
-    if getattr(comm, "replicate", None) is not None:
-        comm.replicate_all_reduce(t, label)
-    return t
-
-
 def reserved_bytes(specs: list[BufferSpec]) -> int:
     """Arena bytes ``specs`` occupy: each block rounded up to the arena alignment."""
     return sum(-(-s.numel * _esize(s.dtype) // ARENA_ALIGN) * ARENA_ALIGN or ARENA_ALIGN

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ...comm import Comm, Handle
+from ...comm.parts import gather_part, reduce_part
 from ...memory.alias import own_storage
 from ..grad_guard import GradGuard
 from ..grads import GradReducer
@@ -25,10 +26,11 @@ from ..rules import UpdateRule
 from ..shard_state import ShardState
 from ..state_format import StateFormat
 from .accounting import flat_memory, offload_flat_memory, slot_numel, state_buffers
-from .base import Engine, Run, across_replicas_, average_
+from .base import Engine, Run
+from .pool import BucketPool
 
 
-class FlatEngine(Engine):
+class FlatEngine(BucketPool, Engine):
     pool_size: int = 0  # constant-size bucket buffers (stage 2)
     shards_grads: bool = False  # stage 2: the state keeps the reduced gradient shard
 
@@ -44,7 +46,11 @@ class FlatEngine(Engine):
         # buffers stay in the parameters' dtype, the reduction and the step's gradient are in
         # grad_dtype.
         self.cast = self.grad_dtype != dtype
-        self.hybrid = getattr(comm, "replicate", None) is not None
+        # How gradients are reduced and parameters gathered on this layout (comm/parts.py):
+        # the stage calls their verbs, never a collective.
+        self.grad_comm = reduce_part(comm, self.grad_dtype)
+        self.param_comm = gather_part(comm)
+        self.hybrid = self.grad_comm.mesh.hybrid
         with torch.no_grad():
             self.flat_param = self.alloc("params", layout.flat_numel, dtype)
             for i, p in enumerate(params):
@@ -118,73 +124,9 @@ class FlatEngine(Engine):
                                   rule=rule),
                 *[BufferSpec("staging", slot_numel(layout), dtype)] * 2]
 
-    @staticmethod
-    def pool_specs(layout: Layout, dtype: torch.dtype, size: int) -> list[BufferSpec]:
-        """``size`` bucket buffers of the largest bucket, in ``dtype`` (the pool)."""
-        cap = max((b.numel for b in layout.buckets), default=0)
-        return [BufferSpec("buckets", cap, dtype)] * size
-
     def alloc_grads(self) -> None:
         self.flat_grad: torch.Tensor | None = self.alloc("grads", self.layout.flat_numel,
                                                          self.dtype)
-
-    # -- the bucket pool (stage 2; stage 1 with a reduce dtype) --------------------------------
-    def alloc_pool(self, size: int) -> None:
-        """Take the pool's blocks now, as planned: the arena reserves them anyway, and
-        memory_stats() then says the same before and after the first step whether one slot or
-        all get used (one, when every reduction completes at once: world size 1,
-        overlap_comm=False)."""
-        self.buffers: dict[int, torch.Tensor] = {}
-        numel = max((b.numel for b in self.layout.buckets), default=0)
-        self.pool_blocks = [self.arena.alloc(numel, self.grad_dtype) for _ in range(size)]
-        self.pool: list[torch.Tensor] = [blk.tensor for blk in reversed(self.pool_blocks)]
-        self.allocated = size
-        self.pool_cap = size
-
-    def take_buffer(self) -> torch.Tensor:
-        """A pool buffer. Fill the whole pool before waiting; past that, wait for the oldest
-        reduction to free its buffer; allocate beyond the pool only when nothing is in
-        flight (buckets held back behind an earlier, incomplete one), which memory_stats()
-        counts."""
-        if not self.pool:
-            if self.allocated >= self.pool_cap and self.reducer.inflight:
-                self.reducer.wait_oldest()
-            if not self.pool:
-                self.allocated += 1
-                return self._new_bucket()
-        return self.pool.pop()
-
-    def _new_bucket(self) -> torch.Tensor:
-        numel = max(b.numel for b in self.layout.buckets)
-        t = torch.empty(numel, dtype=self.grad_dtype, device=self.device)
-        self.overflow_bucket_bytes += t.numel() * t.element_size()
-        return t
-
-    def release_buffer(self, buf: torch.Tensor) -> None:
-        self.pool.append(buf)
-
-    def start_pooled_reduce(self, b: int, src: torch.Tensor, accumulate: bool,
-                            buf: torch.Tensor | None = None) -> Handle | None:
-        """Reduce-scatter bucket ``b`` (``src``, a pool buffer, or ``buf`` holding its copy)
-        into the state's gradient shard: added to it when an earlier backward of this step
-        was reduced already. finish_pooled_reduce averages and gives the buffer back."""
-        bk = self.layout.buckets[b]
-        send = src if buf is None else buf.narrow(0, 0, bk.numel)
-        out, may_async = self.state.reduce_target(bk.shard_start, self.own(b, send), accumulate)
-        self._reducing[b] = (out, accumulate, buf)
-        h = self.comm.reduce_scatter(out, send, self.bucket_label(b),
-                                     async_op=self.overlap and may_async)
-        if h is None:
-            self.finish_reduce(b, src)  # the stage's: it gives its buffer back
-        return h
-
-    def finish_pooled_reduce(self, b: int, src: torch.Tensor) -> None:
-        out, accumulate, buf = self._reducing.pop(b)
-        across_replicas_(out, self.comm, self.bucket_label(b))
-        average_(out, self.comm)
-        self.state.receive(b, self.layout.buckets[b].shard_start, out, accumulate)
-        if buf is not None:
-            self.release_buffer(buf)
 
     def bucket_label(self, b: int) -> str:
         bk = self.layout.buckets[b]
@@ -215,6 +157,9 @@ class FlatEngine(Engine):
 
     def keeps_earlier_rounds(self) -> bool:
         return True
+
+    def settle(self) -> None:
+        self.grad_comm.settle()
 
     def bucket_tensor(self, b: int) -> torch.Tensor:
         bk = self.layout.buckets[b]
@@ -339,8 +284,8 @@ class FlatEngine(Engine):
                 if a < b:
                     update(Run(r.group, a, b, r.step), bk)
             full = self.flat_param.narrow(0, bk.flat_start, bk.numel)
-            h = self.comm.all_gather(full, source(bk), f"parameters of bucket {bk.index}",
-                                     async_op=self.overlap)
+            h = self.param_comm.gather(full, source(bk), f"parameters of bucket {bk.index}",
+                                       async_op=self.overlap)
             if h is not None:
                 handles.append(h)
         for h in handles:

@@ -22,7 +22,7 @@ from ... import ops
 from ...comm import Handle
 from ..layout import Layout
 from ..shard_state import BufferSpec
-from .base import Run, across_replicas_, average_
+from .base import Run
 from .flat import FlatEngine
 
 
@@ -58,28 +58,18 @@ class Stage0(FlatEngine):
     # -- gradients: all-reduce each bucket in place --------------------------------------------
     def start_reduce(self, b: int, src: torch.Tensor, accumulate: bool) -> Handle | None:
         t = self._reduced(b)
-        if self.cast:
-            t.copy_(src)
-        if self.hybrid:
-            # Hierarchical all-reduce: reduce-scatter within the shard group (in place), the
-            # own slice all-reduced across replicas, all-gathered back (finish_reduce).
-            h = self.comm.reduce_scatter(self.own(b, t), t, self.bucket_label(b),
-                                         async_op=self.overlap)
-        else:
-            h = self.comm.all_reduce(t, self.bucket_label(b), async_op=self.overlap)
+        self.grad_comm.load(t, [src], [0])  # the reduce dtype's copy (else t is src)
+        # Flat: an all-reduce. Hybrid: reduce-scatter within the shard group (in place), the
+        # own slice summed across replicas and averaged, all-gathered back (comm/parts.py).
+        h = self.grad_comm.reduce_full(t, self.own(b, t), self.bucket_label(b),
+                                       async_op=self.overlap)
         if h is None:
             self.finish_reduce(b, src)
         return h
 
     def finish_reduce(self, b: int, src: torch.Tensor) -> None:
         t = self._reduced(b)
-        if not self.hybrid:
-            average_(t, self.comm)
-            return
-        own = self.own(b, t)
-        across_replicas_(own, self.comm, self.bucket_label(b))
-        average_(own, self.comm)
-        self.comm.all_gather(t, own, f"averaged gradients of {self.bucket_label(b)}")
+        self.grad_comm.finish_full(t, self.own(b, t), self.bucket_label(b))
 
     def keep_set_grads(self, values: dict[int, torch.Tensor]) -> None:
         # As views of autograd's flat gradient: without zero_grad() the next backward adds

@@ -30,7 +30,7 @@ import torch
 from ...comm import Handle
 from ..layout import Layout
 from ..shard_state import BufferSpec
-from .base import Run, average_
+from .base import Run
 from .flat import FlatEngine
 
 
@@ -67,11 +67,11 @@ class Stage1(FlatEngine):
             # The bucket's copy in the reduce dtype is reduced into the state's shard (as
             # stage 2 does); autograd's bucket starts again from zero for a further backward.
             buf = self.take_buffer()
-            buf.narrow(0, 0, src.numel()).copy_(src)
+            self.grad_comm.load(buf, [src], [0])
             src.zero_()
             return self.start_pooled_reduce(b, src, accumulate, buf)
-        h = self.comm.reduce_scatter(self.own(b, src), src, self.bucket_label(b),
-                                     async_op=self.overlap)
+        h = self.grad_comm.reduce(self.own(b, src), src, self.bucket_label(b),
+                                  async_op=self.overlap)
         if h is None:
             self.finish_reduce(b, src)
         return h
@@ -99,10 +99,10 @@ class Stage1(FlatEngine):
         if self.hybrid:
             self._sum_across_replicas()
         if self.state.grads is not None:  # the host copy
-            average_(self.state.grads, self.comm)
+            self.grad_comm.average(self.state.grads)
         else:
             for _, fs, k in self.flat_slices(0, self.layout.local_numel):
-                average_(self.flat_grad.narrow(0, fs, k), self.comm)  # sums until now
+                self.grad_comm.average(self.flat_grad.narrow(0, fs, k))  # sums until now
         return got
 
     def _sum_across_replicas(self) -> None:
@@ -110,15 +110,10 @@ class Stage1(FlatEngine):
         every round of the step; summed across the replicate group once, at the step (a
         per-round sum would count the earlier rounds R times), then landed on the host
         state when there is one."""
-        handles = []
-        for bk in self.layout.buckets:
-            own = self.own(bk.index, self.flat_grad.narrow(0, bk.flat_start, bk.numel))
-            h = self.comm.replicate_all_reduce(own, self.bucket_label(bk.index),
-                                               async_op=self.overlap)
-            if h is not None:
-                handles.append(h)
-        for h in handles:
-            h.wait()
+        self.grad_comm.sum_across(
+            [(self.own(bk.index, self.flat_grad.narrow(0, bk.flat_start, bk.numel)),
+              self.bucket_label(bk.index)) for bk in self.layout.buckets],
+            async_op=self.overlap)
         if self.state.grads is not None:
             for bk in self.layout.buckets:
                 own = self.own(bk.index, self.flat_grad.narrow(0, bk.flat_start, bk.numel))

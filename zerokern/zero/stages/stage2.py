@@ -71,8 +71,7 @@ class Stage2(FlatEngine):
         return self.start_pooled_reduce(b, src, accumulate)
 
     def finish_reduce(self, b: int, src: torch.Tensor) -> None:
-        self.finish_pooled_reduce(b, src)
-        self.release_buffer(self.buffers.pop(b))
+        self.finish_pooled_reduce(b, src, self.buffers.pop(b))
 
     def zero_grad(self, set_to_none: bool, keep: list[bool] | None = None) -> None:
         for p in self.params:
