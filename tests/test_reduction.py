@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import zerokern
-from zerokern.zero.grad_edits import DROPPED, SET, GradEdits
+from zerokern.zero.grad_edits import DROPPED, SET, GradEdits, fingerprint
 from zerokern.zero.reduction import GradReduction, Reduced, grad_scale
 
 
@@ -24,13 +24,20 @@ class FakeComm:
     world_size, rank = 2, 0
     replicate = None  # a flat group
 
-    def __init__(self, other):
+    def __init__(self, other, other_fingerprints=None):
         self.other = other
+        # The other rank's fingerprints of the gradients set by hand (None: the same as this
+        # rank's): the values check is a MAX all-reduce of them and of their negations.
+        self.other_fingerprints = other_fingerprints
         self.calls = 0
 
-    def all_reduce(self, t, what, count=True):
+    def all_reduce(self, t, what, count=True, op=None):
         self.calls += 1
-        t.add_(self.other.to(t.dtype))
+        if op is None:
+            t.add_(self.other.to(t.dtype))
+        elif self.other_fingerprints is not None:
+            fp = torch.tensor(self.other_fingerprints, dtype=t.dtype)
+            torch.maximum(t, torch.cat([fp, -fp]), out=t)
 
 
 class FakeEngine:
@@ -87,6 +94,7 @@ def test_kept_zeros_and_edits_join_the_flags():
     edits.end_step([True, False, False, False])
     edits.zero_grad(False, {}, [], [False] * 4, None)
     edits.kind[2], edits.kind[3] = SET, DROPPED
+    edits.values[2] = torch.full((3,), 0.5)
     other = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0,
                           0.0, 0.0, 0.0, 0.0])
     r = GradReduction(FakeComm(other))
@@ -94,6 +102,13 @@ def test_kept_zeros_and_edits_join_the_flags():
                    loss_scale=1.0, device=torch.device("cpu"), partials=lambda: torch.zeros(4),
                    edits=edits, layout=type("L", (), {"pieces": ()})())
     assert red.active == [True, False, True, False] and red.param_sq == [0.0] * 4
+    # Both ranks set parameter 2's gradient, the other rank to other values: refused.
+    with pytest.raises(RuntimeError, match=r"set p.grad by hand to different values after "
+                                           r"backward \(param 2\)"):
+        GradReduction(FakeComm(other, [fingerprint(edits.values[2]) + 1])).reduce(
+            FakeEngine([False] * 4), events=0, need_norm=False, loss_scale=1.0,
+            device=torch.device("cpu"), partials=lambda: torch.zeros(4), edits=edits,
+            layout=type("L", (), {"pieces": ()})(), label=lambda i: f"param {i}")
     # One rank dropped parameter 1's gradient, the other did not: refused, naming it.
     edits.kind[1] = DROPPED
     with pytest.raises(RuntimeError, match="differently.*param 1: set by hand on 0, set to "
