@@ -128,10 +128,6 @@ class Engine(ABC):
     def master(self) -> torch.Tensor | None:
         return self.state.master
 
-    @property
-    def has_master(self) -> bool:
-        return self.state.master is not None
-
     # The host placement's parts, for tests and diagnostics (the stages use its verbs only).
     @property
     def pipe(self) -> Any:
