@@ -71,44 +71,56 @@ import sys
 sys.modules["zerokern"] = None
 sys.path.insert(0, sys.argv[1])
 import torch
-out, world, stage = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-for r in range(world):
-    full = torch.load(f"{out}/full{r}.pt", weights_only=True)
-    sd = torch.load(f"{out}/sd{r}.pt", weights_only=True)
-    assert list(sd) == list(full), (list(sd), list(full))
-    for k, v in full.items():
-        assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
-    if stage < 3:
-        p = torch.load(f"{out}/param{r}.pt", weights_only=True)
-        assert isinstance(p, torch.nn.Parameter) and torch.equal(p, full["fc1.weight"])
-        m = torch.load(f"{out}/model{r}.pt", weights_only=False)
-        for k, v in m.state_dict().items():
-            assert torch.equal(v, full[k]), k
-print("loaded")
+args = sys.argv[2:]
+for out, world, stage in zip(args[::3], map(int, args[1::3]), map(int, args[2::3])):
+  for r in range(world):
+      full = torch.load(f"{out}/full{r}.pt", weights_only=True)
+      sd = torch.load(f"{out}/sd{r}.pt", weights_only=True)
+      assert list(sd) == list(full), (list(sd), list(full))
+      for k, v in full.items():
+          assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
+      if stage < 3:
+          p = torch.load(f"{out}/param{r}.pt", weights_only=True)
+          assert isinstance(p, torch.nn.Parameter) and torch.equal(p, full["fc1.weight"])
+          m = torch.load(f"{out}/model{r}.pt", weights_only=False)
+          for k, v in m.state_dict().items():
+              assert torch.equal(v, full[k]), k
+  print("loaded", out)
 """
 
 
-def _load_without_zerokern(out: Path, world: int, stage: int) -> None:
-    r = subprocess.run([sys.executable, "-c", _LOADER, str(HERE), str(out), str(world),
-                        str(stage)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "loaded" in r.stdout, r.stderr[-3000:]
+def _load_without_zerokern(cases: list[tuple[Path, int, int]]) -> None:
+    """Every case's files (its directory, world size, stage), in one fresh interpreter."""
+    args = [str(x) for case in cases for x in case]
+    r = subprocess.run([sys.executable, "-c", _LOADER, str(HERE), *args], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split().count("loaded") == len(cases), r.stdout
 
 
-@pytest.mark.parametrize("stage,dtype,offload", [
+SAVE_CASES = [
     (0, torch.float32, False), (0, torch.bfloat16, False),
     (1, torch.float32, False), (1, torch.bfloat16, False), (1, torch.float32, True),
     (2, torch.float32, False), (2, torch.bfloat16, False), (2, torch.bfloat16, True),
     (3, torch.float32, False), (3, torch.bfloat16, False), (3, torch.float32, True),
-])
-def test_plain_torch_save_loads_anywhere(stage, dtype, offload, tmp_path):
-    run_ranks(2, save_case, stage, dtype, offload, str(tmp_path), tmp_path=tmp_path)
-    _load_without_zerokern(tmp_path, 2, stage)
+]
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_plain_torch_save_at_world_size_one(stage, tmp_path):
-    save_case(0, 1, stage, torch.bfloat16, False, str(tmp_path))
-    _load_without_zerokern(tmp_path, 1, stage)
+def test_plain_torch_save_loads_anywhere(tmp_path):
+    """Every case saved on 2 ranks (and three at world size one, in this process), then all
+    loaded in one interpreter without zerokern."""
+    cases = []
+    for i, (stage, dtype, offload) in enumerate(SAVE_CASES):
+        out = tmp_path / f"w2_stage{stage}_{str(dtype)[6:]}_{'off' if offload else 'on'}{i}"
+        out.mkdir()
+        run_ranks(2, save_case, stage, dtype, offload, str(out), tmp_path=tmp_path)
+        cases.append((out, 2, stage))
+    for stage in (0, 2, 3):
+        out = tmp_path / f"w1_stage{stage}"
+        out.mkdir()
+        save_case(0, 1, stage, torch.bfloat16, False, str(out))
+        cases.append((out, 1, stage))
+    _load_without_zerokern(cases)
 
 
 def resume_case(rank, world, stage, out):
