@@ -26,6 +26,23 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MB = 1 << 20
 
 
+def rank_start_method() -> str:
+    """How the benches start their ranks: "forkserver" (default), whose server imports torch
+    once, so that each launch forks from it instead of importing torch again in every rank
+    (seconds of CPU per rank on a small machine, where the quick runs are mostly start-up);
+    or "spawn" (ZEROKERN_BENCH_START=spawn). Either way each rank imports zerokern itself,
+    from the tree its launch names (bench_zero --tree), and nothing is timed before its
+    ranks are up. The server imports torch only: no CUDA context, no thread pool yet."""
+    method = os.environ.get("ZEROKERN_BENCH_START", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"ZEROKERN_BENCH_START must be 'forkserver' or 'spawn', got {method!r}")
+    if method == "forkserver":
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(["torch"])
+    return method
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

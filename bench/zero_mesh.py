@@ -225,7 +225,7 @@ def run_mesh(job: MeshJob, timeout: float) -> list[dict[str, Any]]:
     and policy (rows of a round that did not finish: their error)."""
     t0 = time.perf_counter()
     ctx = mp.start_processes(mesh_worker, args=(job,), nprocs=job.world, join=False,
-                             start_method="spawn")
+                             start_method=H.rank_start_method())
     failure = None
     try:
         while not ctx.join(timeout=5):

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _harness import MB, comm_from_profile
+from _harness import MB, comm_from_profile, rank_start_method
 from gpt import GPTConfig, batch
 from zero_policies import Job, Setup, Skip, build
 
@@ -206,7 +206,7 @@ def run_policy(job: Job, timeout: float, tree: Path | None = None) -> dict[str, 
     t0 = time.perf_counter()
     with imports_from(tree):
         ctx = mp.start_processes(
-            worker, args=(job,), nprocs=job.world, join=False, start_method="spawn"
+            worker, args=(job,), nprocs=job.world, join=False, start_method=rank_start_method()
         )
     failure = None
     try:
