@@ -57,6 +57,7 @@ from .state_format import StateFormat
 from .validate import (
     check_eps_moments,
     check_hparams,
+    check_gather_dtype_params,
     check_master_dtype,
     check_offload_params,
     check_seed,
@@ -139,14 +140,25 @@ class ZeroAdamW(torch.optim.Optimizer):
             16-bit parameters' gradients are reduced in fp32 (buckets, units' buffers and
             the gradient shard in fp32) and reach the fused step in fp32, as FSDP2's
             ``MixedPrecisionPolicy(reduce_dtype=)``; ``memory_stats()`` / ``comm_stats()``
-            count the extra bytes. Not with ``offload``.
+            count the extra bytes. Not with ``offload``. ``"int8"`` / ``"int4"`` (stages
+            1-3, ZeRO++'s qgZ): the gradients stay in the parameters' dtype and travel as
+            block-wise int8 / int4 codes with an fp32 scale per 256 elements, each hop
+            summed in fp32 (on a 2-D mesh, within the shard group and then across the
+            replicate group); refused at stage 0 and with ``offload``
+            (docs/reference/quantized-comm.md).
+        gather_dtype: None, or ``"int8"`` (stages 1-3, ZeRO++'s qwZ): the parameters are
+            all-gathered as block-wise int8 codes, every rank (the sender too) using the
+            decoded values, so ranks agree bit for bit; the fp32 master, or stage 3's
+            shards, are never quantized. Refused at stage 0, with ``offload``, with
+            ``master="none"`` at stages 1-2 and with fp32 parameters at stages 1-2 (there
+            the gathered buffer is the only copy of the weights).
         config: a ``zerokern.ZeroConfig`` holding ZeroAdamW's own options (``stage``
-            through ``reduce_dtype`` above, except ``process_group`` and ``mesh``), instead
+            through ``gather_dtype`` above, except ``process_group`` and ``mesh``), instead
             of those keywords; giving one of them as well, at another value than its
             default, is refused.
 
     Every rank must give the same ``stage``, ``bucket_numel``, ``offload``, ``moments``,
-    ``master``, ``seed``, ``reduce_dtype``, ``loss_scale``, ``max_grad_norm``, mesh,
+    ``master``, ``seed``, ``reduce_dtype``, ``gather_dtype``, ``loss_scale``, ``max_grad_norm``, mesh,
     per-group ``lr``, ``betas``, ``eps`` and ``weight_decay``, and the same parameters
     (shapes and dtypes): the constructor compares them across ranks in one gather, before
     any other collective, and raises ValueError on every rank naming each one that differs
@@ -197,7 +209,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         master: str = "fp32",
         seed: int = 0,
         mesh: Any = None,
-        reduce_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | str | None = None,
+        gather_dtype: str | None = None,
         config: ZeroConfig | None = None,
     ) -> None:
         # torch.optim.AdamW's signature, so that a script's AdamW(...) call works unchanged:
@@ -216,7 +229,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                 stage=stage, bucket_numel=bucket_numel, max_grad_norm=max_grad_norm,
                 loss_scale=loss_scale, overlap_comm=overlap_comm, backend=backend,
                 offload=offload, moments=moments, master=master, seed=seed,
-                reduce_dtype=reduce_dtype)).validate()
+                reduce_dtype=reduce_dtype, gather_dtype=gather_dtype)).validate()
             check_hparams(lr, betas, eps, weight_decay)
             check_eps_moments(eps, cfg.state_format.moments)
             check_adamw_flags(dict(amsgrad=amsgrad, maximize=maximize,
@@ -235,6 +248,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             table = ParamTable(managed, frozen, rt)
             dtype, device = common_dtype_device(table.params)  # meta parameters refused
             check_master_dtype(cfg.state_format, dtype)
+            check_gather_dtype_params(cfg.wire.gather_bits, cfg.stage, dtype)
         except (ValueError, TypeError, RuntimeError) as exc:
             failure = exc
         self.comm = agree_at_construction(
@@ -254,12 +268,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         if rt is None:
             broadcast_params(self.comm, params)  # stage 3: shard_model did it
         else:
-            rt.set_reduce_dtype(cfg.reduce_dtype or dtype)
+            rt.set_reduce_dtype(cfg.reduce_dtype if isinstance(cfg.reduce_dtype, torch.dtype)
+                                else dtype)
+            rt.set_wire(cfg.wire)
         self._slot = EngineSlot(table, self.comm, stage=cfg.stage, offload=cfg.offload,
                                 runtime=rt, bucket_numel=cfg.bucket_numel,
                                 overlap=cfg.overlap_comm, backend=cfg.backend, dtype=dtype,
                                 device=device, fmt=cfg.state_format, seed=int(cfg.seed),
-                                reduce_dtype=cfg.reduce_dtype, rule=self.rule)
+                                reduce_dtype=cfg.reduce_dtype, rule=self.rule, wire=cfg.wire)
         self._reduction = GradReduction(self.comm, self._rt)
         self._edits = GradEdits(len(params))
         me = weakref.ref(self)
