@@ -56,8 +56,8 @@ from .stages import Engine
 from .state_format import StateFormat
 from .validate import (
     check_eps_moments,
-    check_hparams,
     check_gather_dtype_params,
+    check_hparams,
     check_master_dtype,
     check_offload_params,
     check_seed,
@@ -158,11 +158,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             default, is refused.
 
     Every rank must give the same ``stage``, ``bucket_numel``, ``offload``, ``moments``,
-    ``master``, ``seed``, ``reduce_dtype``, ``gather_dtype``, ``loss_scale``, ``max_grad_norm``, mesh,
-    per-group ``lr``, ``betas``, ``eps`` and ``weight_decay``, and the same parameters
-    (shapes and dtypes): the constructor compares them across ranks in one gather, before
-    any other collective, and raises ValueError on every rank naming each one that differs
-    and every rank's value. An argument refused on one rank is raised on every rank.
+    ``master``, ``seed``, ``reduce_dtype``, ``gather_dtype``, ``loss_scale``,
+    ``max_grad_norm``, mesh, per-group ``lr``, ``betas``, ``eps`` and ``weight_decay``, and
+    the same parameters (shapes and dtypes): the constructor compares them across ranks in
+    one gather, before any other collective, and raises ValueError on every rank naming each
+    one that differs and every rank's value. An argument refused on one rank is raised on every rank.
     ``overlap_comm`` and ``backend`` may differ (the collectives are the same, and the
     kernels agree bit for bit).
 

@@ -153,8 +153,8 @@ def check_reduce_dtype(reduce_dtype: Any, offload: str | None) -> None:
     if reduce_dtype is None or reduce_dtype in QUANTIZED_REDUCE:
         return  # the quantized spellings: check_quantized_comm
     if reduce_dtype is not torch.float32:
-        raise ValueError(f"reduce_dtype must be None, torch.float32 (gradients of 16-bit "
-                         f"parameters reduced in fp32), 'int8' or 'int4' (quantized on the "
+        raise ValueError(f"reduce_dtype must be None or torch.float32 (gradients of 16-bit "
+                         f"parameters reduced in fp32), or 'int8' / 'int4' (quantized on the "
                          f"wire), got {reduce_dtype!r}")
     if offload is not None:
         raise ValueError("reduce_dtype=torch.float32 with offload='cpu' is not supported: the "
