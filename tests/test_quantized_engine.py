@@ -378,3 +378,9 @@ def test_options_in_config_and_agreed():
     assert (cfg.wire.reduce_bits, cfg.wire.gather_bits) == (4, 8)
     assert zerokern.ZeroConfig(reduce_dtype=torch.float32).wire.reduce_bits is None
     assert "gather_dtype" in zerokern.ZeroConfig.adamw_names()
+    # the integrations take every ZeroConfig field as a keyword of the same name
+    from zerokern.integrations._options import config_of, pop_options
+
+    kw = {"gather_dtype": "int8", "reduce_dtype": "int8", "stage": 3, "other": 1}
+    got = config_of(None, pop_options(kw), "ZeroTrainer")
+    assert (got.gather_dtype, got.reduce_dtype, kw) == ("int8", "int8", {"other": 1})
