@@ -20,10 +20,10 @@ HSDP all-reduce on a stream of its own. Whoever reads the results calls ``settle
 The values are the ones a synchronous sum gives: the same collectives, the same order on
 every rank, the same division.
 
-A part reaches the wire through two methods only, ``_reduce_scatter`` and ``_all_gather``
-(FSDP2's swappable ``_reduce_scatter_comm`` / ``_all_gather_comm``). A quantized layout
-(comm/quantized.py: ``quantized_reduce_scatter`` / ``quantized_all_gather``) is one more
-subclass overriding them; the stages do not change.
+A part reaches the wire through ``_reduce_scatter`` and ``_all_gather`` (FSDP2's swappable
+``_reduce_scatter_comm`` / ``_all_gather_comm``), and on a mesh ``_sum_replicas`` (the sum
+across the replicate group). A quantized layout (comm/quantized_parts.py, chosen by
+``bits``) is one more subclass overriding them; the stages do not change.
 """
 
 from __future__ import annotations
