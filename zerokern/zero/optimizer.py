@@ -162,9 +162,9 @@ class ZeroAdamW(torch.optim.Optimizer):
     ``max_grad_norm``, mesh, per-group ``lr``, ``betas``, ``eps`` and ``weight_decay``, and
     the same parameters (shapes and dtypes): the constructor compares them across ranks in
     one gather, before any other collective, and raises ValueError on every rank naming each
-    one that differs and every rank's value. An argument refused on one rank is raised on every rank.
-    ``overlap_comm`` and ``backend`` may differ (the collectives are the same, and the
-    kernels agree bit for bit).
+    one that differs and every rank's value. An argument refused on one rank is raised on
+    every rank. ``overlap_comm`` and ``backend`` may differ (the collectives are the same,
+    and the kernels agree bit for bit).
 
     Attributes:
         config: the options as a ``ZeroConfig`` (validated and agreed across ranks).
