@@ -20,10 +20,10 @@ HSDP all-reduce on a stream of its own. Whoever reads the results calls ``settle
 The values are the ones a synchronous sum gives: the same collectives, the same order on
 every rank, the same division.
 
-A part reaches the wire through two methods only, ``_reduce_scatter`` and ``_all_gather``
-(FSDP2's swappable ``_reduce_scatter_comm`` / ``_all_gather_comm``). A quantized layout
-(comm/quantized.py: ``quantized_reduce_scatter`` / ``quantized_all_gather``) is one more
-subclass overriding them; the stages do not change.
+A part reaches the wire through ``_reduce_scatter`` and ``_all_gather`` (FSDP2's swappable
+``_reduce_scatter_comm`` / ``_all_gather_comm``), and on a mesh ``_sum_replicas`` (the sum
+across the replicate group). A quantized layout (comm/quantized_parts.py, chosen by
+``bits``) is one more subclass overriding them; the stages do not change.
 """
 
 from __future__ import annotations
@@ -137,12 +137,17 @@ class HybridReduce(FlatReduce):
         super().__init__(mesh, dtype)
         self.replicate: Comm = mesh.replicate
 
+    # -- the wire across replicas (a quantized part overrides it) ------------------------------
+    def _sum_replicas(self, t: torch.Tensor, label: str, async_op: bool) -> Any:
+        """Start ``t`` summed in place across the replicate group (a handle, or None)."""
+        return self.replicate.all_reduce(t, label, async_op=async_op)
+
     def complete(self, t: torch.Tensor, label: str,
                  then: Callable[[], None] | None = None) -> None:
         # One all-reduce per slice and round, issued in the order the slices were reduced, so
         # every replicate group sees the same sequence; the one before is finished after
         # this one was started (both run meanwhile).
-        h = self.replicate.all_reduce(t, f"{label} across replicas", async_op=True)
+        h = self._sum_replicas(t, f"{label} across replicas", True)
         self._pending.append(_Across(h, t, then))
         while len(self._pending) > 1:
             self._finish_oldest()
@@ -160,7 +165,7 @@ class HybridReduce(FlatReduce):
             self._finish_oldest()
 
     def sum_across(self, slices: list[tuple[torch.Tensor, str]], *, async_op: bool) -> None:
-        handles = [self.replicate.all_reduce(t, f"{label} across replicas", async_op=async_op)
+        handles = [self._sum_replicas(t, f"{label} across replicas", async_op)
                    for t, label in slices]
         for h in handles:
             if h is not None:
@@ -211,13 +216,24 @@ class HybridGather(FlatGather):
         self.mesh.replicate.broadcast(t, 0, label)
 
 
-def reduce_part(comm: Comm, dtype: torch.dtype | None = None) -> FlatReduce:
-    """The gradient-reduce part of ``comm``'s layout (``dtype``: the reduce dtype)."""
+def reduce_part(comm: Comm, dtype: torch.dtype | None = None,
+                bits: int | None = None) -> FlatReduce:
+    """The gradient-reduce part of ``comm``'s layout (``dtype``: the reduce dtype; ``bits``:
+    8 or 4 for a quantized reduce, quantized_parts.py)."""
     mesh = MeshInfo.of(comm)
+    if bits is not None:
+        from .quantized_parts import quantized_reduce_part
+
+        return quantized_reduce_part(mesh, dtype, bits)
     return HybridReduce(mesh, dtype) if mesh.hybrid else FlatReduce(mesh, dtype)
 
 
-def gather_part(comm: Comm) -> FlatGather:
-    """The parameter-gather part of ``comm``'s layout."""
+def gather_part(comm: Comm, bits: int | None = None) -> FlatGather:
+    """The parameter-gather part of ``comm``'s layout (``bits``: 8 for a quantized gather,
+    quantized_parts.py)."""
     mesh = MeshInfo.of(comm)
+    if bits is not None:
+        from .quantized_parts import quantized_gather_part
+
+        return quantized_gather_part(mesh, bits)
     return HybridGather(mesh) if mesh.hybrid else FlatGather(mesh)

@@ -71,9 +71,12 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
         seed: the stochastic rounding key of ``master="none"``.
         mesh: a ``DeviceMesh`` instead of ``process_group`` (2-D: hybrid sharding, as
             ``ZeroAdamW``).
-        reduce_dtype: None or ``torch.float32`` (as ``ZeroAdamW``).
+        reduce_dtype: None, ``torch.float32``, or ``"int8"`` / ``"int4"`` (quantized
+            gradient reduce-scatter, stages 1-3), as ``ZeroAdamW``.
+        gather_dtype: None or ``"int8"`` (quantized parameter all-gather, stages 1-3), as
+            ``ZeroAdamW``.
         config: a ``zerokern.ZeroConfig`` holding the options ``stage`` through
-            ``reduce_dtype``, instead of those keywords.
+            ``gather_dtype``, instead of those keywords.
         elementwise: declare ``optimizer_class``'s update element-wise (for a class that is
             neither one of torch's element-wise optimizers, nor a subclass keeping its
             ``step``, nor marked ``zerokern_elementwise = True``).
@@ -111,7 +114,8 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
         master: str = "fp32",
         seed: int = 0,
         mesh: Any = None,
-        reduce_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | str | None = None,
+        gather_dtype: str | None = None,
         config: ZeroConfig | None = None,
         elementwise: bool = False,
         **defaults: Any,

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..comm.quantized_parts import WireFormat
 from ..ops._backend import BACKENDS
 from . import gather_timeout as told
 from .scaler import LossScaler
@@ -37,6 +38,7 @@ from .state_format import StateFormat
 from .validate import (
     check_offload_backend,
     check_offload_params,
+    check_quantized_comm,
     check_reduce_dtype,
     check_seed,
     check_zero_args,
@@ -64,7 +66,10 @@ class ZeroConfig:
         moments: ``"fp32"``, ``"bf16"`` or ``"int8"``.
         master: ``"fp32"`` or ``"none"`` (bf16 parameters only).
         seed: the stochastic rounding key of ``master="none"``, in [0, 2**63).
-        reduce_dtype: None or ``torch.float32``.
+        reduce_dtype: None, ``torch.float32``, or ``"int8"`` / ``"int4"``: the gradient
+            reduce-scatter quantized on the wire (stages 1-3; docs/reference/quantized-comm.md).
+        gather_dtype: None or ``"int8"``: the parameter all-gather quantized on the wire
+            (stages 1-3).
         unit_classes: stage 3: the module classes (or class names) that become units;
             None: the model's ``_no_split_modules``, else ``shard_model``'s choice.
         prefetch: stage 3: how many units are gathered ahead.
@@ -85,7 +90,8 @@ class ZeroConfig:
     moments: str = "fp32"
     master: str = "fp32"
     seed: int = 0
-    reduce_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | str | None = None
+    gather_dtype: str | None = None
     unit_classes: tuple[type | str, ...] | None = None
     prefetch: int = 1
     reshard_after_forward: bool = True
@@ -98,7 +104,7 @@ class ZeroConfig:
 
     AGREED: ClassVar[tuple[str, ...]] = (
         "stage", "bucket_numel", "offload", "moments", "master", "seed", "reduce_dtype",
-        "loss_scale", "max_grad_norm")
+        "gather_dtype", "loss_scale", "max_grad_norm")
     """The options every rank must give alike (compared by ``agree``)."""
 
     def __post_init__(self) -> None:
@@ -162,6 +168,9 @@ class ZeroConfig:
                 0-3, ``True`` and ``2.0`` included; ``offload`` other than None or "cpu",
                 or at stage 0; ``bucket_numel``, ``max_grad_norm``, ``loss_scale``,
                 ``moments``, ``master``, ``seed``, ``reduce_dtype``, ``backend``;
+                ``gather_dtype`` other than None or ``"int8"``; a quantized
+                ``reduce_dtype`` / ``gather_dtype`` at stage 0 or with ``offload``, and
+                ``gather_dtype`` with ``master="none"`` at stages 1-2 (not built);
                 ``backend="cuda"`` or ``"triton"`` with ``offload`` (the step runs on the
                 host); ``prefetch`` that is not an int >= 0, ``gather_timeout`` that is not a
                 number of seconds > 0, ``offload_params`` at stages 0-2 or without
@@ -175,6 +184,8 @@ class ZeroConfig:
         StateFormat(self.moments, self.master)  # ValueError naming moments or master
         check_seed(self.seed)
         check_reduce_dtype(self.reduce_dtype, self.offload)
+        check_quantized_comm(self.reduce_dtype, self.gather_dtype, self.stage, self.offload,
+                             self.master)
         check_offload_backend(self.backend, self.offload)
         if not isinstance(self.overlap_comm, bool):
             raise TypeError(f"overlap_comm must be True or False, got {self.overlap_comm!r}")
@@ -203,6 +214,11 @@ class ZeroConfig:
         check_offload_params(SimpleNamespace(offload_params=self.offload_params), self.offload)
         if self.gather_timeout is not None:
             told.resolve(self.gather_timeout)  # ValueError naming gather_timeout
+
+    @property
+    def wire(self) -> WireFormat:
+        """What the communication parts quantize (``reduce_dtype`` / ``gather_dtype``)."""
+        return WireFormat.of(self.reduce_dtype, self.gather_dtype)
 
     @property
     def state_format(self) -> StateFormat:

@@ -49,7 +49,13 @@ from .scaler import LossScaler
 from .stage3 import foreign
 from .stages import Engine
 from .state_format import StateFormat
-from .validate import check_master_dtype, check_offload_params, check_seed, common_dtype_device
+from .validate import (
+    check_gather_dtype_params,
+    check_master_dtype,
+    check_offload_params,
+    check_seed,
+    common_dtype_device,
+)
 
 Resolve = Callable[[ZeroConfig], tuple[UpdateRule, dict[str, Any]]]
 """Given the validated options: the update rule and the param groups' defaults (raising,
@@ -92,6 +98,7 @@ class ZeroCore(torch.optim.Optimizer):
             table = ParamTable(managed, frozen, rt)
             dtype, device = common_dtype_device(table.params)  # meta parameters refused
             check_master_dtype(cfg.state_format, dtype)
+            check_gather_dtype_params(cfg.wire.gather_bits, cfg.stage, dtype)
         except (ValueError, TypeError, RuntimeError) as exc:
             failure = exc
         # The optimizer class is compared with the options: ranks given different classes
@@ -114,12 +121,14 @@ class ZeroCore(torch.optim.Optimizer):
         if rt is None:
             broadcast_params(self.comm, params)  # stage 3: shard_model did it
         else:
-            rt.set_reduce_dtype(cfg.reduce_dtype or dtype)
+            rt.set_reduce_dtype(cfg.reduce_dtype if isinstance(cfg.reduce_dtype, torch.dtype)
+                                else dtype)
+            rt.set_wire(cfg.wire)
         self._slot = EngineSlot(table, self.comm, stage=cfg.stage, offload=cfg.offload,
                                 runtime=rt, bucket_numel=cfg.bucket_numel,
                                 overlap=cfg.overlap_comm, backend=cfg.backend, dtype=dtype,
                                 device=device, fmt=cfg.state_format, seed=int(cfg.seed),
-                                reduce_dtype=cfg.reduce_dtype, rule=rule)
+                                reduce_dtype=cfg.reduce_dtype, rule=rule, wire=cfg.wire)
         self._rule_state = RuleState(rule, len(params))
         self._reduction = GradReduction(self.comm, self._rt)
         self._edits = GradEdits(len(params))

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
+from ..comm.quantized_parts import WireFormat
 from . import rebind
 from .engines import make_engine, planned_memory
 from .layout import ALIGN_ELEMS, Layout, build_layout, build_stage3_layout
@@ -31,7 +32,7 @@ from .shard_state import ShardState
 from .stages import Engine
 from .state_format import StateFormat
 from .stored import STORED_PARTS
-from .validate import check_master_dtype, common_dtype_device
+from .validate import check_gather_dtype_params, check_master_dtype, common_dtype_device
 
 
 class EngineSlot:
@@ -47,11 +48,14 @@ class EngineSlot:
     def __init__(self, table: ParamTable, comm: Comm, *, stage: int, offload: str | None,
                  runtime: Any, bucket_numel: int | None, overlap: bool, backend: str | None,
                  dtype: torch.dtype, device: torch.device, fmt: StateFormat | None = None,
-                 seed: int = 0, reduce_dtype: torch.dtype | None = None,
-                 rule: UpdateRule | None = None) -> None:
+                 seed: int = 0, reduce_dtype: torch.dtype | str | None = None,
+                 rule: UpdateRule | None = None, wire: WireFormat | None = None) -> None:
         self.table, self.comm, self.rt = table, comm, runtime
         self.rule = rule or ADAMW  # the update rule the engine's state is stepped with
-        self.reduce_dtype = reduce_dtype  # ZeroAdamW(reduce_dtype=): None, or torch.float32
+        # ZeroAdamW(reduce_dtype=): None, torch.float32, or "int8" / "int4" (quantized on the
+        # wire: the gradients stay in the parameters' dtype, wire below).
+        self.reduce_dtype = reduce_dtype
+        self.wire = wire or WireFormat()
         self.fmt, self.seed = fmt or StateFormat(), seed
         self.stage, self.offload, self.backend = stage, offload, backend
         self.bucket_numel, self.overlap = bucket_numel, overlap
@@ -79,12 +83,13 @@ class EngineSlot:
             # as torch's AdamW would; nothing was allocated for the old place.
             self.dtype, self.device = common_dtype_device(params)
             check_master_dtype(self.fmt, self.dtype)
+            check_gather_dtype_params(self.wire.gather_bits, self.stage, self.dtype)
             layout = self._flat_layout(ready_order)
         self.engine = make_engine(
             self.stage, self.offload, layout, params, self.comm, dtype=self.dtype,
             device=self.device, overlap=self.overlap, backend=self.backend, runtime=self.rt,
             fmt=self.fmt, seed=self.seed, param_numels=self.param_numels,
-            grad_dtype=self.grad_dtype, rule=self.rule)
+            grad_dtype=self.grad_dtype, rule=self.rule, wire=self.wire)
         self.engine.set_sync(self.sync)
         self.layout = layout
         self.mark_params()
@@ -131,7 +136,9 @@ class EngineSlot:
         """The dtype gradients are reduced in: ``reduce_dtype``, else the parameters'."""
         if self.rt is not None:
             return self.rt.grad_dtype
-        return self.reduce_dtype or self.dtype
+        if isinstance(self.reduce_dtype, torch.dtype):
+            return self.reduce_dtype
+        return self.dtype
 
     @property
     def param_numels(self) -> list[int]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..comm.quantized_parts import WireFormat
 from .layout import Layout
 from .rules import UpdateRule
 from .stage3.engine import Stage3
@@ -25,14 +26,16 @@ def make_engine(stage: int, offload: str | None, layout: Layout,
                 device: torch.device, overlap: bool, backend: str | None,
                 runtime: Any = None, fmt: StateFormat | None = None, seed: int = 0,
                 param_numels: list[int] | None = None,
-                grad_dtype: torch.dtype | None = None, rule: UpdateRule | None = None) -> Engine:
+                grad_dtype: torch.dtype | None = None, rule: UpdateRule | None = None,
+                wire: WireFormat | None = None) -> Engine:
     """The engine of ``stage`` with its state on the device (``offload`` None) or on the host
     (``"cpu"``), allocated for ``layout``; ``runtime``: stage 3's shard_model runtime;
     ``fmt``: how the state is stored (``seed``: its stochastic rounding key);
     ``param_numels``: the parameters' full sizes (stage 3's are released); ``grad_dtype``:
     the dtype gradients are reduced in (None: the parameters'); ``rule``: the update rule
-    (None: AdamW)."""
-    extra = {"runtime": runtime} if stage == 3 else {}
+    (None: AdamW); ``wire``: what stages 0-2's communication parts quantize (stage 3's are
+    the runtime's: ``Stage3Runtime.set_wire``)."""
+    extra: dict[str, Any] = {"runtime": runtime} if stage == 3 else {"wire": wire}
     return ENGINES[stage](layout, params, comm, dtype=dtype, device=device, overlap=overlap,
                           backend=backend, offload=bool(offload), fmt=fmt, seed=seed,
                           param_numels=param_numels, grad_dtype=grad_dtype, rule=rule, **extra)

@@ -94,20 +94,31 @@ class ZeroAdamW(ZeroOptimizer):
             16-bit parameters' gradients are reduced in fp32 (buckets, units' buffers and
             the gradient shard in fp32) and reach the fused step in fp32, as FSDP2's
             ``MixedPrecisionPolicy(reduce_dtype=)``; ``memory_stats()`` / ``comm_stats()``
-            count the extra bytes. Not with ``offload``.
+            count the extra bytes. Not with ``offload``. ``"int8"`` / ``"int4"`` (stages
+            1-3, ZeRO++'s qgZ): the gradients stay in the parameters' dtype and travel as
+            block-wise int8 / int4 codes with an fp32 scale per 256 elements, each hop
+            summed in fp32 (on a 2-D mesh, within the shard group and then across the
+            replicate group); refused at stage 0 and with ``offload``
+            (docs/reference/quantized-comm.md).
+        gather_dtype: None, or ``"int8"`` (stages 1-3, ZeRO++'s qwZ): the parameters are
+            all-gathered as block-wise int8 codes, every rank (the sender too) using the
+            decoded values, so ranks agree bit for bit; the fp32 master, or stage 3's
+            shards, are never quantized. Refused at stage 0, with ``offload``, with
+            ``master="none"`` at stages 1-2 and with fp32 parameters at stages 1-2 (there
+            the gathered buffer is the only copy of the weights).
         config: a ``zerokern.ZeroConfig`` holding ZeroAdamW's own options (``stage``
-            through ``reduce_dtype`` above, except ``process_group`` and ``mesh``), instead
+            through ``gather_dtype`` above, except ``process_group`` and ``mesh``), instead
             of those keywords; giving one of them as well, at another value than its
             default, is refused.
 
     Every rank must give the same ``stage``, ``bucket_numel``, ``offload``, ``moments``,
-    ``master``, ``seed``, ``reduce_dtype``, ``loss_scale``, ``max_grad_norm``, mesh,
-    per-group ``lr``, ``betas``, ``eps`` and ``weight_decay``, and the same parameters
-    (shapes and dtypes): the constructor compares them across ranks in one gather, before
-    any other collective, and raises ValueError on every rank naming each one that differs
-    and every rank's value. An argument refused on one rank is raised on every rank.
-    ``overlap_comm`` and ``backend`` may differ (the collectives are the same, and the
-    kernels agree bit for bit).
+    ``master``, ``seed``, ``reduce_dtype``, ``gather_dtype``, ``loss_scale``,
+    ``max_grad_norm``, mesh, per-group ``lr``, ``betas``, ``eps`` and ``weight_decay``, and
+    the same parameters (shapes and dtypes): the constructor compares them across ranks in
+    one gather, before any other collective, and raises ValueError on every rank naming each
+    one that differs and every rank's value. An argument refused on one rank is raised on
+    every rank. ``overlap_comm`` and ``backend`` may differ (the collectives are the same,
+    and the kernels agree bit for bit).
 
     Attributes:
         config: the options as a ``ZeroConfig`` (validated and agreed across ranks).
@@ -152,7 +163,8 @@ class ZeroAdamW(ZeroOptimizer):
         master: str = "fp32",
         seed: int = 0,
         mesh: Any = None,
-        reduce_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | str | None = None,
+        gather_dtype: str | None = None,
         config: ZeroConfig | None = None,
     ) -> None:
         hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,

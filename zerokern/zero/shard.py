@@ -364,7 +364,9 @@ def _gather_params(rt: Stage3Runtime, *, keep: bool) -> dict[int, torch.Tensor]:
     """Every parameter's full value on CPU, by id (none kept unless ``keep``), gathered one
     unit at a time; units gathered already (inside a forward) stay gathered."""
     values: dict[int, torch.Tensor] = {}
-    with torch.no_grad():
+    # Exact gathers even with gather_dtype="int8": the values saved or exported are the
+    # parameters', never their int8 decoding (units gathered already keep what they hold).
+    with torch.no_grad(), rt.ctx.exact_gathers():
         for u in rt.units:
             was = u.gathered
             rt.gather(u)

@@ -150,11 +150,12 @@ def check_reduce_dtype(reduce_dtype: Any, offload: str | None) -> None:
     (16-bit parameters' gradients reduced, and stepped, in fp32; nothing changes for fp32
     parameters). Not with offload: the host pipeline moves gradients in the parameters'
     dtype."""
-    if reduce_dtype is None:
-        return
+    if reduce_dtype is None or reduce_dtype in QUANTIZED_REDUCE:
+        return  # the quantized spellings: check_quantized_comm
     if reduce_dtype is not torch.float32:
         raise ValueError(f"reduce_dtype must be None or torch.float32 (gradients of 16-bit "
-                         f"parameters reduced in fp32), got {reduce_dtype!r}")
+                         f"parameters reduced in fp32), or 'int8' / 'int4' (quantized on the "
+                         f"wire), got {reduce_dtype!r}")
     if offload is not None:
         raise ValueError("reduce_dtype=torch.float32 with offload='cpu' is not supported: the "
                          "offload pipeline moves gradients in the parameters' dtype; drop "
@@ -172,3 +173,49 @@ def check_offload_backend(backend: Any, offload: Any) -> None:
             f"on the host, on CPU tensors, where the {backend} kernels do not run. Pass "
             "backend=None (the fastest kernel for each tensor's device), 'cpu' or 'torch', "
             "or drop offload to step on the device")
+
+
+QUANTIZED_REDUCE = ("int8", "int4")
+QUANTIZED_GATHER = ("int8",)
+
+
+def check_quantized_comm(reduce_dtype: Any, gather_dtype: Any, stage: int,
+                         offload: str | None, master: str) -> None:
+    """``reduce_dtype="int8"`` / ``"int4"`` and ``gather_dtype="int8"`` (ZeRO++'s quantized
+    communication): every combination that is not built is refused, with the reason."""
+    if gather_dtype is not None and gather_dtype not in QUANTIZED_GATHER:
+        why = (": 4-bit weights are not built (ZeRO++ gathers int8 weights; int4 is for "
+               "gradients, reduce_dtype='int4')" if gather_dtype == "int4" else "")
+        raise ValueError(f"gather_dtype must be None or 'int8' (the parameter all-gather in "
+                         f"int8 codes), got {gather_dtype!r}{why}")
+    quantized = [f"{n}={v!r}" for n, v in (("reduce_dtype", reduce_dtype),
+                                             ("gather_dtype", gather_dtype))
+                 if isinstance(v, str)]
+    if not quantized:
+        return
+    what = " and ".join(quantized)
+    if stage == 0:
+        raise ValueError(f"{what} at stage=0: stage 0 all-reduces whole gradients and gathers "
+                         f"no parameters; quantized communication is built for the "
+                         f"reduce-scatter and all-gather of stages 1-3")
+    if offload is not None:
+        raise ValueError(f"{what} with offload={offload!r} is not built: the offload "
+                         f"pipeline moves gradients and parameters in their own dtype; drop "
+                         f"one of them")
+    if gather_dtype is not None and stage in (1, 2) and master == "none":
+        raise ValueError(
+            f"gather_dtype={gather_dtype!r} with master='none' at stage={stage}: at stages "
+            f"1-2 each rank's slice of the parameters is both what is gathered and, without "
+            f"a master, the only copy of its values, which the gather would replace with "
+            f"their int8 decoding; use master='fp32' or stage=3")
+
+
+def check_gather_dtype_params(gather_bits: int | None, stage: int, dtype: torch.dtype) -> None:
+    """Stages 1-2 gather the parameters out of their own flat buffer: with fp32 parameters
+    there is no master behind it, and an int8 gather would quantize the weights themselves."""
+    if gather_bits is not None and stage in (1, 2) and dtype == torch.float32:
+        raise ValueError(
+            f"gather_dtype='int{gather_bits}' at stage={stage} with fp32 parameters: fp32 "
+            f"parameters are their own master at stages 1-2 (each rank's slice is the only "
+            f"copy of its values), which an int8 gather would overwrite with its decoding; "
+            f"use 16-bit parameters (with their fp32 master) or stage=3")

@@ -11,12 +11,15 @@ runtime (runtime.py) decides when units move, the units (unit.py) how.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...comm import CollectiveTimeout, Comm
 from ...comm.parts import gather_part, reduce_part
+from ...comm.quantized_parts import WireFormat
 from ...memory import Arena, ArenaOutOfMemory, Block
 from .. import gather_timeout as told
 from ..offload import HOST, Copier, pin_host_memory
@@ -65,7 +68,9 @@ class UnitContext:
         # an optimizer asks for another (ZeroAdamW(reduce_dtype=), set_grad_dtype).
         self.grad_dtype = dtype
         # How the units' gradients are reduced and their parameters gathered on this layout
-        # (comm/parts.py): the units call their verbs, never a collective.
+        # (comm/parts.py): the units call their verbs, never a collective. ``wire``: what they
+        # quantize (plain until an optimizer asks, ZeroAdamW(gather_dtype=, reduce_dtype=)).
+        self.wire = WireFormat()
         self.grad_comm = reduce_part(comm, dtype)
         self.param_comm = gather_part(comm)
         self.local_numel = local_numel
@@ -124,8 +129,34 @@ class UnitContext:
         grads.copy_(self.local_grads)
         self.local_grads = grads
         self.grad_dtype = dtype
-        self.grad_comm = reduce_part(self.comm, dtype)
+        self.grad_comm = reduce_part(self.comm, dtype, self.wire.reduce_bits)
         self.gather_arena = Arena(gather_bytes, self.device, alignment=GATHER_ALIGN)
+
+    def set_wire(self, wire: WireFormat) -> None:
+        """The units' gathers and reduce-scatters travel as ``wire`` says from now on (new
+        parts, comm/quantized_parts.py). Only between steps, with no unit gathered or
+        reducing."""
+        if wire == self.wire:
+            return
+        if (self.inflight is not None or self.grad_comm.pending
+                or self.gather_arena.stats()["in_use"]):
+            raise RuntimeError("gather_dtype / reduce_dtype: the sharded model is in a forward "
+                               "or backward (units gathered or reducing); build the optimizer "
+                               "between steps")
+        self.wire = wire
+        self.grad_comm = reduce_part(self.comm, self.grad_dtype, wire.reduce_bits)
+        self.param_comm = gather_part(self.comm, wire.gather_bits)
+
+    @contextmanager
+    def exact_gathers(self) -> Iterator[None]:
+        """Gathers in the parameters' own dtype within (full_state_dict: what is saved or
+        exported are the parameters' values, never their int8 decoding)."""
+        part = self.param_comm
+        self.param_comm = gather_part(self.comm)
+        try:
+            yield
+        finally:
+            self.param_comm = part
 
     def offload_grads(self, sink: GradSink) -> None:
         """ZeRO-Offload: the gradient slices move to host memory (a fresh, zeroed buffer: no

@@ -22,6 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ...comm import Comm
+from ...comm.quantized_parts import WireFormat
 from .. import gather_timeout as told
 from ..interop import active_ddp_module
 from ..offload import OffloadPipeline
@@ -129,6 +130,19 @@ class Stage3Runtime:
                 f"{self.ctx.grad_dtype}; every optimizer of one sharded model must reduce in "
                 f"the same dtype (this one: {dtype})")
         self.ctx.set_grad_dtype(dtype, self.layout.gather_bytes(self.dtype, dtype))
+
+    def set_wire(self, wire: WireFormat) -> None:
+        """ZeroAdamW(gather_dtype=, reduce_dtype="int8"/"int4"): the units' collectives are
+        quantized as ``wire`` says (UnitContext.set_wire). An optimizer built on this model
+        already that communicates otherwise is refused (one model has one set of parts)."""
+        if wire == self.ctx.wire:
+            return
+        if self._managed is not None:
+            raise ValueError(
+                f"gather_dtype / reduce_dtype: another ZeroAdamW on this model communicates "
+                f"as {self.ctx.wire}; every optimizer of one sharded model must give the same "
+                f"(this one: {wire})")
+        self.ctx.set_wire(wire)
 
     def offload_grads(self, sink: OffloadPipeline) -> None:
         """ZeRO-Offload: gradients land in host memory through ``sink`` (UnitContext)."""

@@ -17,6 +17,7 @@ import torch
 
 from ...comm import Comm, Handle
 from ...comm.parts import gather_part, reduce_part
+from ...comm.quantized_parts import WireFormat
 from ...memory.alias import own_storage
 from ..grad_guard import GradGuard
 from ..grads import GradReducer
@@ -38,7 +39,8 @@ class FlatEngine(BucketPool, Engine):
                  dtype: torch.dtype, device: torch.device, overlap: bool,
                  backend: str | None, offload: bool = False, fmt: StateFormat | None = None,
                  seed: int = 0, param_numels: list[int] | None = None,
-                 grad_dtype: torch.dtype | None = None, rule: UpdateRule | None = None) -> None:
+                 grad_dtype: torch.dtype | None = None, rule: UpdateRule | None = None,
+                 wire: WireFormat | None = None) -> None:
         super().__init__(layout, params, comm, dtype=dtype, device=device, overlap=overlap,
                          backend=backend, offload=offload, fmt=fmt, seed=seed,
                          param_numels=param_numels, grad_dtype=grad_dtype, rule=rule)
@@ -47,9 +49,11 @@ class FlatEngine(BucketPool, Engine):
         # grad_dtype.
         self.cast = self.grad_dtype != dtype
         # How gradients are reduced and parameters gathered on this layout (comm/parts.py):
-        # the stage calls their verbs, never a collective.
-        self.grad_comm = reduce_part(comm, self.grad_dtype)
-        self.param_comm = gather_part(comm)
+        # the stage calls their verbs, never a collective. ``wire``: quantized on the wire
+        # (reduce_dtype / gather_dtype "int8", "int4": comm/quantized_parts.py).
+        wire = wire or WireFormat()
+        self.grad_comm = reduce_part(comm, self.grad_dtype, wire.reduce_bits)
+        self.param_comm = gather_part(comm, wire.gather_bits)
         self.hybrid = self.grad_comm.mesh.hybrid
         with torch.no_grad():
             self.flat_param = self.alloc("params", layout.flat_numel, dtype)
