@@ -121,9 +121,8 @@ class ZeroCore(torch.optim.Optimizer):
         if rt is None:
             broadcast_params(self.comm, params)  # stage 3: shard_model did it
         else:
-            rt.set_reduce_dtype(cfg.reduce_dtype if isinstance(cfg.reduce_dtype, torch.dtype)
-                                else dtype)
-            rt.set_wire(cfg.wire)
+            rt.set_comm(cfg.reduce_dtype if isinstance(cfg.reduce_dtype, torch.dtype)
+                        else dtype, cfg.wire)
         self._slot = EngineSlot(table, self.comm, stage=cfg.stage, offload=cfg.offload,
                                 runtime=rt, bucket_numel=cfg.bucket_numel,
                                 overlap=cfg.overlap_comm, backend=cfg.backend, dtype=dtype,

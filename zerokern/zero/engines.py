@@ -34,7 +34,7 @@ def make_engine(stage: int, offload: str | None, layout: Layout,
     ``param_numels``: the parameters' full sizes (stage 3's are released); ``grad_dtype``:
     the dtype gradients are reduced in (None: the parameters'); ``rule``: the update rule
     (None: AdamW); ``wire``: what stages 0-2's communication parts quantize (stage 3's are
-    the runtime's: ``Stage3Runtime.set_wire``)."""
+    the runtime's: ``Stage3Runtime.set_comm``)."""
     extra: dict[str, Any] = {"runtime": runtime} if stage == 3 else {"wire": wire}
     return ENGINES[stage](layout, params, comm, dtype=dtype, device=device, overlap=overlap,
                           backend=backend, offload=bool(offload), fmt=fmt, seed=seed,

@@ -6,6 +6,8 @@ and then only moves them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..plan import UnitPlan, plan_units
@@ -64,3 +66,15 @@ def shard_initial(units: list[Unit], ctx: UnitContext) -> None:
             u.take_shard(full)
         ctx.param_comm.take_initial_slices(ctx.local_params, "initial parameter slices")
     ctx.comm.reset_stats()
+
+
+def local_pieces(units: list[Any], rank: int, local_params: torch.Tensor
+                 ) -> list[tuple[torch.nn.Parameter, int, int, torch.Tensor]]:
+    """This rank's pieces of every parameter of ``units``, frozen ones included: (parameter,
+    first element, numel, writable view of the stored slice in ``local_params``)."""
+    out = []
+    for u in units:
+        for sp in u.plan.rank_pieces(rank):
+            out.append((u.params[sp.param_index], sp.param_offset, sp.numel,
+                        local_params.narrow(0, u.shard_start + sp.local_offset, sp.numel)))
+    return out

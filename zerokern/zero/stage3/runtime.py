@@ -27,7 +27,7 @@ from .. import gather_timeout as told
 from ..interop import active_ddp_module
 from ..offload import OffloadPipeline
 from .adopt import adopt
-from .build import ModelLayout, shard_initial
+from .build import ModelLayout, local_pieces, shard_initial
 from .context import UnitContext
 from .order import ForwardOrder
 from .recompute import Recompute, in_backward_now, keeps_gathered, slots
@@ -118,31 +118,24 @@ class Stage3Runtime:
         """The dtype gradients are reduced in and kept in (``local_grads``)."""
         return self.ctx.grad_dtype
 
-    def set_reduce_dtype(self, dtype: torch.dtype) -> None:
-        """ZeroAdamW(reduce_dtype=): gradients are reduced and kept in ``dtype`` from now on
-        (UnitContext.set_grad_dtype). An optimizer built on this model already that reduces
-        in another dtype is refused (one model has one gradient dtype)."""
-        if dtype == self.ctx.grad_dtype:
-            return
-        if self._managed is not None:
+    def set_comm(self, dtype: torch.dtype, wire: WireFormat) -> None:
+        """ZeroAdamW(reduce_dtype=, gather_dtype=): gradients are reduced and kept in ``dtype``
+        and the units' collectives quantized as ``wire`` says. An optimizer built on this model
+        already that communicates otherwise is refused: one model, one set of parts."""
+        if dtype != self.ctx.grad_dtype and self._managed is not None:
             raise ValueError(
                 f"reduce_dtype: another ZeroAdamW on this model reduces its gradients in "
                 f"{self.ctx.grad_dtype}; every optimizer of one sharded model must reduce in "
                 f"the same dtype (this one: {dtype})")
-        self.ctx.set_grad_dtype(dtype, self.layout.gather_bytes(self.dtype, dtype))
-
-    def set_wire(self, wire: WireFormat) -> None:
-        """ZeroAdamW(gather_dtype=, reduce_dtype="int8"/"int4"): the units' collectives are
-        quantized as ``wire`` says (UnitContext.set_wire). An optimizer built on this model
-        already that communicates otherwise is refused (one model has one set of parts)."""
-        if wire == self.ctx.wire:
-            return
-        if self._managed is not None:
+        if wire != self.ctx.wire and self._managed is not None:
             raise ValueError(
                 f"gather_dtype / reduce_dtype: another ZeroAdamW on this model communicates "
                 f"as {self.ctx.wire}; every optimizer of one sharded model must give the same "
                 f"(this one: {wire})")
-        self.ctx.set_wire(wire)
+        if dtype != self.ctx.grad_dtype:
+            self.ctx.set_grad_dtype(dtype, self.layout.gather_bytes(self.dtype, dtype))
+        if wire != self.ctx.wire:
+            self.ctx.set_wire(wire)
 
     def offload_grads(self, sink: OffloadPipeline) -> None:
         """ZeRO-Offload: gradients land in host memory through ``sink`` (UnitContext)."""
@@ -398,15 +391,8 @@ class Stage3Runtime:
         self.got_grad = {}
 
     def local_pieces(self) -> list[tuple[torch.nn.Parameter, int, int, torch.Tensor]]:
-        """This rank's pieces of every parameter, frozen ones included: (parameter, first
-        element, numel, writable view of the stored slice)."""
-        out = []
-        for u in self.units:
-            for sp in u.plan.rank_pieces(self.comm.rank):
-                out.append((u.params[sp.param_index], sp.param_offset, sp.numel,
-                            self.local_params.narrow(0, u.shard_start + sp.local_offset,
-                                                     sp.numel)))
-        return out
+        """This rank's pieces of every parameter, frozen ones included (build.local_pieces)."""
+        return local_pieces(self.units, self.comm.rank, self.local_params)
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes of the slices and of the gather arena (UnitContext.memory_stats)."""
