@@ -76,14 +76,33 @@ def _one_stage(rank, stage, form, steps=3):
     _same_params(ours, ref, f"two optimizers, {form}, stage {stage}")
 
 
+def _stage3_refused(rank, form):
+    """Stage 3: the sharded model's runtime holds one step's gradients for all of its
+    optimizers (stepping two is refused, stage3/foreign.py), so their norm is refused too,
+    in every form, before any reduction: nothing changes."""
+    ours, opts, _, _, _ = _build(3)
+    x, y = batch(0, rank)
+    F.cross_entropy(ours(x), y).backward()
+    before = zerokern.full_state_dict(ours, rank0_only=False)
+    with pytest.raises(RuntimeError, match="several zerokern optimizers train"):
+        FORMS[form](list(ours.parameters()), ours)
+    after = zerokern.full_state_dict(ours, rank0_only=False)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    for o in opts:
+        o.zero_grad()
+
+
 def two_opts_case(rank, world, stages, forms):
     for stage in stages:
         for form in forms:
-            _one_stage(rank, stage, form)
+            if stage == 3:
+                _stage3_refused(rank, form)
+            else:
+                _one_stage(rank, stage, form)
 
 
 def test_clip_over_two_optimizers_matches_ddp(tmp_path):
-    run_ranks(2, two_opts_case, [0, 1, 2], list(FORMS), tmp_path=tmp_path)
+    run_ranks(2, two_opts_case, [0, 1, 2, 3], list(FORMS), tmp_path=tmp_path)
 
 
 def subset_case(rank, world, stage):

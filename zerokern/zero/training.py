@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .joint_clip import check_alone_on_model
 from .param_groups import check_groups
 from .reduction import Reduced, grad_scale
 from .validate import finite_ge0
@@ -180,6 +181,7 @@ class TrainingLoop:
     def _guard_measure(self) -> tuple[list[float], float]:
         """For the guards' norms: every parameter's squared norm of its averaged gradient
         over all ranks, and clip / loss scale."""
+        check_alone_on_model(self)  # stage 3: one optimizer per sharded model, for now
         red = self._reduce_grads()
         if red.param_sq is None:  # stage 0: every rank holds the averaged gradients
             red.param_sq = self._param_sq_partials().tolist()
