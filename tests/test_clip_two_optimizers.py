@@ -86,6 +86,11 @@ def _stage3_refused(rank, form):
     before = zerokern.full_state_dict(ours, rank0_only=False)
     with pytest.raises(RuntimeError, match="several zerokern optimizers train"):
         FORMS[form](list(ours.parameters()), ours)
+    if form == "patched":  # one whole optimizer's parameters, or its own method: the same
+        with pytest.raises(RuntimeError, match="several zerokern optimizers train"):
+            torch.nn.utils.clip_grad_norm_(_split(ours)[0], MAX_NORM)
+        with pytest.raises(RuntimeError, match="several zerokern optimizers train"):
+            opts[1].clip_grad_norm_(MAX_NORM)
     after = zerokern.full_state_dict(ours, rank0_only=False)
     assert all(torch.equal(before[k], after[k]) for k in before)
     for o in opts:

@@ -15,7 +15,9 @@ storage of its own. torch's utilities either compute correctly on it or are refu
   parameter's averaged gradient over all ranks. Every parameter's squared norm travels in
   the step's one small all-reduce (flags and total norm), so reading it on some ranks only
   (logging on rank 0) waits for the others to reach step() and never mismatches a
-  collective;
+  collective. A list mixing the guards of several optimizers (disjoint parts of one model)
+  takes each optimizer's norms from its own reduction, in the order the optimizers first
+  appear, so torch's total over them is DDP's (joint_clip.py);
 - ``g.mul_(c)`` / ``g.div_(c)`` / ``torch._foreach_mul_`` by a scalar: recorded, and applied by
   ``step()`` as a clipping coefficient (every guarded parameter must get the same one);
 - ``g.zero_()``: a coefficient of 0;

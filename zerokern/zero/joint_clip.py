@@ -82,10 +82,10 @@ def check_stage3_models(runtimes: list[Any]) -> None:
 
 
 def check_alone_on_model(opt: Any) -> None:
-    """Stage 3: refuse reading ``opt``'s gradient norms (through ``p.grad``) while another
-    zerokern optimizer trains parameters of the same sharded model (see
-    ``check_stage3_models``). Walks the model's parameters: once per step, at the first
-    read."""
+    """Stage 3: refuse ``opt``'s gradient reduction (a clip, a norm read through ``p.grad``)
+    while another zerokern optimizer trains parameters of the same sharded model (see
+    ``check_stage3_models``), before it reads the other's gradients. Walks the model's
+    parameters: once per step, at its first reduction."""
     rt = getattr(opt, "_rt", None)
     if rt is None:
         return

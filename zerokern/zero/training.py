@@ -155,6 +155,7 @@ class TrainingLoop:
             red = self._reduction.reuse(events, need_norm, self.loss_scale)
         else:
             self._reduction.check_backward_since_step(events)
+            check_alone_on_model(self)  # stage 3: one optimizer per sharded model, for now
             # Nothing below changes anything until every group and parameter is checked.
             check_groups(self.param_groups, flags=True, moments=self.state_format.moments,
                          rule=self.rule)
@@ -181,7 +182,6 @@ class TrainingLoop:
     def _guard_measure(self) -> tuple[list[float], float]:
         """For the guards' norms: every parameter's squared norm of its averaged gradient
         over all ranks, and clip / loss scale."""
-        check_alone_on_model(self)  # stage 3: one optimizer per sharded model, for now
         red = self._reduce_grads()
         if red.param_sq is None:  # stage 0: every rank holds the averaged gradients
             red.param_sq = self._param_sq_partials().tolist()
