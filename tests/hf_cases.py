@@ -182,7 +182,7 @@ def options_and_refusals(rank: int, world: int, tmp: str) -> None:
 
     model = tiny_gpt2()
     a = _args(os.path.join(tmp, "x"), **kw)
-    with pytest.raises(TypeError, match="ZeroTrainer trains with zerokern.ZeroAdamW"):
+    with pytest.raises(TypeError, match="ZeroTrainer trains with zerokern.ZeroAdamW or"):
         ZeroTrainer(model=model, args=a, optimizers=(torch.optim.AdamW(model.parameters()),
                                                      None))
     with pytest.raises(ValueError, match="zero_stage=3 but the ZeroAdamW"):
@@ -190,9 +190,56 @@ def options_and_refusals(rank: int, world: int, tmp: str) -> None:
                     optimizers=(zerokern.ZeroAdamW(model.parameters(), stage=1), None))
     with pytest.raises(ValueError, match="optim='adafactor'"):
         ZeroTrainer(model=model, args=_args(os.path.join(tmp, "x"), optim="adafactor", **kw))
-    with pytest.raises(ValueError, match="optimizer_cls_and_kwargs is not used"):
-        ZeroTrainer(model=model, args=a,
-                    optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))
+    with pytest.raises(ValueError, match=r"optimizer_class=torch\.optim\.LBFGS is not"):
+        ZeroTrainer(model=model, args=a, optimizer_cls_and_kwargs=(torch.optim.LBFGS, {}))
     with pytest.raises(ValueError, match="not a module of the model"):
         ZeroTrainer(model=tiny_gpt2(), args=a, zero_stage=3, unit_classes=["NoSuchBlock"])
     assert Trainer is not ZeroTrainer
+
+
+@as_launched
+def sgd_matches_trainer_with_ddp(rank: int, world: int, tmp: str) -> None:
+    """Another torch class, named the Trainer's two ways (optimizer_cls_and_kwargs, and
+    optim="sgd" with optim_args): ZeroTrainer builds ZeroOptimizer(SGD with momentum) and
+    trains as the plain Trainer with DDP + torch SGD (losses, clipped grad norms, parameters)."""
+    from transformers import Trainer
+
+    from zerokern.integrations.transformers import ZeroTrainer
+
+    kw = dict(max_steps=8, save_strategy="no")
+    sgd = (torch.optim.SGD, {"lr": 3e-3, "momentum": 0.9, "nesterov": True})
+    model = tiny_gpt2()
+    ref = Trainer(model=model, args=_args(os.path.join(tmp, "ref"), **kw),
+                  train_dataset=TokenData(), optimizer_cls_and_kwargs=sgd)
+    ref.train()
+    assert isinstance(ref.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+    assert type(ref.optimizer.optimizer) is torch.optim.SGD
+    (ref_loss, ref_norm), ref_params = _logs(ref), _params(model)
+    ref_state = ref.optimizer.optimizer.state_dict()["state"]
+    assert len(ref_norm) == 8 and all(n > MAX_NORM for n in ref_norm)
+
+    by_cls = tiny_gpt2()
+    tr = ZeroTrainer(model=by_cls, args=_args(os.path.join(tmp, "cls"), **kw),
+                     train_dataset=TokenData(), zero_stage=2, bucket_numel=97,
+                     optimizer_cls_and_kwargs=sgd)
+    by_name = tiny_gpt2()
+    tr2 = ZeroTrainer(model=by_name, args=_args(os.path.join(tmp, "name"), optim="sgd",
+                                                optim_args="momentum=0.9,nesterov=True", **kw),
+                      train_dataset=TokenData(), zero_stage=1, bucket_numel=97)
+    for t, m, what in ((tr, by_cls, "optimizer_cls_and_kwargs"), (tr2, by_name, "optim='sgd'")):
+        t.train()
+        assert isinstance(t.zero_optimizer, zerokern.ZeroOptimizer)
+        assert type(t.zero_optimizer) is zerokern.ZeroOptimizer  # not ZeroAdamW
+        loss, norm = _logs(t)
+        for i, (a, b) in enumerate(zip(norm, ref_norm, strict=True)):
+            assert math.isclose(a, b, rel_tol=1e-5), (what, "grad_norm", i, a, b)
+        for i, (a, b) in enumerate(zip(loss, ref_loss, strict=True)):
+            assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6), (what, "loss", i, a, b)
+        assert_params_close(_params(m), ref_params, f"ZeroTrainer {what} vs DDP + SGD")
+        # The momentum too, in torch SGD's own format, against the reference's.
+        state = t.zero_optimizer.full_state_dict(rank0_only=False)["state"]
+        assert state.keys() == ref_state.keys()
+        for i, v in ref_state.items():
+            torch.testing.assert_close(state[i]["momentum_buffer"], v["momentum_buffer"],
+                                       rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, i=i, w=what: f"{w} {i} {m}")

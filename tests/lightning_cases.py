@@ -111,13 +111,13 @@ class Net(pl.LightningModule):
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
         opt = self.trainer.strategy.optimizers[0]
-        if isinstance(opt, zerokern.ZeroAdamW):  # its global norm, computed at the clip
+        if isinstance(opt, zerokern.ZeroOptimizer):  # its global norm, computed at the clip
             self.norms.append(opt.last_grad_norm)
             self.step_reductions.append(_reductions(opt.comm_stats()["per_kind"]))
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         opt = self.trainer.strategy.optimizers[0]
-        if isinstance(opt, zerokern.ZeroAdamW) and self.automatic_optimization and \
+        if isinstance(opt, zerokern.ZeroOptimizer) and self.automatic_optimization and \
                 (batch_idx + 1) % ACCUM:  # a micro-batch that accumulates
             self.early_reductions += _reductions(opt.comm.stats.as_dict())
 
@@ -295,6 +295,16 @@ class _TorchAdamWNet(Net):
         return torch.optim.AdamW(self.parameters(), lr=LR)
 
 
+class _SGDNet(Net):
+    """torch SGD with momentum (DDPStrategy) or strategy.zero_optimizer of it (ZeroStrategy)."""
+
+    def configure_optimizers(self) -> Any:
+        hp = dict(lr=LR, momentum=0.9, weight_decay=0.01)
+        if self.zero_stage is None:
+            return torch.optim.SGD(self.parameters(), foreach=False, **hp)
+        return self.trainer.strategy.zero_optimizer(self.parameters(), torch.optim.SGD, **hp)
+
+
 def habits(rank: int, world: int, *, tmp: str) -> None:
     """What a Lightning user may also do, against DDPStrategy where there is a reference:
     manual optimization through self.optimizers() (zero_grad, manual_backward,
@@ -315,6 +325,22 @@ def habits(rank: int, world: int, *, tmp: str) -> None:
     _close_list(runs[2][0], runs[None][0], "manual optimization: losses")
     _close_list(runs[2][1], runs[None][1], "manual optimization: clip_grad_norm_ norms")
     _close(runs[2][2], runs[None][2], "manual optimization: parameters")
+
+    # Another torch class: strategy.zero_optimizer(params, torch.optim.SGD, momentum) at
+    # stage 2 against DDPStrategy + torch SGD, with accumulation and clipping that fires.
+    runs = {}
+    for stage in (None, 2):
+        model = _SGDNet(stage)
+        strategy = _ddp() if stage is None else ZeroStrategy(stage=stage)
+        tr = _trainer(rank, world, strategy, None, max_steps=steps)
+        tr.fit(model, _loader(world))
+        if stage is not None:
+            assert type(tr.strategy.optimizers[0]) is zerokern.ZeroOptimizer
+        runs[stage] = (model.losses, model.norms, _params(tr, model))
+    assert len(runs[None][1]) == steps and min(runs[None][1]) > CLIP
+    _close_list(runs[2][0], runs[None][0], "ZeroOptimizer(SGD): losses")
+    _close_list(runs[2][1], runs[None][1], "ZeroOptimizer(SGD): clipping norms")
+    _close(runs[2][2], runs[None][2], "ZeroOptimizer(SGD): parameters")
 
     # ZeroAdamW(loss_scale=...): the strategy scales the loss, step() unscales (a power of
     # two: exact in fp32, so it matches the unscaled DDP run).

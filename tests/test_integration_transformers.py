@@ -19,6 +19,10 @@ def test_zero_trainer_matches_trainer_with_ddp_and_resumes(stage, tmp_path):
     run_ranks(2, hf_cases.parity_and_resume, stage, str(tmp_path), tmp_path=tmp_path)
 
 
+def test_zero_trainer_with_sgd_matches_trainer_with_ddp_and_sgd(tmp_path):
+    run_ranks(2, hf_cases.sgd_matches_trainer_with_ddp, str(tmp_path), tmp_path=tmp_path)
+
+
 def test_plain_trainer_with_zero_adamw_is_refused(tmp_path):
     run_ranks(2, hf_cases.plain_trainer_is_refused, str(tmp_path), tmp_path=tmp_path)
 

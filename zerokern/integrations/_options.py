@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..zero import ZeroAdamW
+from ..zero import ZeroOptimizer
 from ..zero.config import ZeroConfig
 
 
@@ -70,13 +70,14 @@ def mesh_ranks(mesh: Any) -> list[list[int]] | None:
     return ranks if mesh.ndim == 2 else [ranks]
 
 
-def check_optimizer(opt: ZeroAdamW, config: ZeroConfig, mesh: Any, where: str,
+def check_optimizer(opt: ZeroOptimizer, config: ZeroConfig, mesh: Any, where: str,
                     what: str) -> None:
-    """A ZeroAdamW built elsewhere (``what``) must have every option of ``config`` that is not
-    at its default (the stage is compared by the caller), and be over ``mesh`` if one was
-    given. The options left at their defaults are the optimizer's own (as before there was a
-    config: ``ZeroAdamW(loss_scale="dynamic")`` in ``configure_optimizers``). The stage-3
-    model options are not compared: the integration applied them to the model itself."""
+    """A ZeroAdamW (or ZeroOptimizer) built elsewhere (``what``) must have every option of
+    ``config`` that is not at its default (the stage is compared by the caller), and be over
+    ``mesh`` if one was given. The options left at their defaults are the optimizer's own
+    (as before there was a config: ``ZeroAdamW(loss_scale="dynamic")`` in
+    ``configure_optimizers``). The stage-3 model options are not compared: the integration
+    applied them to the model itself."""
     default = ZeroConfig()
     for name in ZeroConfig.adamw_names():
         want, have = getattr(config, name), getattr(opt.config, name)

@@ -1,5 +1,6 @@
-"""ZeroAdamW under Hugging Face Accelerate: ``ZeroAccelerator``, an ``accelerate.Accelerator``
-whose multi-process path leaves gradient averaging to ZeroAdamW.
+"""ZeroAdamW (and any ``ZeroOptimizer``) under Hugging Face Accelerate: ``ZeroAccelerator``, an
+``accelerate.Accelerator`` whose multi-process path leaves gradient averaging to zerokern's
+optimizers. (ZeroAdamW below stands for any of them: ``ZeroOptimizer`` of a torch class too.)
 
 A plain ``Accelerator`` wraps every trainable model in DistributedDataParallel when it runs on
 several processes, which would average ZeroAdamW's gradients twice (zerokern refuses that
@@ -7,12 +8,14 @@ wrap). ``ZeroAccelerator`` differs from it in exactly the places where ZeroAdamW
 
 - ``prepare(model, ...)`` does everything ``Accelerator`` does (device placement, autocast,
   torch.compile) except the DDP wrap;
-- an optimizer given to ``prepare`` on several processes must be a ZeroAdamW (a torch optimizer
+- an optimizer given to ``prepare`` on several processes must be a ZeroAdamW or ZeroOptimizer
+  (a torch optimizer
   would then step on gradients nobody averaged), and ``backward`` refuses a prepared model whose
   trainable parameters no ZeroAdamW trains, before any gradient exists;
 - ``no_sync(model)`` / ``accumulate(model)`` skip ZeroAdamW's communication (``opt.no_sync()``)
   on the micro-steps that do not step;
-- ``clip_grad_norm_(model.parameters(), max_norm)`` is ZeroAdamW's global-norm clipping;
+- ``clip_grad_norm_(model.parameters(), max_norm)`` is ZeroAdamW's global-norm clipping (one
+  norm over all of them when two optimizers train disjoint parts of the model);
 - ``save_state`` / ``load_state`` write and read zerokern's sharded checkpoint (every rank its
   own part) for each ZeroAdamW and its model, and Accelerate's own files for the rest (RNG
   states, schedulers, samplers, custom objects);
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import load_checkpoint, save_checkpoint
-from ..zero import ZeroAdamW
+from ..zero import ZeroOptimizer
 from ..zero.interop import optimizer_of
 from ..zero.registry import runtime_of_module, runtime_of_param
 from ..zero.shard import full_state_dict
@@ -121,13 +124,14 @@ class ZeroAccelerator(_acc.Accelerator):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           device_placement: bool | None = None) -> Any:
         inner = unwrap_optimizer(optimizer)
-        if self.num_processes > 1 and not isinstance(inner, ZeroAdamW):
+        if self.num_processes > 1 and not isinstance(inner, ZeroOptimizer):
             raise TypeError(
                 f"ZeroAccelerator.prepare: got a {type(inner).__name__}; on several processes "
                 "ZeroAccelerator leaves gradient averaging to ZeroAdamW (no DDP wrap), so other "
-                "optimizers would step on unaveraged gradients. Use zerokern.ZeroAdamW, or a "
-                "plain accelerate.Accelerator for this optimizer")
-        if not isinstance(inner, ZeroAdamW):
+                "optimizers would step on unaveraged gradients. Use zerokern.ZeroAdamW (or "
+                "zerokern.ZeroOptimizer(params, <the torch class>, ...)), or a plain "
+                "accelerate.Accelerator for this optimizer")
+        if not isinstance(inner, ZeroOptimizer):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         # No device placement: Accelerate would round-trip the optimizer's whole state
         # through state_dict() onto the device (with offload="cpu": the state kept off it).
@@ -136,16 +140,16 @@ class ZeroAccelerator(_acc.Accelerator):
         prepared.__class__ = _ZeroAcceleratedOptimizer
         return prepared
 
-    def zero_optimizers(self) -> list[ZeroAdamW]:
-        """The ZeroAdamW optimizers given to prepare, unwrapped."""
-        return [o for o in map(unwrap_optimizer, self._optimizers) if isinstance(o, ZeroAdamW)]
+    def zero_optimizers(self) -> list[ZeroOptimizer]:
+        """The zerokern optimizers (ZeroAdamW, ZeroOptimizer) given to prepare, unwrapped."""
+        return [o for o in map(unwrap_optimizer, self._optimizers) if isinstance(o, ZeroOptimizer)]
 
-    def _optimizers_of(self, model: torch.nn.Module) -> list[ZeroAdamW]:
+    def _optimizers_of(self, model: torch.nn.Module) -> list[ZeroOptimizer]:
         ids = {id(p) for p in model.parameters()}
         return [o for o in self.zero_optimizers()
                 if any(id(p) in ids for p in o.managed_params)]
 
-    def _model_of(self, opt: ZeroAdamW) -> torch.nn.Module:
+    def _model_of(self, opt: ZeroOptimizer) -> torch.nn.Module:
         managed = {id(p) for p in opt.managed_params}
         for m in self._models:
             m = self.unwrap_model(m, keep_torch_compile=False)

@@ -1,4 +1,5 @@
-"""ZeroAdamW inside PyTorch Lightning: ``ZeroStrategy``, for ``pl.Trainer(strategy=...)``.
+"""ZeroAdamW (or a ``ZeroOptimizer`` of another torch class) inside PyTorch Lightning:
+``ZeroStrategy``, for ``pl.Trainer(strategy=...)``.
 
 Lightning's DDPStrategy wraps the model in DDP, lets DDP average the gradients and saves one
 file from rank 0. ZeroAdamW averages the gradients itself and holds only this rank's part of
@@ -14,8 +15,9 @@ launcher, sampler, collectives):
   ranks, and at stage 3 partitions the LightningModule, so that the ZeroAdamW built in
   ``configure_optimizers`` (the second half; ``strategy.zero_adamw(self.parameters(),
   lr=...)``) gets the sharded parameters;
-- ``configure_optimizers`` must return one ``zerokern.ZeroAdamW`` of the strategy's stage,
-  mesh and options (with or without an LR scheduler): a torch optimizer would step on
+- ``configure_optimizers`` must return one ``zerokern.ZeroAdamW`` (or ``ZeroOptimizer``:
+  ``strategy.zero_optimizer(self.parameters(), torch.optim.SGD, lr=...)``) of the strategy's
+  stage, mesh and options (with or without an LR scheduler): a torch optimizer would step on
   gradients nobody averaged, so anything else is refused at setup;
 - accumulation (``accumulate_grad_batches``): the micro-batches before the last run under
   ``opt.no_sync()``, where DDPStrategy uses ``DDP.no_sync()``;
@@ -60,7 +62,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from ..checkpoint.format import remove_checkpoint_dir  # noqa: E402
 from ..checkpoint.locks import publishing  # noqa: E402
 from ..compose import prepare_model  # noqa: E402
-from ..zero import ZeroAdamW, full_state_dict  # noqa: E402
+from ..zero import ZeroAdamW, ZeroOptimizer, full_state_dict  # noqa: E402
 from ..zero.config import ZeroConfig  # noqa: E402
 from ..zero.registry import runtime_of_param  # noqa: E402
 from ._options import build_mesh, check_mesh_arg, check_optimizer, config_of  # noqa: E402
@@ -162,9 +164,11 @@ class ZeroStrategy(DDPStrategy):
     ``offload_params``, ...), plus ``mesh``. They are checked when the strategy is built, and
     compared across ranks in its setup, before the model is partitioned (stage 3).
     ``configure_optimizers`` builds the optimizer with them:
-    ``self.trainer.strategy.zero_adamw(self.parameters(), lr=...)``, or a ``ZeroAdamW`` of its
-    own, which must then have the strategy's stage, mesh and every option the strategy was
-    given (not at its default).
+    ``self.trainer.strategy.zero_adamw(self.parameters(), lr=...)``, for another torch class
+    ``self.trainer.strategy.zero_optimizer(self.parameters(), torch.optim.SGD, lr=...,
+    momentum=...)``, or a ``ZeroAdamW`` / ``ZeroOptimizer`` of its own, which must then have
+    the strategy's stage, mesh and every option the strategy was given (not at its
+    default).
 
     Args:
         stage: the ZeRO stage (0-3).
@@ -267,6 +271,24 @@ class ZeroStrategy(DDPStrategy):
         """
         return ZeroAdamW(params, config=self._config, mesh=self._mesh, **kwargs)
 
+    def zero_optimizer(self, params: Any, optimizer_class: type[torch.optim.Optimizer],
+                       **kwargs: Any) -> ZeroOptimizer:
+        """The optimizer for ``configure_optimizers``, of any element-wise torch class:
+        ``zerokern.ZeroOptimizer(params, optimizer_class, config=self.config,
+        mesh=self.mesh, **kwargs)``.
+
+        Args:
+            params: parameters or param-group dicts, as for ``optimizer_class``.
+            optimizer_class: the torch optimizer class, e.g. ``torch.optim.SGD``.
+            **kwargs: the class's hyperparameters (``lr``, ``momentum``, ...), checked by
+                its constructor; an option of the config given again is refused.
+
+        Returns:
+            The ZeroOptimizer, with every option the strategy was given.
+        """
+        return ZeroOptimizer(params, optimizer_class, config=self._config, mesh=self._mesh,
+                             **kwargs)
+
     @property
     def stage(self) -> int:
         return self._stage
@@ -345,17 +367,19 @@ class ZeroStrategy(DDPStrategy):
             raise ValueError(f"ZeroStrategy: configure_optimizers must return one "
                              f"zerokern.ZeroAdamW, got {len(opts)} optimizers")
         (opt,) = opts
-        if not isinstance(opt, ZeroAdamW):
+        if not isinstance(opt, ZeroOptimizer):
             raise TypeError(
                 f"ZeroStrategy: configure_optimizers returned a {type(opt).__name__}; it must "
                 f"return zerokern.ZeroAdamW (self.trainer.strategy.zero_adamw(self.parameters(),"
-                f" lr=...) builds it with the strategy's options). The "
+                f" lr=...) builds it with the strategy's options) or zerokern.ZeroOptimizer "
+                "(self.trainer.strategy.zero_optimizer(self.parameters(), <torch class>, "
+                "...)). The "
                 "strategy does not wrap the model in DDP: ZeroAdamW averages the gradients "
                 "over the ranks itself, another optimizer would step on each rank's own")
         if opt.stage != self._stage:
             raise ValueError(
                 f"ZeroStrategy(stage={self._stage}): configure_optimizers returned a "
-                f"ZeroAdamW(stage={opt.stage}); give both the same stage (e.g. "
+                f"{type(opt).__name__}(stage={opt.stage}); give both the same stage (e.g. "
                 "stage=self.trainer.strategy.stage)")
         check_optimizer(opt, self._config, self._mesh, "ZeroStrategy",
                         "the ZeroAdamW of configure_optimizers (build it with "
@@ -387,13 +411,13 @@ class ZeroStrategy(DDPStrategy):
 
         def clip_grad_by_norm(optimizer: Any, clip_val: int | float) -> None:
             opt = _raw(optimizer)
-            if isinstance(opt, ZeroAdamW):
+            if isinstance(opt, ZeroOptimizer):
                 opt.clip_grad_norm_(clip_val)
             else:
                 by_norm(optimizer, clip_val)
 
         def clip_grad_by_value(optimizer: Any, clip_val: int | float) -> None:
-            if isinstance(_raw(optimizer), ZeroAdamW):
+            if isinstance(_raw(optimizer), ZeroOptimizer):
                 raise ValueError("ZeroStrategy: clipping gradients by value is not supported "
                                  "(ZeroAdamW holds the averaged gradients in shards); clip by "
                                  "norm")
@@ -422,10 +446,10 @@ class ZeroStrategy(DDPStrategy):
             for o in optimizers
         ]
 
-    def _zero_optimizers(self) -> list[ZeroAdamW]:
-        return [o for o in map(_raw, self.optimizers) if isinstance(o, ZeroAdamW)]
+    def _zero_optimizers(self) -> list[ZeroOptimizer]:
+        return [o for o in map(_raw, self.optimizers) if isinstance(o, ZeroOptimizer)]
 
-    def _optimizer(self, what: str) -> ZeroAdamW:
+    def _optimizer(self, what: str) -> ZeroOptimizer:
         opts = self._zero_optimizers()
         if not opts:
             raise RuntimeError(f"ZeroStrategy: {what} needs the ZeroAdamW of a fit (call it "
@@ -451,7 +475,7 @@ class ZeroStrategy(DDPStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         opts = [_raw(optimizer)] if optimizer is not None else self._zero_optimizers()
         loss = closure_loss
-        if len(opts) == 1 and isinstance(opts[0], ZeroAdamW):
+        if len(opts) == 1 and isinstance(opts[0], ZeroOptimizer):
             loss = opts[0].scale_loss(closure_loss)
         self.precision_plugin.backward(loss, self.lightning_module, optimizer, *args, **kwargs)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)

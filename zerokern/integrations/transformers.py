@@ -1,16 +1,20 @@
-"""ZeroAdamW inside the Hugging Face Trainer: ``ZeroTrainer``.
+"""zerokern's optimizers inside the Hugging Face Trainer: ``ZeroTrainer``.
 
 ``transformers.Trainer`` assumes the optimizer is a torch one and the model is wrapped in DDP:
 it clips with ``clip_grad_norm_``, steps, calls ``model.zero_grad()``, saves ``optimizer.pt``
 from rank 0 and the model with ``save_pretrained`` from rank 0. ``ZeroTrainer`` keeps the
-Trainer's loop and arguments and changes what ZeroAdamW needs:
+Trainer's loop and arguments and changes what a ZeRO optimizer needs:
 
 - the accelerator is a ``ZeroAccelerator`` (no DDP wrap; ``no_sync`` on the accumulation
   micro-steps is ZeroAdamW's; ``clip_grad_norm_`` is ZeroAdamW's global norm, so the logged
   ``grad_norm`` is the norm over all ranks);
 - the optimizer is a ZeroAdamW built from the Trainer's own settings (``learning_rate``,
   ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay`` with the Trainer's decay / no-decay
-  groups), or the ZeroAdamW given through ``optimizers=``;
+  groups); or, for the Trainer's other ways to name an optimizer, a ``ZeroOptimizer`` of the
+  torch class they name, with the same groups and keywords as the Trainer would give it
+  (``optimizer_cls_and_kwargs=(torch.optim.SGD, {...})``, ``optim="sgd"``, ``"adagrad"``,
+  ``"rmsprop"`` with ``optim_args``); or the ZeroAdamW / ZeroOptimizer given through
+  ``optimizers=``;
 - the options are one ``zerokern.ZeroConfig`` (``config=``, or its fields as keywords),
   checked and compared across ranks at construction by ``zerokern.compose.prepare_model``
   (the first half of ``zerokern.parallelize``), which at stage 3 then partitions the model,
@@ -38,9 +42,10 @@ import torch
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..compose import prepare_model
 from ..compose import resolve_units as _resolve_units
-from ..zero import ZeroAdamW
+from ..zero import ZeroAdamW, ZeroOptimizer
 from ..zero.config import ZeroConfig
 from ..zero.registry import runtime_of_module
+from ..zero.rules.elementwise import rule_for
 from ..zero.shard import full_state_dict
 from ._optional import require
 from ._options import build_mesh, check_mesh_arg, check_optimizer, config_of, pop_options
@@ -56,6 +61,9 @@ OPTIMIZER_NAME = _trainer_mod.OPTIMIZER_NAME
 ZERO_CHECKPOINT = "zerokern"
 # TrainingArguments.optim values that are torch's AdamW (what ZeroAdamW computes).
 _ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# TrainingArguments.optim values that the Trainer maps to torch's element-wise classes (SGD,
+# Adagrad, RMSprop, with their optim_args): a ZeroOptimizer of that class.
+_TORCH_OPTIMS = ("sgd", "adagrad", "rmsprop")
 
 
 def resolve_units(model: torch.nn.Module,
@@ -79,19 +87,25 @@ class _ZeroGradAfterStep(_tf.TrainerCallback):
 
 
 class ZeroTrainer(_tf.Trainer):
-    """``transformers.Trainer`` training with ZeroAdamW at ZeRO stage 0-3.
+    """``transformers.Trainer`` training with ZeroAdamW (or a ``ZeroOptimizer`` of another
+    torch class) at ZeRO stage 0-3.
 
     Takes the Trainer's arguments and zerokern's options: ``config=zerokern.ZeroConfig(...)``
     (the object ``parallelize`` and ``ZeroStrategy`` take), or any of its fields as a keyword
     of the same name (``stage``, ``moments``, ``reduce_dtype``, ``unit_classes``,
     ``offload_params``, ...: ``ZeroConfig.names()``), plus ``mesh``. The optimizer's
     hyperparameters are the TrainingArguments' (``max_grad_norm`` there is applied as
-    ZeroAdamW's global norm). Every option is checked, and compared across ranks, when the
+    ZeroAdamW's global norm). Another torch class is named the Trainer's ways:
+    ``optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})``, or
+    ``TrainingArguments(optim="sgd", optim_args="momentum=0.9")`` (also ``"adagrad"``,
+    ``"rmsprop"``); the trainer then builds ``zerokern.ZeroOptimizer`` of that class, with
+    the Trainer's decay / no-decay groups and those keywords (the class must be element-wise:
+    checked at construction). Every option is checked, and compared across ranks, when the
     trainer is constructed, before the model is partitioned (stage 3).
 
     Args:
         *args: the Trainer's positional arguments (``model``, ``args``, ...).
-        zero_stage: the ZeRO stage, as ``stage``; default 2, or the stage of the ZeroAdamW
+        zero_stage: the ZeRO stage, as ``stage``; default 2, or the stage of the optimizer
             given in ``optimizers``.
         config: every zerokern option as one ``ZeroConfig``; an option given both here and
             as a keyword is refused.
@@ -100,7 +114,7 @@ class ZeroTrainer(_tf.Trainer):
         **kwargs: the Trainer's keyword arguments, and zerokern's options by name.
 
     Attributes:
-        zero_config: the options, validated (a given ZeroAdamW's own config).
+        zero_config: the options, validated (a given optimizer's own config).
         zero_mesh: the DeviceMesh, or None.
     """
 
@@ -114,10 +128,11 @@ class ZeroTrainer(_tf.Trainer):
             options["stage"] = zero_stage
         given = kwargs.get("optimizers", (None, None))
         given_opt = unwrap_optimizer(given[0]) if given and given[0] is not None else None
-        if given_opt is not None and not isinstance(given_opt, ZeroAdamW):
+        if given_opt is not None and not isinstance(given_opt, ZeroOptimizer):
             raise TypeError(f"ZeroTrainer(optimizers=...): got a {type(given_opt).__name__}; "
-                            "ZeroTrainer trains with zerokern.ZeroAdamW (or pass none and it "
-                            "builds one from the TrainingArguments)")
+                            "ZeroTrainer trains with zerokern.ZeroAdamW or "
+                            "zerokern.ZeroOptimizer (or pass none and it builds one from the "
+                            "TrainingArguments)")
         # Every option checked first: nothing below (the Trainer, the partition) runs on a
         # config ZeroAdamW would refuse.
         cfg = config_of(config, options, "ZeroTrainer")
@@ -125,20 +140,20 @@ class ZeroTrainer(_tf.Trainer):
         if given_opt is not None:
             cfg = self._given_config(given_opt, cfg, "stage" in options or config is not None,
                                      mesh)
-        if kwargs.get("optimizer_cls_and_kwargs") is not None:
-            raise ValueError("ZeroTrainer: optimizer_cls_and_kwargs is not used by ZeroTrainer "
-                             "(its optimizer is ZeroAdamW, built from the TrainingArguments); "
-                             "pass optimizers=(zerokern.ZeroAdamW(...), None) instead")
+        cls_kw = kwargs.get("optimizer_cls_and_kwargs")
+        if cls_kw is not None:
+            self._check_cls_and_kwargs(cls_kw)
         if kwargs.get("model_init") is not None:
             raise ValueError("ZeroTrainer: model_init (hyperparameter search) is not supported; "
                              "pass the model")
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+        have_optimizer = given_opt is not None or cls_kw is not None
         if targs is not None:
-            self._check_args(targs, given_opt is not None)
+            self._check_args(targs, have_optimizer)
         self.zero_config = cfg
         self.zero_stage = cfg.stage
         super().__init__(*args, **kwargs)
-        self._check_args(self.args, given_opt is not None)
+        self._check_args(self.args, have_optimizer)
         self.zero_mesh = build_mesh(mesh, self.args.device.type, "ZeroTrainer")
         if given_opt is not None:
             if cfg.stage == 3 and runtime_of_module(self.model) is None:
@@ -152,14 +167,34 @@ class ZeroTrainer(_tf.Trainer):
             # The first half of zerokern.parallelize, with all of its checks (the Trainer's
             # hyperparameters included) and the comparison across ranks, before the
             # partition; create_optimizer builds the second half.
+            # (The hyperparameters of another torch class are its constructor's to check,
+            # when create_optimizer builds it.)
             a = self.args
+            adamw = cls_kw is None and self._optim_name(a) in _ADAMW_OPTIMS
             prepare_model(self.model, cfg, mesh=self.zero_mesh, where="ZeroTrainer",
                           hparams=dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
-                                       eps=a.adam_epsilon, weight_decay=a.weight_decay))
+                                       eps=a.adam_epsilon, weight_decay=a.weight_decay)
+                          if adamw else None)
         self.add_callback(_ZeroGradAfterStep(self))
 
     @staticmethod
-    def _given_config(opt: ZeroAdamW, cfg: ZeroConfig, stage_given: bool,
+    def _check_cls_and_kwargs(cls_kw: Any) -> None:
+        """``optimizer_cls_and_kwargs``: a torch optimizer class whose update zerokern can
+        shard (element-wise) and its keywords, refused now as ZeroOptimizer would refuse
+        them (the class's own constructor checks the keywords)."""
+        if not (isinstance(cls_kw, (tuple, list)) and len(cls_kw) == 2
+                and isinstance(cls_kw[0], type) and isinstance(cls_kw[1], dict)):
+            raise TypeError("ZeroTrainer: optimizer_cls_and_kwargs must be (a torch optimizer "
+                            f"class, a dict of its keywords), got {cls_kw!r}")
+        rule_for(cls_kw[0], cls_kw[1])
+
+    @staticmethod
+    def _optim_name(targs: Any) -> str:
+        optim = getattr(targs, "optim", "adamw_torch")
+        return getattr(optim, "value", None) or optim
+
+    @staticmethod
+    def _given_config(opt: ZeroOptimizer, cfg: ZeroConfig, stage_given: bool,
                       mesh: Any) -> ZeroConfig:
         """The config of a ZeroAdamW given in ``optimizers=``: the options given to the
         trainer too must be its own."""
@@ -190,14 +225,16 @@ class ZeroTrainer(_tf.Trainer):
             raise ValueError("ZeroTrainer: TrainingArguments(fp16=True) uses Accelerate's "
                              "GradScaler, which reads p.grad (ZeroAdamW keeps flat shards); "
                              "use bf16=True")
-        optim = getattr(getattr(targs, "optim", "adamw_torch"), "value", None) or targs.optim
-        if not have_optimizer and optim not in _ADAMW_OPTIMS:
+        optim = ZeroTrainer._optim_name(targs)
+        if not have_optimizer and optim not in _ADAMW_OPTIMS + _TORCH_OPTIMS:
             raise ValueError(f"ZeroTrainer: TrainingArguments(optim={optim!r}); "
-                             "ZeroTrainer's optimizer is ZeroAdamW (AdamW): use optim="
-                             "'adamw_torch'")
-        if getattr(targs, "optim_args", None):
+                             "ZeroTrainer shards 'adamw_torch' (ZeroAdamW) and torch's "
+                             f"element-wise classes {', '.join(map(repr, _TORCH_OPTIMS))}, or "
+                             "optimizer_cls_and_kwargs=(an element-wise torch class, {...})")
+        if getattr(targs, "optim_args", None) and (have_optimizer or optim in _ADAMW_OPTIMS):
             raise ValueError("ZeroTrainer: TrainingArguments(optim_args=...) is not used by "
-                             "ZeroAdamW; pass a ZeroAdamW through optimizers= instead")
+                             "ZeroAdamW or a given optimizer; pass a ZeroAdamW (or "
+                             "ZeroOptimizer) through optimizers= instead")
 
     # -- construction -----------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -223,6 +260,16 @@ class ZeroTrainer(_tf.Trainer):
         ]
         # Both groups, even an empty one, as the Trainer builds them: a plain Trainer's
         # optimizer.pt and the schedulers' per-group lists then line up.
+        if self.optimizer_cls_and_kwargs is not None or \
+                self._optim_name(self.args) in _TORCH_OPTIMS:
+            # The class and keywords the Trainer itself would build, sharded.
+            if self.optimizer_cls_and_kwargs is not None:
+                cls, kw = self.optimizer_cls_and_kwargs
+            else:
+                cls, kw = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            self.optimizer = ZeroOptimizer(groups, cls, config=self.zero_config,
+                                           mesh=self.zero_mesh, **kw)
+            return self.optimizer
         self.optimizer = ZeroAdamW(
             groups, lr=self.args.learning_rate,
             betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
@@ -230,10 +277,11 @@ class ZeroTrainer(_tf.Trainer):
         return self.optimizer
 
     @property
-    def zero_optimizer(self) -> ZeroAdamW:
-        """The ZeroAdamW inside the Trainer's (Accelerate-wrapped) optimizer."""
+    def zero_optimizer(self) -> ZeroOptimizer:
+        """The ZeroAdamW (or ZeroOptimizer) inside the Trainer's (Accelerate-wrapped)
+        optimizer."""
         opt = unwrap_optimizer(self.optimizer)
-        if not isinstance(opt, ZeroAdamW):
+        if not isinstance(opt, ZeroOptimizer):
             raise RuntimeError("ZeroTrainer: the optimizer is not built yet (train() builds it)")
         return opt
 
@@ -263,8 +311,8 @@ class ZeroTrainer(_tf.Trainer):
         if os.path.isdir(zero_dir):
             load_checkpoint(zero_dir, self.model, self.zero_optimizer)
         elif os.path.isfile(torch_opt):
-            # A plain Trainer's optimizer.pt: torch AdamW's format, which ZeroAdamW loads at
-            # any stage and world size (every rank reads the file).
+            # A plain Trainer's optimizer.pt: the torch class's format, which ZeroAdamW /
+            # ZeroOptimizer load at any stage and world size (every rank reads the file).
             self.zero_optimizer.load_state_dict(
                 torch.load(torch_opt, map_location="cpu", weights_only=True))
         else:

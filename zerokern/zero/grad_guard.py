@@ -15,7 +15,9 @@ storage of its own. torch's utilities either compute correctly on it or are refu
   parameter's averaged gradient over all ranks. Every parameter's squared norm travels in
   the step's one small all-reduce (flags and total norm), so reading it on some ranks only
   (logging on rank 0) waits for the others to reach step() and never mismatches a
-  collective;
+  collective. A list mixing the guards of several optimizers (disjoint parts of one model)
+  takes each optimizer's norms from its own reduction, in the order the optimizers first
+  appear, so torch's total over them is DDP's (joint_clip.py);
 - ``g.mul_(c)`` / ``g.div_(c)`` / ``torch._foreach_mul_`` by a scalar: recorded, and applied by
   ``step()`` as a clipping coefficient (every guarded parameter must get the same one);
 - ``g.zero_()``: a coefficient of 0;
@@ -120,12 +122,14 @@ def _guards(x: Any) -> list[GradGuard]:
     return [g for g in xs if isinstance(g, GradGuard)]
 
 
-def _owner_of(gs: list[GradGuard]) -> Any:
+def _owners_of(gs: list[GradGuard]) -> list[Any]:
+    """The optimizers (GuardSets) the guards belong to, in the order of their first guard:
+    the same order on every rank, since every rank lists the same model's gradients."""
     owners = {id(o): o for o in (g._owner() for g in gs)}
-    if len(owners) != 1 or None in owners.values():
-        raise RuntimeError("gradients of parameters of several (or deleted) ZeroAdamW "
-                           "optimizers in one call: " + _HINT)
-    return next(iter(owners.values()))
+    if None in owners.values():
+        raise RuntimeError("gradients of parameters of a deleted zerokern optimizer: the "
+                           "reduction they stand for is gone. " + _HINT)
+    return list(owners.values())
 
 
 def _norms(func: Any, args: Any, kwargs: Any) -> Any:
@@ -135,13 +139,16 @@ def _norms(func: Any, args: Any, kwargs: Any) -> Any:
         raise RuntimeError(f"{func} with ord={ord_}, dim={dim}: ZeroAdamW computes the global "
                            f"2-norm of a whole gradient only. {_HINT}")
     xs = args[0] if func is aten._foreach_norm.Scalar else [args[0]]
-    gs = _guards(xs)
-    norms = _owner_of(gs).norms()  # one collective per step, on every rank
+    # One collective per optimizer and step, on every rank. Several optimizers (disjoint
+    # parts of one model, e.g. torch's Muon recipe) each give their parameters' norms, each
+    # global over the ranks: torch's total over them is then DDP's (joint_clip.py).
+    norms = {id(o): o.norms() for o in _owners_of(_guards(xs))}
 
     def one(x: Any) -> torch.Tensor:
         if isinstance(x, GradGuard):
             dt = kwargs.get("dtype") or x.dtype
-            return torch.tensor(norms[x.zk_index] * x.zk_coef, dtype=dt, device=x.device)
+            own = norms[id(x._owner())]
+            return torch.tensor(own[x.zk_index] * x.zk_coef, dtype=dt, device=x.device)
         return torch.linalg.vector_norm(x, 2.0)  # not ZeroAdamW's: its own, local norm
 
     out = [one(x) for x in xs]

@@ -4,8 +4,9 @@
   shards (stage 1: this rank's slices of a flat gradient; stages 2-3: no ``p.grad`` at all), so
   it would silently compute a per-rank partial norm. Trainers (HF Trainer, Accelerate,
   Lightning) call it themselves. zerokern replaces it (at import) by a function that hands the
-  parameters of a ZeroAdamW to ``ZeroAdamW.clip_grad_norm_`` (the global norm, a collective)
-  and passes every other call through unchanged.
+  parameters of a ZeroAdamW to ``ZeroAdamW.clip_grad_norm_`` (the global norm, a collective),
+  those of several zerokern optimizers to one norm over all of them (joint_clip.py), and
+  passes every other call through unchanged.
 - A model run inside ``DistributedDataParallel`` would have its gradients averaged twice (or,
   at stage 3, break inside autograd). Two checks refuse it before anything changes: DDP's
   constructor (wrapped at import) refuses a module holding parameters of a ZeroAdamW or of
@@ -26,6 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .joint_clip import check_covered, clip_joint
 from .registry import runtime_of_param
 
 _OPT_OF_PARAM: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -40,30 +42,27 @@ def register_params(params: list[torch.nn.Parameter], opt: Any) -> None:
 
 
 def optimizer_of(p: object) -> Any:
-    """The ZeroAdamW that trains ``p`` (None if none)."""
+    """The zerokern optimizer (ZeroAdamW, ZeroOptimizer) that trains ``p`` (None if none)."""
     ref = _OPT_OF_PARAM.get(p) if isinstance(p, torch.Tensor) else None
     return None if ref is None else ref()
 
 
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_, made correct for ZeroAdamW's parameters."""
+    """torch.nn.utils.clip_grad_norm_, made correct for the parameters of zerokern's
+    optimizers: one optimizer's go to its ``clip_grad_norm_``, several optimizers' to one
+    norm over all of them (joint_clip.py)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     opts = {id(o): o for o in map(optimizer_of, params) if o is not None}
     if not opts:
         return _TORCH_CLIP(params, max_norm, norm_type=norm_type,
                            error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+    # Only whole optimizers, and no gradient of this rank alone: refused before anything.
+    check_covered(params, list(opts.values()), optimizer_of)
     if len(opts) > 1:
-        raise ValueError("clip_grad_norm_: the parameters belong to several ZeroAdamW "
-                         "optimizers; call opt.clip_grad_norm_(max_norm) on each")
+        return clip_joint(list(opts.values()), max_norm, norm_type,
+                          error_if_nonfinite=error_if_nonfinite)
     (opt,) = opts.values()
-    others = [p for p in params if optimizer_of(p) is None and p.grad is not None]
-    given = {id(p) for p in params if optimizer_of(p) is opt}
-    if others or given != {id(p) for p in opt.managed_params}:
-        raise ValueError(
-            "clip_grad_norm_: ZeroAdamW clips by the norm over all of its parameters; pass "
-            "exactly the parameters it trains (e.g. model.parameters()), or call "
-            "opt.clip_grad_norm_(max_norm) / set ZeroAdamW(max_grad_norm=...)")
     return opt.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .joint_clip import check_alone_on_model
 from .param_groups import check_groups
 from .reduction import Reduced, grad_scale
 from .validate import finite_ge0
@@ -154,6 +155,7 @@ class TrainingLoop:
             red = self._reduction.reuse(events, need_norm, self.loss_scale)
         else:
             self._reduction.check_backward_since_step(events)
+            check_alone_on_model(self)  # stage 3: one optimizer per sharded model, for now
             # Nothing below changes anything until every group and parameter is checked.
             check_groups(self.param_groups, flags=True, moments=self.state_format.moments,
                          rule=self.rule)
