@@ -166,6 +166,26 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 28) -> float:
     return max(2 * nbytes / (t_copy * 1e-3), 3 * nbytes / (t_add * 1e-3)) / 1e9
 
 
+TRIAD_BYTES_PER_ELEM = 12.0
+"""A STREAM triad ``a = b + s * c`` on fp32 moves 12 bytes per element (two reads, a write)."""
+
+
+def triad(n: int, device: torch.device) -> Callable[[], object]:
+    """A STREAM-like triad over ``n`` fp32 elements (``a = b + 3 c``), its pages touched
+    before it is returned (first-touch page faults are not bandwidth): time it like any
+    provider, in the same interleaved rounds, and read the best round as the machine's
+    limit at that size (the triad counts TRIAD_BYTES_PER_ELEM bytes per element)."""
+    a = torch.zeros(n, device=device)
+    b = torch.ones(n, device=device)
+    c = torch.full((n,), 2.0, device=device)
+
+    def run() -> None:
+        torch.add(b, c, alpha=3.0, out=a)
+
+    run()
+    return run
+
+
 def machine(device: torch.device) -> dict[str, str]:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ..quant.maps import decodes_alike
 from ..zero.interop import optimizer_of
 from ..zero.registry import runtime_of_module
 from ..zero.shards import ShardRange
@@ -314,7 +315,7 @@ class _Reader:
             if st.moments != "int8":  # fp32 or bf16: a cast of the fp32 values stores them
                 self.read_moment(raw, name, r.start, key)
             elif idx is not None and idx.format_of(name) == "int8" and \
-                    idx.maps.get(key) == st.map_id(key):
+                    decodes_alike(idx.maps.get(key), st.map_id(key)):
                 absmax = st.absmax(key)
                 assert absmax is not None
                 copy_int8_into(idx, self.raw, name, r.start, raw, absmax, key)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
-from ..quant.maps import SIGNED_MAP_ID, UNSIGNED_MAP_ID
+from ..quant.maps import SIGNED_MAP_ID, UNSIGNED_MAP_ID, decodes_alike
 from .engine_slot import EngineSlot
 from .param_table import ParamTable
 from .scaler import LossScaler
@@ -264,7 +264,9 @@ class StateAccess:
                 "opt.full_state_dict() (fp32, quantized on load) or use "
                 "zerokern.save_checkpoint / load_checkpoint, which convert through fp32")
         maps = saved.get("maps")
-        if fmt.moments == "int8" and maps is not None and maps != _MAPS:
+        if fmt.moments == "int8" and maps is not None and (
+                not isinstance(maps, dict) or set(maps) != set(_MAPS)
+                or not all(decodes_alike(maps[k], _MAPS[k]) for k in _MAPS)):
             raise ValueError(f"state_dict: int8 moments quantized with the code maps {maps}, "
                              f"this zerokern uses {_MAPS}")
         if saved["master"] == "none":

@@ -348,7 +348,8 @@ class ShardState:
             self.exp_avg.narrow(0, start, numel).copy_(exp_avg)
             self.exp_avg_sq.narrow(0, start, numel).copy_(exp_avg_sq)
             return
-        from ..quant.maps import SIGNED_MAP_ID, UNSIGNED_MAP_ID, code_map, quantize_blockwise
+        from ..quant.blockwise import quantize_blockwise_v2 as quantize_blockwise
+        from ..quant.maps import SIGNED_MAP_ID, UNSIGNED_MAP_ID, code_map
 
         for r, o, n in self.runs_in(start, start + numel):
             at = r.local_start + o - start

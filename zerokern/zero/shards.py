@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..quant.maps import code_map, dequantize_blockwise, quantize_blockwise
+from ..quant.blockwise import quantize_blockwise_v2
+from ..quant.maps import code_map, dequantize_blockwise
 
 if TYPE_CHECKING:  # type names only: the public types here import nothing of the optimizer
     from .engine_slot import EngineSlot
@@ -81,8 +82,8 @@ class StoredRange:
         if absmax is None:
             raw.copy_(x)
             return
-        codes, am = quantize_blockwise(x.to(raw.device, torch.float32).reshape(-1),
-                                       code_map(self.map_id(key), raw.device))
+        codes, am = quantize_blockwise_v2(x.to(raw.device, torch.float32).reshape(-1),
+                                          code_map(self.map_id(key), raw.device))
         raw.copy_(codes)
         absmax.copy_(am)
 
