@@ -35,12 +35,12 @@ from torch import nn
 import zerokern
 from zerokern.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from zerokern.checkpoint.format import META, meta_digest, rank_file
+from zerokern.quant.blockwise import quantize_blockwise_v2
 from zerokern.quant.maps import (
     SIGNED_MAP_ID,
     UNSIGNED_MAP_ID,
     code_map,
     dequantize_blockwise,
-    quantize_blockwise,
 )
 
 st = pytest.importorskip("safetensors.torch")  # the [checkpoint] extra
@@ -165,7 +165,7 @@ def requantized(x: torch.Tensor, key: str) -> torch.Tensor:
     """What storing the fp32 values ``x`` (a whole parameter) as int8 and reading them back
     gives: blocks of 256 of the flattened parameter (independent of any layout)."""
     code = code_map(MAPS[key])
-    codes, absmax = quantize_blockwise(x.float().reshape(-1), code)
+    codes, absmax = quantize_blockwise_v2(x.float().reshape(-1), code)
     return dequantize_blockwise(codes, absmax, code).reshape(x.shape)
 
 
