@@ -74,6 +74,7 @@ def time_interleaved(
     rounds: int,
     warmup: int = 2,
     min_sample_ms: float = 2.0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
     """One sample (ms per call) per provider and round, the providers timed in turns.
 
@@ -87,18 +88,20 @@ def time_interleaved(
     for name, fn in fns.items():
         for _ in range(warmup):
             fn()
-        one = min(_timed(fn, device, 1) for _ in range(3))  # the fastest: a hiccup is no size
+        one = min(_timed(fn, device, 1, clock) for _ in range(3))  # a hiccup is no size
         calls[name] = max(1, min(10_000, math.ceil(min_sample_ms / max(one, 1e-3))))
     samples: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            samples[name].append(_timed(fns[name], device, calls[name]) / calls[name])
+            samples[name].append(_timed(fns[name], device, calls[name], clock) / calls[name])
     return samples
 
 
-def _timed(fn: Callable[[], object], device: torch.device, calls: int) -> float:
-    """Milliseconds of ``calls`` back-to-back calls (CUDA events on GPU, perf_counter on CPU)."""
+def _timed(fn: Callable[[], object], device: torch.device, calls: int,
+           clock: Callable[[], float] = time.perf_counter) -> float:
+    """Milliseconds of ``calls`` back-to-back calls (CUDA events on GPU, ``clock`` on CPU:
+    perf_counter, or time.process_time to count only this process's CPU time)."""
     sync(device)
     if device.type == "cuda":
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -108,10 +111,10 @@ def _timed(fn: Callable[[], object], device: torch.device, calls: int) -> float:
         b.record()
         b.synchronize()
         return a.elapsed_time(b)
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - t0) * 1e3
+    return (clock() - t0) * 1e3
 
 
 def ratio_stats(ratios: Sequence[float], prefix: str) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -286,7 +287,8 @@ def update_cos(prov: Provider) -> float:
 
 
 def bench(device: torch.device, sizes: list[int], rounds: int, bw: float,
-          meta: dict[str, str], every: bool, only: list[str] | None) -> list[dict[str, object]]:
+          meta: dict[str, str], every: bool, only: list[str] | None,
+          clock: Callable[[], float] = time.perf_counter) -> list[dict[str, object]]:
     facts, base, notes = providers(device, every, only)
     for note in notes:
         print(f"# {note}")
@@ -301,9 +303,10 @@ def bench(device: torch.device, sizes: list[int], rounds: int, bw: float,
                                      f"first step (want > {MIN_COS})")
         fns = {k: p.step for k, p in provs.items()}
         fns[TRIAD] = H.triad(n, device)
-        samples = H.time_interleaved(fns, device, rounds=rounds)
+        samples = H.time_interleaved(fns, device, rounds=rounds, clock=clock)
         triad_ms = samples.pop(TRIAD)
-        limit, limit_by = n * H.TRIAD_BYTES_PER_ELEM / (min(triad_ms) * 1e-3) / 1e9, "triad"
+        triad_gbs = n * H.TRIAD_BYTES_PER_ELEM / (min(triad_ms) * 1e-3) / 1e9
+        limit, limit_by = triad_gbs, "triad"
         fused = n * provs[base].bytes_per_elem / (min(samples[base]) * 1e-3) / 1e9
         if fused > limit:
             limit, limit_by = fused, base
@@ -320,7 +323,8 @@ def bench(device: torch.device, sizes: list[int], rounds: int, bw: float,
             gbs = n * nbytes / (med * 1e-3) / 1e9
             row.update(gparam_s=n / (med * 1e-3) / 1e9, bytes_per_elem=nbytes, gb_s=gbs,
                        gb_s_best=n * nbytes / (min(ms) * 1e-3) / 1e9, limit_gbs=limit,
-                       limit_by=limit_by, pct_limit=100 * gbs / limit, update_cos=cos[name])
+                       limit_by=limit_by, pct_limit=100 * gbs / limit, triad_gbs=triad_gbs,
+                       update_cos=cos[name])
             for tag, ref in refs.items():
                 row.update(H.ratio_stats([b / m for b, m in zip(samples[ref], ms)],
                                          f"x_vs_{tag}"))
@@ -336,7 +340,7 @@ def markdown(rows: list[dict[str, object]], command: str, meta: dict[str, str],
              rounds: int) -> str:
     """The rows as the markdown table docs/benchmarks.md shows."""
     lines = [f"{meta['device']}, torch {meta['torch']}, {meta['date']}, {rounds} interleaved "
-             f"rounds.  \n`{command}`", "",
+             f"rounds, {meta.get('clock', 'wall')} clock.  \n`{command}`", "",
              "| log2 n | provider | ms | B/elt | GB/s | % of limit "
              "| x vs torch fused: median (min-max) | x vs bnb | x vs torchao |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -375,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the rows named PREFIX or PREFIX_... (and the baseline): "
                     "torch, zk, zk_int8, bnb, torchao, ...")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (smoke test)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: time each sample by this process's CPU time (time.process_time), "
+                    "which other processes on a time-shared machine do not inflate; with one "
+                    "thread only (it sums the threads' times)")
     ap.add_argument("--out", help="folder for the CSV and markdown (default bench/results)")
     ap.add_argument("--tag", default="", help="appended to the file names (e.g. run1)")
     args = ap.parse_args(argv)
@@ -382,8 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes or ([10, 12] if args.quick else
                            [20, 25, 28] if device.type == "cuda" else [20, 25])
     rounds = args.rounds or (2 if args.quick else 5)
+    if args.clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        ap.error("--clock cpu needs --device cpu and one thread (OMP_NUM_THREADS=1)")
     meta, bw = H.op_bench_header(device, rounds, args.quick)
-    rows = bench(device, sizes, rounds, bw, meta, args.all, args.providers)
+    meta["clock"] = args.clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    rows = bench(device, sizes, rounds, bw, meta, args.all, args.providers, clock)
     cols = ["log2_n", "provider", "ms", "ms_min", "ms_max", "bytes_per_elem", "gb_s",
             "pct_limit", "x_vs_base", "x_vs_base_min", "x_vs_base_max", "x_vs_bnb", "x_vs_torchao",
             "update_cos"]

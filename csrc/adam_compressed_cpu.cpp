@@ -3,23 +3,28 @@
 // kernel equals bit for bit (NaN payloads aside).
 //
 // One pass per 256-element quantization block, in two sweeps over the block:
-//   1. widen grad and param, dequantize (code_map[c] * absmax) or widen the moments, apply the
+//   1. widen grad and param, dequantize (code_map[c] * scale) or widen the moments, apply the
 //      fp32 update of kernels.h with its rounding contract (the same three fmas as
 //      adam_cpu.cpp, every other operation one IEEE rounding), write the param (and param_lp,
 //      rounded to nearest even) or, for a bf16 param, its stochastic rounding; fp32 and bf16
 //      moments are written here too. 8-bit moments go to a 1 KiB stack buffer per moment while
-//      the block absmax is tracked as the maximum of the bit patterns with the sign cleared:
-//      for non-negative floats the integer order is the value order and every NaN pattern lies
-//      above inf's, so the maximum propagates NaN like torch's amax.
-//   2. (8-bit moments only) n = x / absmax, correctly rounded (divisor 1 for an all-zero
-//      block), then the code of n.
+//      the block's scale is tracked: the maximum of the bit patterns with the sign cleared (for
+//      non-negative floats the integer order is the value order and every NaN pattern lies
+//      above inf's, so the maximum propagates NaN like torch's amax) and the maximum of the
+//      patterns read as signed integers (it equals A's pattern exactly when some element is
+//      +A; else the scale is -A: format version 2, zerokern.quant.blockwise).
+//   2. (8-bit moments only) n = x * r with r = 1 / scale, one division per block (a scale
+//      outside [2^-126, 2^126) divides each element instead, in a scalar loop), then the code.
 // The block stays in L1 between the sweeps, so memory sees each byte once.
 //
-// Where the time goes (measured on a 2-core AVX-512 VM): sweep 1 is bound by the divider (a
-// square root and two divisions per element, as in adam_cpu.cpp). Gathers, which this CPU
-// microcodes, do not overlap with divider work at all, so sweep 1 dequantizes 64 codes at a
-// time with byte permutes instead (dequant64); sweep 2 keeps its gathers (one per moment
-// and 16 elements) and its two divisions.
+// Where the time goes. AVX2 (AMD EPYC, Zen 3): the table gathers. Decoding reads the map with
+// one gather per moment and 8 elements and encoding the lookup words with another, four
+// gathers per 8 elements at about 0.5 ns per element each (measured apart from the kernel):
+// more than the update's square root and two divisions. AVX-512 decodes 64 codes at a time
+// with byte permutes (dequant64), so only the encoding's two gathers remain. Version 1 divided
+// every element by the absmax in sweep 2 (two more divisions per element) and evaluated
+// Philox once per element. (Taking the signed maximum in a separate pass over the buffered
+// block instead of in sweep 1 measured slower on AVX2.)
 //
 // The code of n is #{t_k < n} for n >= 0 and #{t_k <= n} for n < 0 (NaN: 0), t the 255
 // thresholds of the map. A binary search per element costs eight dependent table lookups; the
@@ -41,9 +46,10 @@
 // moments, AVX-512), its 16-lane chunks, then an 8-lane chunk, then single elements. OpenMP
 // splits the range on block boundaries.
 //
-// Stochastic rounding draws, per block, the Philox4x32-10 words of its elements (counter
-// (index, step, 0, 0), key (seed lo, seed hi)) into a stack buffer first, 16 or 8 counters at
-// a time (32x32 -> 64-bit products from the even/odd-lane multiplies).
+// Stochastic rounding draws, per block, the Philox4x32-10 words of the groups of 8 elements it
+// covers (counter (index / 8, step, 0, 0), key (seed lo, seed hi); format version 2: element i
+// takes 16 bits of its group's 128), 16 or 8 groups at a time, into a stack buffer first
+// (32x32 -> 64-bit products from the even/odd-lane multiplies).
 // Compile with contraction off: GCC's default (-ffp-contract=fast) would fuse, e.g., the
 // dequantize multiply into the following subtraction, which rounds once where the contract
 // rounds twice. (Before the includes, so the intrinsics' bodies carry the same setting and
