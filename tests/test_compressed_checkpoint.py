@@ -35,7 +35,6 @@ from torch import nn
 import zerokern
 from zerokern.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from zerokern.checkpoint.format import META, meta_digest, rank_file
-from zerokern.quant.blockwise import quantize_blockwise_v2
 from zerokern.quant.maps import (
     SIGNED_MAP_ID,
     UNSIGNED_MAP_ID,
