@@ -15,23 +15,34 @@ of another format). Per block:
 1. :func:`~zerokern.quant.blockwise.quantize_blockwise_v2`; kept when it decodes to the
    block's values bit for bit (every block that is not a decoded one it cannot get back, and
    so every value a step could compute: the kernels' arithmetic is untouched);
-2. else, with the same signed scale ``s`` (a decoded block's largest magnitude is ``1 * s``,
-   exact), each element takes version 2's code when that decodes to it, else the code of
-   lowest magnitude whose ``fl(map[k] * s)`` is the element; kept when the whole block then
-   decodes to its values;
-3. else (values no encoding with that scale reproduces: an fp32 state, or edited values)
-   step 1's result.
+2. else, when the block is a decoded one, an encoding that decodes to it exactly. The scale is
+   version 2's signed scale ``s`` (a version 2 block's largest magnitude decoded from code
+   ``+1``: ``1 * s``, exact) or, for the signed map, one of the few fp32 values ``a`` with
+   ``fl(map[0] * a) == -|s|`` (a version 1 block, loaded as stored from a version 1 checkpoint,
+   whose largest magnitude decoded from the lowest code); each element takes version 2's code
+   for that scale when it decodes to the element, else the code of lowest magnitude whose
+   ``fl(map[k] * scale)`` is the element. The first candidate whose whole block decodes to the
+   given values wins;
+3. else (values no encoding reproduces: an fp32 state, or edited values) step 1's result.
 
 So ``dequantize(requantize(dequantize(codes, scale)))`` is ``dequantize(codes, scale)`` bit
-for bit for every block version 2 can produce, and a second round trip changes nothing.
+for bit for every block version 1 or 2 can produce, and a second round trip changes nothing.
+The codes and scale are the same for a version 2 block of normal values; a version 1 block may
+come back with other codes or scale that decode to the very same values (the state, as the step
+reads it, is the same).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .blockwise import quantize_blockwise_v2
+from .blockwise import codes_of, normalise, quantize_blockwise_v2
 from .maps import BLOCK, dequantize_blockwise
+
+# fp32 neighbours of the first estimate of a version 1 absmax tried in step 2: the estimate
+# M / |map[0]| is correctly rounded in float64 and then once to fp32, so the true absmax is
+# within 2 ulps of it; 3 leaves a margin.
+_ULPS = 3
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -90,10 +101,45 @@ def requantize_blockwise(
     if not bool(redo.any()):
         return codes, scale
     rows = redo.nonzero().squeeze(1)
-    flat_codes = torch.nn.functional.pad(codes.reshape(-1), (0, pad)).view(nblocks, block)
-    idx, ok = _exact_codes(blocks[rows], flat_codes[rows].to(torch.int64), scale[rows], code)
-    if not bool(ok.any()):
+    xb = blocks[rows]
+    sr = scale[rows]
+    mag = sr.abs()
+    # Candidates in order: version 2's signed scale, then (signed map only) the fp32 values
+    # around M / |map[0]|, the absmax of a version 1 block (a checkpoint of version 1 is
+    # loaded as stored) whose largest magnitude M decoded from the lowest code.
+    cands = [sr]
+    lo = code[0]
+    if float(lo) < 0:
+        est = (mag.double() / -lo.double()).float()
+        up = torch.full_like(est, float("inf"))
+        down = torch.zeros_like(est)
+        for _ in range(_ULPS):
+            est = torch.nextafter(est, down)
+        for _ in range(2 * _ULPS + 1):
+            cands.append(est)
+            est = torch.nextafter(est, up)
+    out_idx = torch.zeros_like(xb, dtype=torch.int64)
+    out_scale = sr.clone()
+    done = torch.zeros_like(sr, dtype=torch.bool)
+    for j, a in enumerate(cands):
+        usable = ~done & torch.isfinite(a) & (a != 0)
+        if j > 0:
+            usable &= _bits(lo * a) == _bits(-mag)
+        sel = usable.nonzero().squeeze(1)
+        if sel.numel() == 0:
+            continue
+        guess = codes_of(normalise(xb[sel], a[sel][:, None]), code)
+        idx, ok = _exact_codes(xb[sel], guess, a[sel], code)
+        take = sel[ok]
+        out_idx[take] = idx[ok]
+        out_scale[take] = a[take]
+        done[take] = True
+    if not bool(done.any()):
         return codes, scale
+    fixed = rows[done]
+    flat_codes = torch.nn.functional.pad(codes.reshape(-1), (0, pad)).view(nblocks, block)
     flat_codes = flat_codes.clone()
-    flat_codes[rows[ok]] = idx[ok].to(torch.uint8)
+    flat_codes[fixed] = out_idx[done].to(torch.uint8)
+    scale = scale.clone()
+    scale[fixed] = out_scale[done]
     return flat_codes.reshape(-1)[:numel].reshape(x.shape), scale
