@@ -31,8 +31,14 @@ one is skipped with the reason printed and recorded.
 fp32 AdamW 28 (grad, param, m, v read; param, m, v written), zk_fp32 28 (bf16 grad and param
 instead of fp32 grad), bf16 moments 20, int8 moments with master 16.06, without 10.06, the
 8-bit anchors on fp32 params 16.06; torch_mixed is counted as the zk_fp32 work (28), not the
-40 its three passes move. GB/s = n x bytes_per_elem / time; "% bw" is relative to a copy
-measured in the same run.
+40 its three passes move. GB/s = n x bytes_per_elem / median time.
+
+"The limit" is the machine's memory bandwidth at that size, measured in the same run: a
+STREAM-like triad (a = b + 3 c over n fp32 elements, 12 bytes each, pages touched before
+timing) timed in the same interleaved rounds as the providers, its best round; and never
+below the best round of torch's fused AdamW (28 bytes per element), which a triad that
+torch's own kernel beats would not be a limit. "pct_limit" = a row's GB/s / the limit: how
+close a format comes to moving its bytes at the memory's speed.
 
 Before timing, each provider's first step is checked against AdamW's first step in closed
 form (p <- p (1 - lr wd) - lr g / (|g| + eps), from the inputs the provider got): the cosine
@@ -49,6 +55,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +79,7 @@ FORMATS = {  # zk format -> (moments, master, bytes per element)
 }
 ANCHORS = ("bnb_adamw8bit", "torchao_adamw8bit")
 MIN_COS = 0.95
+TRIAD = "stream_triad"
 
 
 @dataclass
@@ -279,7 +287,8 @@ def update_cos(prov: Provider) -> float:
 
 
 def bench(device: torch.device, sizes: list[int], rounds: int, bw: float,
-          meta: dict[str, str], every: bool, only: list[str] | None) -> list[dict[str, object]]:
+          meta: dict[str, str], every: bool, only: list[str] | None,
+          clock: Callable[[], float] = time.perf_counter) -> list[dict[str, object]]:
     facts, base, notes = providers(device, every, only)
     for note in notes:
         print(f"# {note}")
@@ -292,8 +301,19 @@ def bench(device: torch.device, sizes: list[int], rounds: int, bw: float,
             if not c > MIN_COS:
                 raise AssertionError(f"{name} at 2^{lg}: update cosine {c:.4f} against AdamW's "
                                      f"first step (want > {MIN_COS})")
-        samples = H.time_interleaved({k: p.step for k, p in provs.items()}, device,
-                                     rounds=rounds)
+        fns = {k: p.step for k, p in provs.items()}
+        fns[TRIAD] = H.triad(n, device)
+        samples = H.time_interleaved(fns, device, rounds=rounds, clock=clock)
+        triad_ms = samples.pop(TRIAD)
+        triad_gbs = n * H.TRIAD_BYTES_PER_ELEM / (min(triad_ms) * 1e-3) / 1e9
+        limit, limit_by = triad_gbs, "triad"
+        fused = n * provs[base].bytes_per_elem / (min(samples[base]) * 1e-3) / 1e9
+        if fused > limit:
+            limit, limit_by = fused, base
+        print(f"# 2^{lg}: limit {limit:.1f} GB/s ({limit_by}; triad best "
+              f"{n * H.TRIAD_BYTES_PER_ELEM / (min(triad_ms) * 1e-3) / 1e9:.1f}, median "
+              f"{n * H.TRIAD_BYTES_PER_ELEM / (statistics.median(triad_ms) * 1e-3) / 1e9:.1f}"
+              f" GB/s; {base} best {fused:.1f} GB/s)")
         refs = {"base": base, **{a.split("_")[0]: a for a in ANCHORS if a in samples}}
         for name, ms in samples.items():
             med = statistics.median(ms)
@@ -302,7 +322,9 @@ def bench(device: torch.device, sizes: list[int], rounds: int, bw: float,
             nbytes = provs[name].bytes_per_elem
             gbs = n * nbytes / (med * 1e-3) / 1e9
             row.update(gparam_s=n / (med * 1e-3) / 1e9, bytes_per_elem=nbytes, gb_s=gbs,
-                       pct_bw=100 * gbs / bw, update_cos=cos[name])
+                       gb_s_best=n * nbytes / (min(ms) * 1e-3) / 1e9, limit_gbs=limit,
+                       limit_by=limit_by, pct_limit=100 * gbs / limit, triad_gbs=triad_gbs,
+                       update_cos=cos[name])
             for tag, ref in refs.items():
                 row.update(H.ratio_stats([b / m for b, m in zip(samples[ref], ms)],
                                          f"x_vs_{tag}"))
@@ -318,22 +340,30 @@ def markdown(rows: list[dict[str, object]], command: str, meta: dict[str, str],
              rounds: int) -> str:
     """The rows as the markdown table docs/benchmarks.md shows."""
     lines = [f"{meta['device']}, torch {meta['torch']}, {meta['date']}, {rounds} interleaved "
-             f"rounds.  \n`{command}`", "",
-             "| log2 n | provider | ms | GB/s | B/elt | x vs torch fused: median (min-max) "
-             "| x vs bnb | x vs torchao |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             f"rounds, {meta.get('clock', 'wall')} clock.  \n`{command}`", "",
+             "| log2 n | provider | ms | B/elt | GB/s | % of limit "
+             "| x vs torch fused: median (min-max) | x vs bnb | x vs torchao |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
 
     def r3(row: dict[str, object], k: str) -> str:
         if k not in row:
             return ""
         return f"{row[k]:.2f} ({row[k + '_min']:.2f}-{row[k + '_max']:.2f})"
 
+    limits: dict[object, str] = {}
     for row in rows:
         if "ms" not in row:
             continue
+        limits[row["log2_n"]] = (f"2^{row['log2_n']}: {row['limit_gbs']:.1f} GB/s "
+                                 f"({row['limit_by']})")
         lines.append(f"| {row['log2_n']} | {row['provider']} | {row['ms']:.2f} | "
-                     f"{row['gb_s']:.1f} | {row['bytes_per_elem']:.2f} | "
+                     f"{row['bytes_per_elem']:.2f} | {row['gb_s']:.1f} | "
+                     f"{row['pct_limit']:.0f} | "
                      f"{r3(row, 'x_vs_base')} | {r3(row, 'x_vs_bnb')} | "
                      f"{r3(row, 'x_vs_torchao')} |")
+    lines.append("")
+    lines.append("The limit (best round of a STREAM triad in the same rounds, or of torch's fused "
+                 "AdamW if higher): " + "; ".join(limits.values()) + ".")
     return "\n".join(lines)
 
 
@@ -349,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the rows named PREFIX or PREFIX_... (and the baseline): "
                     "torch, zk, zk_int8, bnb, torchao, ...")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (smoke test)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: time each sample by this process's CPU time (time.process_time), "
+                    "which other processes on a time-shared machine do not inflate; with one "
+                    "thread only (it sums the threads' times)")
     ap.add_argument("--out", help="folder for the CSV and markdown (default bench/results)")
     ap.add_argument("--tag", default="", help="appended to the file names (e.g. run1)")
     args = ap.parse_args(argv)
@@ -356,10 +390,14 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes or ([10, 12] if args.quick else
                            [20, 25, 28] if device.type == "cuda" else [20, 25])
     rounds = args.rounds or (2 if args.quick else 5)
+    if args.clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        ap.error("--clock cpu needs --device cpu and one thread (OMP_NUM_THREADS=1)")
     meta, bw = H.op_bench_header(device, rounds, args.quick)
-    rows = bench(device, sizes, rounds, bw, meta, args.all, args.providers)
-    cols = ["log2_n", "provider", "ms", "ms_min", "ms_max", "gb_s", "bytes_per_elem",
-            "x_vs_base", "x_vs_base_min", "x_vs_base_max", "x_vs_bnb", "x_vs_torchao",
+    meta["clock"] = args.clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    rows = bench(device, sizes, rounds, bw, meta, args.all, args.providers, clock)
+    cols = ["log2_n", "provider", "ms", "ms_min", "ms_max", "bytes_per_elem", "gb_s",
+            "pct_limit", "x_vs_base", "x_vs_base_min", "x_vs_base_max", "x_vs_bnb", "x_vs_torchao",
             "update_cos"]
     H.print_table([r for r in rows if "ms" in r], cols)
     for r in rows:

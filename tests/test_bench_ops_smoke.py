@@ -112,6 +112,13 @@ def test_bench_adam_quick(tmp_path: Path) -> None:
             assert float(row["update_cos"]) > 0.95, name
             assert row["baseline"] == "torch_fused"
             check_ratios(row)
+            # The limit: the triad's best round, never below torch fused AdamW's best round;
+            # each row's GB/s as a percentage of it.
+            limit = float(row["limit_gbs"])
+            assert limit >= float(row["triad_gbs"]) > 0, name
+            assert limit >= float(sel["torch_fused"]["gb_s_best"]), name
+            assert row["limit_by"] in ("triad", "torch_fused"), name
+            assert float(row["pct_limit"]) == pytest.approx(100 * float(row["gb_s"]) / limit)
 
 
 def test_bench_convergence_quick(tmp_path: Path) -> None:
