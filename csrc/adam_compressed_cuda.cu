@@ -44,6 +44,7 @@
 #include <string>
 #include <type_traits>
 
+#include "adam_update.cuh"
 #include "kernels.h"
 
 namespace zk {
@@ -58,13 +59,6 @@ constexpr int kTable = 1024;              // floats in the map/threshold table
 static_assert(kBlock == 256 && kPer == 2 * kRun, "the lane layout assumes 256-element blocks");
 
 struct NoLp {};  // "no param_lp" marker type
-
-// Kernel-side scalars: AdamScalars plus the lerp branch and 1 - w, decided once on the host
-// exactly as adam_cuda.cu decides them.
-struct Coeffs {
-  float decay, w, one_minus_w, beta2, one_minus_beta2, step_size, bc2_sqrt, eps, inv_grad_scale;
-  bool w_small;
-};
 
 template <typename G, typename P, typename L, typename M>
 struct KArgs {
@@ -87,23 +81,6 @@ struct KArgs {
 // Offset in its block of lane `lane`'s element e (0..7): two runs of 4, 128 apart.
 __device__ __forceinline__ int elem_offset(int lane, int e) {
   return (e / kRun) * (kBlock / 2) + lane * kRun + (e % kRun);
-}
-
-// ---- the fp32 update (kernels.h) ----------------------------------------------------------
-
-__device__ __forceinline__ void adam_elem(float& p, float graw, float& m, float& v,
-                                          const Coeffs& k) {
-  const float g = __fmul_rn(graw, k.inv_grad_scale);
-  const float pd = __fmul_rn(p, k.decay);
-  const float d = __fsub_rn(g, m);
-  // torch's lerp_: w < 0.5 ? m + w*(g-m) : g - (g-m)*(1-w), each one fma.
-  const float mi = k.w_small ? __fmaf_rn(k.w, d, m) : __fmaf_rn(-d, k.one_minus_w, g);
-  // v*b2 + ((1-b2)*g)*g, the sum fused.
-  const float vi = __fmaf_rn(__fmul_rn(k.one_minus_beta2, g), g, __fmul_rn(v, k.beta2));
-  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), k.bc2_sqrt), k.eps);
-  p = __fmaf_rn(-k.step_size, __fdiv_rn(mi, denom), pd);
-  m = mi;
-  v = vi;
 }
 
 // ---- element access -----------------------------------------------------------------------
@@ -552,17 +529,7 @@ void adamw_compressed_cuda(const CompressedArgs& c, const AdamScalars& s, void* 
   } else if (c.param_lp != nullptr && c.lpdt != DType::BF16 && c.lpdt != DType::F16) {
     refuse("lpdt (param_lp) must be BF16 or F16");
   }
-  Coeffs k;
-  k.decay = s.decay;
-  k.w = s.one_minus_beta1;
-  k.one_minus_w = 1.0f - s.one_minus_beta1;  // fp32, as the oracle computes it
-  k.w_small = (s.one_minus_beta1 < 0.0f ? -s.one_minus_beta1 : s.one_minus_beta1) < 0.5f;
-  k.beta2 = s.beta2;
-  k.one_minus_beta2 = s.one_minus_beta2;
-  k.step_size = s.step_size;
-  k.bc2_sqrt = s.bc2_sqrt;
-  k.eps = s.eps;
-  k.inv_grad_scale = s.inv_grad_scale;
+  const Coeffs k = coeffs_of(s);
   const auto st = static_cast<cudaStream_t>(stream);
   switch (c.gdt) {
     case DType::F32: return by_param<float>(c, k, st);

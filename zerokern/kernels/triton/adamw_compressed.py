@@ -59,7 +59,7 @@ import triton.language as tl
 from zerokern.kernel_contract import AdamScalars
 
 from . import check_interpreter
-from .adamw import _bits_f32, _fma, _round_lp, kernel_scalars
+from .adamw import _round_lp, adamw_update, kernel_scalars
 
 QBLOCK = 256  # elements per quantization block (zerokern.quant.maps.BLOCK)
 # 4 quantization blocks per program over 8 warps: 4 elements per thread, as in adamw.py, so
@@ -213,18 +213,9 @@ def _tile(
         m = _widen(_load(exp_avg_ptr, offs, mask, MASKED), SOFT_FP)
         v = _widen(_load(exp_avg_sq_ptr, offs, mask, MASKED), SOFT_FP)
 
-    # The fp32 update of the kernel contract, as in adamw.py.
-    if APPLY_SCALE:
-        g = g * inv_grad_scale
-    p = p * decay
-    diff = g - m
-    if LERP_LOW:
-        m = _fma(w, diff, m, SOFT_FP)
-    else:
-        m = _fma(diff, _bits_f32(neg_one_minus_w_bits, v), g, SOFT_FP)
-    v = _fma(one_minus_beta2 * g, g, v * beta2, SOFT_FP)
-    denom = tl.div_rn(tl.sqrt_rn(v), tl.full(v.shape, bc2_sqrt, tl.float32)) + eps
-    p = _fma(_bits_f32(neg_step_size_bits, p), tl.div_rn(m, denom), p, SOFT_FP)
+    p, m, v = adamw_update(
+        p, g, m, v, decay, w, neg_one_minus_w_bits, beta2, one_minus_beta2, neg_step_size_bits,
+        bc2_sqrt, eps, inv_grad_scale, LERP_LOW, APPLY_SCALE, SOFT_FP)
 
     if MOMENTS == 2:
         m_rows, m_amax = _block_scale(m, mask, ROWS, MASKED)
