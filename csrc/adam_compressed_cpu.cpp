@@ -74,6 +74,12 @@
 #include "cpu_vec.h"
 #include "kernels.h"
 
+// The byte permutes of dequant64 need AVX-512 VBMI (Ice Lake on); Skylake-X and Cascade Lake
+// have AVX-512 without it and decode by scalar lookups, as AVX2 does.
+#if defined(ZK_AVX512) && defined(__AVX512VBMI__)
+#define ZK_VBMI 1
+#endif
+
 namespace zk {
 namespace {
 
@@ -180,7 +186,7 @@ std::shared_ptr<const Derived> derived_for(const float* tables) {
 }
 
 
-#ifdef ZK_AVX512
+#ifdef ZK_VBMI
 // The map values of 64 codes: each byte of the value is looked up in its own 256-byte table
 // (two 128-byte permutes and a blend on the code's top bit), and the four byte vectors are
 // interleaved into 64 floats with in-lane unpacks. Unpacks interleave within 128-bit lanes,
@@ -354,7 +360,7 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
       acc_pv = V::maxi(acc_pv, V::bits(vi));
     }
   };
-#ifdef ZK_AVX512
+#ifdef ZK_VBMI
   if constexpr (MF == MomentFmt::U8 && std::is_same_v<V, L16>) {
     // 64 codes at a time through byte-table permutes: unlike gathers, they overlap with the
     // divisions and square roots that bound this loop.
@@ -376,11 +382,9 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
     } else if constexpr (MF == MomentFmt::BF16) {
       mi = V::template ldt<BF16>(static_cast<const BF16*>(m) + i);
       vi = V::template ldt<BF16>(static_cast<const BF16*>(v) + i);
-    } else {
-      mi = V::mul(V::gather(c.tables + kSignedMap, V::ld_u8(static_cast<const uint8_t*>(m) + i)),
-                  msc);
-      vi = V::mul(V::gather(c.tables + kUnsignedMap, V::ld_u8(static_cast<const uint8_t*>(v) + i)),
-                  vsc);
+    } else {  // the map values, looked up by decode_block
+      mi = V::mul(V::ld(mb + j), msc);
+      vi = V::mul(V::ld(vb + j), vsc);
     }
     body(j, mi, vi);
   }
@@ -393,18 +397,59 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
   return j;
 }
 
-// Sweep 2 (8-bit moments): codes of mb/vb over [j, L) into the block's code arrays, with
-// n = x * r (format version 2: one reciprocal per block, zerokern.quant.blockwise).
+// The map values of codes [j, L) of a block (unscaled), into mb/vb for sweep 1. Scalar loads,
+// not gathers: a gather of 8 costs about 20 cycles on Zen 3 (measured in the kernel), eight
+// scalar loads and stores a few; both tables (2 KiB) stay in L1.
+// An empty asm on each index keeps GCC from vectorising such loops back into gathers.
+inline uint32_t opaque(uint32_t x) {
+  asm("" : "+r"(x));
+  return x;
+}
+
+inline void decode_block(const float* tables, const uint8_t* mc, const uint8_t* vc, float* mb,
+                         float* vb, int64_t j, int64_t L) {
+  const float* sm = tables + kSignedMap;
+  const float* um = tables + kUnsignedMap;
+  for (; j < L; ++j) {
+    mb[j] = sm[opaque(mc[j])];
+    vb[j] = um[opaque(vc[j])];
+  }
+}
+
+// Sweep 2 (8-bit moments), n = x * r (format version 2: one reciprocal per block,
+// zerokern.quant.blockwise), in three passes over the block buffered in L1:
+//   a. n = x * r in place, V::N at a time;
+//   b. the lookup word of each n, indexed by its top 16 bits, by scalar loads (as
+//      decode_block: cheaper than a gather per V::N elements), into wm/wv;
+//   c. code = (word + low half, flipped for n < 0) >> 16, V::N at a time, stored as bytes.
 template <class V>
-int64_t sweep_quantize(const Derived& dw, const float* mb, const float* vb, float m_r,
-                       float v_r, uint8_t* mc, uint8_t* vc, int64_t j, int64_t L) {
+int64_t normalise_lanes(float* mb, float* vb, float m_r, float v_r, int64_t j, int64_t L) {
   using F = typename V::F;
   const F mr = V::set1(m_r), vr = V::set1(v_r);
-  const int32_t* wm = dw.m.words.data();
-  const int32_t* wv = dw.v.words.data();
   for (; j + V::N <= L; j += V::N) {
-    V::st_u8(mc + j, quantize<V>(wm, V::mul(V::ld(mb + j), mr)));
-    V::st_u8(vc + j, quantize<V>(wv, V::mul(V::ld(vb + j), vr)));
+    V::st(mb + j, V::mul(V::ld(mb + j), mr));
+    V::st(vb + j, V::mul(V::ld(vb + j), vr));
+  }
+  return j;
+}
+
+inline void lookup_words(const Derived& dw, const float* mb, const float* vb, uint32_t* wm,
+                         uint32_t* wv, int64_t L) {
+  const int32_t* tm = dw.m.words.data();
+  const int32_t* tv = dw.v.words.data();
+  for (int64_t j = 0; j < L; ++j) {
+    wm[j] = uint32_t(tm[opaque(float_to_bits(mb[j]) >> 16)]);
+    wv[j] = uint32_t(tv[opaque(float_to_bits(vb[j]) >> 16)]);
+  }
+}
+
+template <class V>
+int64_t code_lanes(const float* mb, const float* vb, const uint32_t* wm, const uint32_t* wv,
+                   uint8_t* mc, uint8_t* vc, int64_t j, int64_t L) {
+  for (; j + V::N <= L; j += V::N) {
+    const auto um = V::bits(V::ld(mb + j)), uv = V::bits(V::ld(vb + j));
+    V::st_u8(mc + j, V::template srl<16>(V::add(V::ld_u32(wm + j), V::low16_flip(um))));
+    V::st_u8(vc + j, V::template srl<16>(V::add(V::ld_u32(wv + j), V::low16_flip(uv))));
   }
   return j;
 }
@@ -435,6 +480,8 @@ template <typename G, PMode PM, MomentFmt MF, bool LERP_LOW>
 void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
   alignas(64) float mb[kBlock];
   alignas(64) float vb[kBlock];
+  alignas(64) uint32_t wmb[kBlock];  // the lookup words of sweep 2
+  alignas(64) uint32_t wvb[kBlock];
   // 16 random bits per element: up to 33 Philox groups of 8 elements cover a block.
   alignas(64) uint32_t srw[4 * 40] = {};  // (initialised: GCC cannot see fill_sr write it)
   const uint16_t* sr = nullptr;
@@ -462,6 +509,16 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
     uint32_t am = 0, av = 0;
     int32_t pm = INT32_MIN, pv = INT32_MIN;
     int64_t j = 0;
+    if constexpr (MF == MomentFmt::U8) {
+      // AVX-512 VBMI decodes the whole 64-code chunks with permutes in sweep 1; the rest here.
+#ifdef ZK_VBMI
+      const int64_t from = L - L % 64;
+#else
+      const int64_t from = 0;
+#endif
+      decode_block(c.tables, static_cast<const uint8_t*>(c.m) + i0,
+                   static_cast<const uint8_t*>(c.v) + i0, mb, vb, from, L);
+    }
 #ifdef ZK_AVX512
     j = sweep_update<L16, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av,
                                                pm, pv);
@@ -483,12 +540,21 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
       if (dw.m.ok && dw.v.ok && mn.recip && vn.recip) {
         j = 0;
 #ifdef ZK_AVX512
-        j = sweep_quantize<L16>(dw, mb, vb, mn.r, vn.r, mc, vc, j, L);
+        j = normalise_lanes<L16>(mb, vb, mn.r, vn.r, j, L);
 #endif
 #ifdef ZK_AVX2
-        j = sweep_quantize<L8>(dw, mb, vb, mn.r, vn.r, mc, vc, j, L);
+        j = normalise_lanes<L8>(mb, vb, mn.r, vn.r, j, L);
 #endif
-        sweep_quantize<L1>(dw, mb, vb, mn.r, vn.r, mc, vc, j, L);
+        normalise_lanes<L1>(mb, vb, mn.r, vn.r, j, L);
+        lookup_words(dw, mb, vb, wmb, wvb, L);
+        j = 0;
+#ifdef ZK_AVX512
+        j = code_lanes<L16>(mb, vb, wmb, wvb, mc, vc, j, L);
+#endif
+#ifdef ZK_AVX2
+        j = code_lanes<L8>(mb, vb, wmb, wvb, mc, vc, j, L);
+#endif
+        code_lanes<L1>(mb, vb, wmb, wvb, mc, vc, j, L);
       } else {  // a scale outside the reciprocal's range, or a table without lookup words
         for (int64_t k = 0; k < L; ++k) {
           const float nm = mn(mb[k]), nv = vn(vb[k]);
