@@ -253,6 +253,23 @@ int64_t fill_sr(uint32_t* w, uint32_t g0, int64_t t, int64_t G, uint32_t step, u
   for (; t + V::N <= G; t += V::N) {
     typename V::I out[4];
     philox_lanes<V>(V::iota(g0 + uint32_t(t)), step, k0, k1, out);
+#ifdef ZK_AVX2
+    if constexpr (std::is_same_v<V, L8>) {  // the 4 x 8 transpose in registers
+      const __m256i a0 = _mm256_unpacklo_epi32(out[0], out[1]);
+      const __m256i a1 = _mm256_unpackhi_epi32(out[0], out[1]);
+      const __m256i b0 = _mm256_unpacklo_epi32(out[2], out[3]);
+      const __m256i b1 = _mm256_unpackhi_epi32(out[2], out[3]);
+      // Groups (0 | 4), (1 | 5), (2 | 6), (3 | 7): 128-bit halves.
+      const __m256i r0 = _mm256_unpacklo_epi64(a0, b0), r1 = _mm256_unpackhi_epi64(a0, b0);
+      const __m256i r2 = _mm256_unpacklo_epi64(a1, b1), r3 = _mm256_unpackhi_epi64(a1, b1);
+      __m256i* d = reinterpret_cast<__m256i*>(w + 4 * t);
+      _mm256_storeu_si256(d, _mm256_permute2x128_si256(r0, r1, 0x20));
+      _mm256_storeu_si256(d + 1, _mm256_permute2x128_si256(r2, r3, 0x20));
+      _mm256_storeu_si256(d + 2, _mm256_permute2x128_si256(r0, r1, 0x31));
+      _mm256_storeu_si256(d + 3, _mm256_permute2x128_si256(r2, r3, 0x31));
+      continue;
+    }
+#endif
     alignas(64) uint32_t tmp[4][V::N];
     for (int k = 0; k < 4; ++k) V::st_u32(tmp[k], out[k]);
     for (int l = 0; l < V::N; ++l)
@@ -298,14 +315,11 @@ inline typename V::I sr_bf16(typename V::F p, typename V::I r) {
   return V::seli(V::ilt(mag, V::seti(0x7F800000u)), fin, out);
 }
 
-// Code of n from the lookup words: word[top 16 bits] + low 16 bits (flipped for n < 0),
-// shifted down.
-template <class V>
-inline typename V::I quantize(const int32_t* words, typename V::F x) {
-  using I = typename V::I;
-  const I u = V::bits(x);
-  const I word = V::gatheri(words, V::template srl<16>(u));
-  return V::template srl<16>(V::add(word, V::low16_flip(u)));
+// Code of one n from the lookup words: word[top 16 bits] + low 16 bits (flipped for n < 0),
+// shifted down (code_lanes below does the same V::N at a time).
+inline uint32_t quantize1(const int32_t* words, float x) {
+  const uint32_t u = float_to_bits(x);
+  return (uint32_t(words[u >> 16]) + L1::low16_flip(u)) >> 16;
 }
 
 // Sweep 1 over elements [j, L) of the block at i0, V::N at a time; returns where it stopped.
@@ -382,9 +396,9 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
     } else if constexpr (MF == MomentFmt::BF16) {
       mi = V::template ldt<BF16>(static_cast<const BF16*>(m) + i);
       vi = V::template ldt<BF16>(static_cast<const BF16*>(v) + i);
-    } else {  // the map values, looked up by decode_block
-      mi = V::mul(V::ld(mb + j), msc);
-      vi = V::mul(V::ld(vb + j), vsc);
+    } else {
+      mi = V::mul(V::lut(c.tables + kSignedMap, static_cast<const uint8_t*>(m) + i), msc);
+      vi = V::mul(V::lut(c.tables + kUnsignedMap, static_cast<const uint8_t*>(v) + i), vsc);
     }
     body(j, mi, vi);
   }
@@ -397,31 +411,11 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
   return j;
 }
 
-// The map values of codes [j, L) of a block (unscaled), into mb/vb for sweep 1. Scalar loads,
-// not gathers: a gather of 8 costs about 20 cycles on Zen 3 (measured in the kernel), eight
-// scalar loads and stores a few; both tables (2 KiB) stay in L1.
-// An empty asm on each index keeps GCC from vectorising such loops back into gathers.
-inline uint32_t opaque(uint32_t x) {
-  asm("" : "+r"(x));
-  return x;
-}
-
-inline void decode_block(const float* tables, const uint8_t* mc, const uint8_t* vc, float* mb,
-                         float* vb, int64_t j, int64_t L) {
-  const float* sm = tables + kSignedMap;
-  const float* um = tables + kUnsignedMap;
-  for (; j < L; ++j) {
-    mb[j] = sm[opaque(mc[j])];
-    vb[j] = um[opaque(vc[j])];
-  }
-}
-
 // Sweep 2 (8-bit moments), n = x * r (format version 2: one reciprocal per block,
-// zerokern.quant.blockwise), in three passes over the block buffered in L1:
+// zerokern.quant.blockwise), in two passes over the block buffered in L1:
 //   a. n = x * r in place, V::N at a time;
-//   b. the lookup word of each n, indexed by its top 16 bits, by scalar loads (as
-//      decode_block: cheaper than a gather per V::N elements), into wm/wv;
-//   c. code = (word + low half, flipped for n < 0) >> 16, V::N at a time, stored as bytes.
+//   b. code = (word + low half, flipped for n < 0) >> 16, the word looked up by n's top 16
+//      bits (V::lut_hi16), V::N at a time, stored as bytes.
 template <class V>
 int64_t normalise_lanes(float* mb, float* vb, float m_r, float v_r, int64_t j, int64_t L) {
   using F = typename V::F;
@@ -433,23 +427,15 @@ int64_t normalise_lanes(float* mb, float* vb, float m_r, float v_r, int64_t j, i
   return j;
 }
 
-inline void lookup_words(const Derived& dw, const float* mb, const float* vb, uint32_t* wm,
-                         uint32_t* wv, int64_t L) {
+template <class V>
+int64_t code_lanes(const Derived& dw, const float* mb, const float* vb, uint8_t* mc,
+                   uint8_t* vc, int64_t j, int64_t L) {
   const int32_t* tm = dw.m.words.data();
   const int32_t* tv = dw.v.words.data();
-  for (int64_t j = 0; j < L; ++j) {
-    wm[j] = uint32_t(tm[opaque(float_to_bits(mb[j]) >> 16)]);
-    wv[j] = uint32_t(tv[opaque(float_to_bits(vb[j]) >> 16)]);
-  }
-}
-
-template <class V>
-int64_t code_lanes(const float* mb, const float* vb, const uint32_t* wm, const uint32_t* wv,
-                   uint8_t* mc, uint8_t* vc, int64_t j, int64_t L) {
   for (; j + V::N <= L; j += V::N) {
     const auto um = V::bits(V::ld(mb + j)), uv = V::bits(V::ld(vb + j));
-    V::st_u8(mc + j, V::template srl<16>(V::add(V::ld_u32(wm + j), V::low16_flip(um))));
-    V::st_u8(vc + j, V::template srl<16>(V::add(V::ld_u32(wv + j), V::low16_flip(uv))));
+    V::st_u8(mc + j, V::template srl<16>(V::add(V::lut_hi16(tm, mb + j), V::low16_flip(um))));
+    V::st_u8(vc + j, V::template srl<16>(V::add(V::lut_hi16(tv, vb + j), V::low16_flip(uv))));
   }
   return j;
 }
@@ -480,8 +466,6 @@ template <typename G, PMode PM, MomentFmt MF, bool LERP_LOW>
 void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
   alignas(64) float mb[kBlock];
   alignas(64) float vb[kBlock];
-  alignas(64) uint32_t wmb[kBlock];  // the lookup words of sweep 2
-  alignas(64) uint32_t wvb[kBlock];
   // 16 random bits per element: up to 33 Philox groups of 8 elements cover a block.
   alignas(64) uint32_t srw[4 * 40] = {};  // (initialised: GCC cannot see fill_sr write it)
   const uint16_t* sr = nullptr;
@@ -509,16 +493,6 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
     uint32_t am = 0, av = 0;
     int32_t pm = INT32_MIN, pv = INT32_MIN;
     int64_t j = 0;
-    if constexpr (MF == MomentFmt::U8) {
-      // AVX-512 VBMI decodes the whole 64-code chunks with permutes in sweep 1; the rest here.
-#ifdef ZK_VBMI
-      const int64_t from = L - L % 64;
-#else
-      const int64_t from = 0;
-#endif
-      decode_block(c.tables, static_cast<const uint8_t*>(c.m) + i0,
-                   static_cast<const uint8_t*>(c.v) + i0, mb, vb, from, L);
-    }
 #ifdef ZK_AVX512
     j = sweep_update<L16, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av,
                                                pm, pv);
@@ -546,21 +520,20 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
         j = normalise_lanes<L8>(mb, vb, mn.r, vn.r, j, L);
 #endif
         normalise_lanes<L1>(mb, vb, mn.r, vn.r, j, L);
-        lookup_words(dw, mb, vb, wmb, wvb, L);
         j = 0;
 #ifdef ZK_AVX512
-        j = code_lanes<L16>(mb, vb, wmb, wvb, mc, vc, j, L);
+        j = code_lanes<L16>(dw, mb, vb, mc, vc, j, L);
 #endif
 #ifdef ZK_AVX2
-        j = code_lanes<L8>(mb, vb, wmb, wvb, mc, vc, j, L);
+        j = code_lanes<L8>(dw, mb, vb, mc, vc, j, L);
 #endif
-        code_lanes<L1>(mb, vb, wmb, wvb, mc, vc, j, L);
+        code_lanes<L1>(dw, mb, vb, mc, vc, j, L);
       } else {  // a scale outside the reciprocal's range, or a table without lookup words
         for (int64_t k = 0; k < L; ++k) {
           const float nm = mn(mb[k]), nv = vn(vb[k]);
-          mc[k] = uint8_t(dw.m.ok ? quantize<L1>(dw.m.words.data(), nm)
+          mc[k] = uint8_t(dw.m.ok ? quantize1(dw.m.words.data(), nm)
                                   : code_exact(c.tables + kSignedThr, dw.m.sorted, nm));
-          vc[k] = uint8_t(dw.v.ok ? quantize<L1>(dw.v.words.data(), nv)
+          vc[k] = uint8_t(dw.v.ok ? quantize1(dw.v.words.data(), nv)
                                   : code_exact(c.tables + kUnsignedThr, dw.v.sorted, nv));
         }
       }

@@ -50,8 +50,13 @@ struct L1 {
   static M ilt(I a, I b) { return int32_t(a) < int32_t(b); }
   static M ieq(I a, I b) { return a == b; }
   static I seli(M m, I t, I f) { return m ? t : f; }
-  static F gather(const float* t, I idx) { return t[idx]; }
-  static I gatheri(const int32_t* t, I idx) { return uint32_t(t[idx]); }
+  // Table lookups, one scalar load per lane: t[codes[k]], and t[top 16 bits of x[k]'s
+  // pattern]. (A hardware gather of 8 measured about 20 cycles on Zen 3, slower than 8 loads
+  // assembled into a register.)
+  static F lut(const float* t, const uint8_t* codes) { return t[*codes]; }
+  static I lut_hi16(const int32_t* t, const float* x) {
+    return uint32_t(t[float_to_bits(*x) >> 16]);
+  }
   static I ld_u8(const uint8_t* p) { return *p; }
   static void st_u8(uint8_t* p, I v) { *p = uint8_t(v); }
   static I ld_u32(const uint32_t* p) { return *p; }
@@ -105,8 +110,13 @@ struct L8 {
   static M ilt(I a, I b) { return _mm256_cmpgt_epi32(b, a); }
   static M ieq(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
   static I seli(M m, I t, I f) { return _mm256_blendv_epi8(f, t, m); }
-  static F gather(const float* t, I idx) { return _mm256_i32gather_ps(t, idx, 4); }
-  static I gatheri(const int32_t* t, I idx) { return _mm256_i32gather_epi32(t, idx, 4); }
+  static F lut(const float* t, const uint8_t* c) {
+    return _mm256_setr_ps(t[c[0]], t[c[1]], t[c[2]], t[c[3]], t[c[4]], t[c[5]], t[c[6]], t[c[7]]);
+  }
+  static I lut_hi16(const int32_t* t, const float* x) {
+    auto at = [&](int k) { return t[float_to_bits(x[k]) >> 16]; };
+    return _mm256_setr_epi32(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7));
+  }
   static I ld_u8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
@@ -190,8 +200,16 @@ struct L16 {
   static M ilt(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
   static M ieq(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
   static I seli(M m, I t, I f) { return _mm512_mask_blend_epi32(m, f, t); }
-  static F gather(const float* t, I idx) { return _mm512_i32gather_ps(idx, t, 4); }
-  static I gatheri(const int32_t* t, I idx) { return _mm512_i32gather_epi32(idx, t, 4); }
+  static F lut(const float* t, const uint8_t* c) {
+    return _mm512_setr_ps(t[c[0]], t[c[1]], t[c[2]], t[c[3]], t[c[4]], t[c[5]], t[c[6]], t[c[7]],
+                          t[c[8]], t[c[9]], t[c[10]], t[c[11]], t[c[12]], t[c[13]], t[c[14]],
+                          t[c[15]]);
+  }
+  static I lut_hi16(const int32_t* t, const float* x) {
+    auto at = [&](int k) { return t[float_to_bits(x[k]) >> 16]; };
+    return _mm512_setr_epi32(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8),
+                             at(9), at(10), at(11), at(12), at(13), at(14), at(15));
+  }
   static I ld_u8(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
