@@ -17,14 +17,15 @@
 //      outside [2^-126, 2^126) divides each element instead, in a scalar loop), then the code.
 // The block stays in L1 between the sweeps, so memory sees each byte once.
 //
-// Where the time goes. AVX2 (AMD EPYC, Zen 3): the table gathers. Decoding reads the map with
-// one gather per moment and 8 elements and encoding the lookup words with another, four
-// gathers per 8 elements at about 0.5 ns per element each (measured apart from the kernel):
-// more than the update's square root and two divisions. AVX-512 decodes 64 codes at a time
-// with byte permutes (dequant64), so only the encoding's two gathers remain. Version 1 divided
-// every element by the absmax in sweep 2 (two more divisions per element) and evaluated
-// Philox once per element. (Taking the signed maximum in a separate pass over the buffered
-// block instead of in sweep 1 measured slower on AVX2.)
+// Where the time goes. The update's square root and two IEEE divisions, then the table
+// lookups: the map value of each code (decode) and the lookup word of each normalised value
+// (encode), two of each per element. They are scalar loads assembled into a register
+// (V::lut, V::lut_hi16): hardware gathers, which the kernel used before, measured about 20
+// cycles per 8 lanes on Zen 3, more than the divisions; eight loads are a few cycles.
+// AVX-512 with VBMI decodes 64 codes at a time with byte permutes instead (dequant64).
+// Version 1 divided every element by the absmax in sweep 2 (two more divisions per element)
+// and evaluated Philox once per element. (Taking the signed maximum in a separate pass over
+// the buffered block instead of in sweep 1 measured slower on AVX2.)
 //
 // The code of n is #{t_k < n} for n >= 0 and #{t_k <= n} for n < 0 (NaN: 0), t the 255
 // thresholds of the map. A binary search per element costs eight dependent table lookups; the

@@ -143,3 +143,16 @@ def test_bench_convergence_quick(tmp_path: Path) -> None:
     assert math.isclose(float(curve[0]["zk_fp32"]), float(curve[0]["zk_int8"]))
     if importlib.util.find_spec("matplotlib") is not None:
         assert len(list(tmp_path.glob("bench_convergence_cpu_*_curve.png"))) == 1
+
+
+def test_bench_adam_builds_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two trees (here the same one twice): every kernel timed in every child, one ratio per
+    kernel and tree after the first."""
+    import bench_adam_builds
+
+    assert bench_adam_builds.main(["--tree", f"a={ROOT}", "--tree", f"b={ROOT}", "--size", "10",
+                                   "--rounds", "1", "--calls", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert set(rows) == set(bench_adam_builds.KERNELS)
+    assert all(" a/b " in line for line in rows.values())
