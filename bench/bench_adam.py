@@ -7,7 +7,9 @@ side by side in one run.
     python bench/bench_adam.py --quick                  # tiny sizes, 2 rounds: a smoke test
 
 Every provider updates one flat tensor of n parameters (one shard), from the same initial
-values (randn * 0.02) and the same gradient (randn):
+values (randn * 0.02) and the same gradient (randn); torch's AdamW and zerokern's providers get
+their arrays laid out alike (carve: one buffer, the same gap between arrays), because where
+the arrays land moved the same kernel by up to 2x on an AMD machine:
   torch_fused         torch.optim.AdamW(fused=True) on an fp32 param and fp32 grad: the
                       baseline of "x_vs_base" (torch_foreach if fused does not run here)
   torch_mixed         torch doing our mixed-precision work: bf16 grad cast to fp32, fused AdamW
@@ -95,6 +97,28 @@ class Provider:
     what: str
 
 
+GAP_BYTES = 16384 + 64
+"""Bytes between two consecutive arrays of one provider (:func:`carve`)."""
+
+
+def carve(device: torch.device, *specs: tuple[int, torch.dtype]) -> list[torch.Tensor]:
+    """One provider's arrays (``(numel, dtype)`` each), carved in order from one buffer, each
+    64-byte aligned and :data:`GAP_BYTES` after the previous one, so that every provider's
+    arrays lie the same way relative to each other. The placement alone moved the same
+    kernel a lot: on a 2-core AMD EPYC VM, torch's fused AdamW and zerokern's fp32 kernel took
+    30 to 66 ms at 2^25 elements depending only on the distance between their four arrays (the
+    two kernels alike, within 5%, at each distance), and arrays allocated one after another
+    fall a power of two plus one page apart, among the slowest; left to the allocator, the
+    ratio of two providers measured where their arrays happened to land."""
+    sizes = [numel * torch.empty(0, dtype=dt).element_size() for numel, dt in specs]
+    starts, end = [], 0
+    for size in sizes:
+        starts.append(end)
+        end += -(-size // 64) * 64 + GAP_BYTES
+    buf = torch.empty(end, dtype=torch.uint8, device=device)
+    return [buf[a:a + size].view(dt) for a, size, (_, dt) in zip(starts, sizes, specs, strict=True)]
+
+
 def inputs(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The shared initial param (randn * 0.02, GPT-like magnitudes) and gradient."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -111,11 +135,20 @@ def _torch_param(n: int, device: torch.device) -> torch.nn.Parameter:
 
 
 def torch_opt(n: int, device: torch.device, mode: str) -> Provider:
-    p = _torch_param(n, device)
-    p0, g = p.detach().clone(), p.grad
+    p0, g0 = inputs(n, device)
+    pa, g, m, v = carve(device, *[(n, torch.float32)] * 4)
+    pa.copy_(p0)
+    g.copy_(g0)
+    m.zero_()
+    v.zero_()
+    p = torch.nn.Parameter(pa)
+    p.grad = g
     kw = {"forloop": dict(foreach=False), "foreach": dict(foreach=True),
           "fused": dict(fused=True)}[mode]
     opt = torch.optim.AdamW([p], **HP, **kw)
+    # The moments carved with the rest, set as the state AdamW's first step would create.
+    step0 = torch.zeros((), dtype=torch.float32, device=device if mode == "fused" else "cpu")
+    opt.state[p] = {"step": step0, "exp_avg": m, "exp_avg_sq": v}
     return Provider(opt.step, lambda: p.detach(), p0, g, 28.0,
                     f"torch.optim.AdamW({next(iter(kw))}=True), fp32 param and grad")
 
@@ -140,14 +173,16 @@ def zk(n: int, device: torch.device, fmt: str, backend: str) -> Provider:
     """zerokern's step in format ``fmt`` (FORMATS) on ``backend``."""
     moments, master, nbytes = FORMATS[fmt]
     p0, g = inputs(n, device)
-    g16 = g.to(torch.bfloat16)
     st = {"step": 0}
     hp = dict(lr=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1], eps=HP["eps"],
               weight_decay=HP["weight_decay"])
     if fmt == "fp32":
-        param = p0.clone()
-        m, v = torch.zeros_like(param), torch.zeros_like(param)
-        p16 = torch.empty(n, device=device, dtype=torch.bfloat16)
+        f32, b16 = torch.float32, torch.bfloat16
+        param, g16, m, v, p16 = carve(device, (n, f32), (n, b16), (n, f32), (n, f32), (n, b16))
+        param.copy_(p0)
+        g16.copy_(g)
+        m.zero_()
+        v.zero_()
 
         def step() -> None:
             st["step"] += 1
@@ -157,8 +192,10 @@ def zk(n: int, device: torch.device, fmt: str, backend: str) -> Provider:
         return Provider(step, lambda: param, p0, g16.float(), nbytes,
                         f"ops.fused_adamw_(backend={backend!r}), bf16 grad, fp32 master/m/v, "
                         "bf16 param out")
-    kw = compressed_state(n, device, moments, master)
-    param = p0.clone() if master == "fp32" else p0.to(torch.bfloat16)
+    pdt = torch.float32 if master == "fp32" else torch.bfloat16
+    param, g16, kw = compressed_state(n, device, moments, master, pdt)
+    param.copy_(p0)
+    g16.copy_(g)
     start = param.to(torch.float32, copy=True)  # the start (bf16-rounded without master)
 
     def cstep() -> None:
@@ -171,26 +208,29 @@ def zk(n: int, device: torch.device, fmt: str, backend: str) -> Provider:
     return Provider(cstep, lambda: param.float(), start, g16.float(), nbytes, what)
 
 
-def compressed_state(n: int, device: torch.device, moments: str,
-                     master: str) -> dict[str, object]:
-    """The keyword arguments of fused_adamw_compressed_ that hold the state of one flat range
-    of n elements (one parameter starting at element 0): zero moments, and the absmax, the
-    bf16 copy or the stochastic-rounding key the format needs."""
+def compressed_state(n: int, device: torch.device, moments: str, master: str,
+                     pdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, object]]:
+    """The param (dtype pdt) and bf16 grad of one flat range of n elements (one parameter
+    starting at element 0), uninitialised, and the keyword arguments of
+    fused_adamw_compressed_ that hold its state: zero moments, and the absmax, the bf16 copy or
+    the stochastic-rounding key the format needs. All carved together (carve)."""
     nb = -(-n // BLOCK)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}[moments]
-    kw: dict[str, object] = {
-        "exp_avg": torch.zeros(n, device=device, dtype=dt),
-        "exp_avg_sq": torch.zeros(n, device=device, dtype=dt),
-    }
+    specs = [(n, pdt), (n, torch.bfloat16), (n, dt), (n, dt)]
+    specs += [(nb, torch.float32)] * 2 * (moments == "int8")
+    specs += [(n, torch.bfloat16)] * (master == "fp32")
+    param, g16, *arrays = carve(device, *specs)
+    for a in arrays:
+        a.zero_()
+    kw: dict[str, object] = {"exp_avg": arrays[0], "exp_avg_sq": arrays[1]}
     if moments == "int8":
-        kw["exp_avg_absmax"] = torch.zeros(nb, device=device)
-        kw["exp_avg_sq_absmax"] = torch.zeros(nb, device=device)
+        kw["exp_avg_absmax"], kw["exp_avg_sq_absmax"] = arrays[2], arrays[3]
     if master == "fp32":
-        kw["param_lp"] = torch.empty(n, device=device, dtype=torch.bfloat16)
+        kw["param_lp"] = arrays[-1]
     else:
         kw["sr_index"] = BLOCK * torch.arange(nb, device=device, dtype=torch.int64)
         kw["seed"] = 0
-    return kw
+    return param, g16, kw
 
 
 def bnb_adamw8bit(n: int, device: torch.device) -> Provider:
