@@ -19,10 +19,11 @@
 //
 // Where the time goes. The update's square root and two IEEE divisions, then the table
 // lookups: the map value of each code (decode) and the lookup word of each normalised value
-// (encode), two of each per element. They are scalar loads assembled into a register
-// (V::lut, V::lut_hi16): hardware gathers, which the kernel used before, measured about 20
-// cycles per 8 lanes on Zen 3, more than the divisions; eight loads are a few cycles.
-// AVX-512 with VBMI decodes 64 codes at a time with byte permutes instead (dequant64).
+// (encode), two of each per element (V::lut, V::lut_hi16). AVX2 assembles them from scalar
+// loads: hardware gathers, which it used before, measured about 20 cycles per 8 lanes on
+// Zen 3, more than the divisions. AVX-512 keeps its gathers (measured on a Xeon; scalar loads
+// there are not measured) and, with VBMI, decodes 64 codes at a time with byte permutes
+// (dequant64).
 // Version 1 divided every element by the absmax in sweep 2 (two more divisions per element)
 // and evaluated Philox once per element. (Taking the signed maximum in a separate pass over
 // the buffered block instead of in sweep 1 measured slower on AVX2.)
