@@ -91,6 +91,7 @@ def time_interleaved(
     rounds: int,
     warmup: int = 2,
     min_sample_ms: float = 2.0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
     """One sample (ms per call) per provider and round, the providers timed in turns.
 
@@ -104,18 +105,20 @@ def time_interleaved(
     for name, fn in fns.items():
         for _ in range(warmup):
             fn()
-        one = min(_timed(fn, device, 1) for _ in range(3))  # the fastest: a hiccup is no size
+        one = min(_timed(fn, device, 1, clock) for _ in range(3))  # a hiccup is no size
         calls[name] = max(1, min(10_000, math.ceil(min_sample_ms / max(one, 1e-3))))
     samples: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            samples[name].append(_timed(fns[name], device, calls[name]) / calls[name])
+            samples[name].append(_timed(fns[name], device, calls[name], clock) / calls[name])
     return samples
 
 
-def _timed(fn: Callable[[], object], device: torch.device, calls: int) -> float:
-    """Milliseconds of ``calls`` back-to-back calls (CUDA events on GPU, perf_counter on CPU)."""
+def _timed(fn: Callable[[], object], device: torch.device, calls: int,
+           clock: Callable[[], float] = time.perf_counter) -> float:
+    """Milliseconds of ``calls`` back-to-back calls (CUDA events on GPU, ``clock`` on CPU:
+    perf_counter, or time.process_time to count only this process's CPU time)."""
     sync(device)
     if device.type == "cuda":
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -125,10 +128,10 @@ def _timed(fn: Callable[[], object], device: torch.device, calls: int) -> float:
         b.record()
         b.synchronize()
         return a.elapsed_time(b)
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - t0) * 1e3
+    return (clock() - t0) * 1e3
 
 
 def ratio_stats(ratios: Sequence[float], prefix: str) -> dict[str, Any]:
@@ -181,6 +184,26 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 28) -> float:
     t_copy = time_fn(lambda: c.copy_(a), device, warmup=2, repeats=7)["ms"]
     t_add = time_fn(lambda: torch.add(a, b, out=c), device, warmup=2, repeats=7)["ms"]
     return max(2 * nbytes / (t_copy * 1e-3), 3 * nbytes / (t_add * 1e-3)) / 1e9
+
+
+TRIAD_BYTES_PER_ELEM = 12.0
+"""A STREAM triad ``a = b + s * c`` on fp32 moves 12 bytes per element (two reads, a write)."""
+
+
+def triad(n: int, device: torch.device) -> Callable[[], object]:
+    """A STREAM-like triad over ``n`` fp32 elements (``a = b + 3 c``), its pages touched
+    before it is returned (first-touch page faults are not bandwidth): time it like any
+    provider, in the same interleaved rounds, and read the best round as the machine's
+    limit at that size (the triad counts TRIAD_BYTES_PER_ELEM bytes per element)."""
+    a = torch.zeros(n, device=device)
+    b = torch.ones(n, device=device)
+    c = torch.full((n,), 2.0, device=device)
+
+    def run() -> None:
+        torch.add(b, c, alpha=3.0, out=a)
+
+    run()
+    return run
 
 
 def machine(device: torch.device) -> dict[str, str]:

@@ -7,7 +7,9 @@ side by side in one run.
     python bench/bench_adam.py --quick                  # tiny sizes, 2 rounds: a smoke test
 
 Every provider updates one flat tensor of n parameters (one shard), from the same initial
-values (randn * 0.02) and the same gradient (randn):
+values (randn * 0.02) and the same gradient (randn); torch's AdamW and zerokern's providers get
+their arrays laid out alike (carve: one buffer, the same gap between arrays), because where
+the arrays land moved the same kernel by up to 2x on an AMD machine:
   torch_fused         torch.optim.AdamW(fused=True) on an fp32 param and fp32 grad: the
                       baseline of "x_vs_base" (torch_foreach if fused does not run here)
   torch_mixed         torch doing our mixed-precision work: bf16 grad cast to fp32, fused AdamW
@@ -31,8 +33,14 @@ one is skipped with the reason printed and recorded.
 fp32 AdamW 28 (grad, param, m, v read; param, m, v written), zk_fp32 28 (bf16 grad and param
 instead of fp32 grad), bf16 moments 20, int8 moments with master 16.06, without 10.06, the
 8-bit anchors on fp32 params 16.06; torch_mixed is counted as the zk_fp32 work (28), not the
-40 its three passes move. GB/s = n x bytes_per_elem / time; "% bw" is relative to a copy
-measured in the same run.
+40 its three passes move. GB/s = n x bytes_per_elem / median time.
+
+"The limit" is the machine's memory bandwidth at that size, measured in the same run: a
+STREAM-like triad (a = b + 3 c over n fp32 elements, 12 bytes each, pages touched before
+timing) timed in the same interleaved rounds as the providers, its best round; and never
+below the best round of torch's fused AdamW (28 bytes per element), which a triad that
+torch's own kernel beats would not be a limit. "pct_limit" = a row's GB/s / the limit: how
+close a format comes to moving its bytes at the memory's speed.
 
 Before timing, each provider's first step is checked against AdamW's first step in closed
 form (p <- p (1 - lr wd) - lr g / (|g| + eps), from the inputs the provider got): the cosine
@@ -49,6 +57,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +81,7 @@ FORMATS = {  # zk format -> (moments, master, bytes per element)
 }
 ANCHORS = ("bnb_adamw8bit", "torchao_adamw8bit")
 MIN_COS = 0.95
+TRIAD = "stream_triad"
 
 
 @dataclass
@@ -85,6 +95,28 @@ class Provider:
     g: torch.Tensor
     bytes_per_elem: float
     what: str
+
+
+GAP_BYTES = 16384 + 64
+"""Bytes between two consecutive arrays of one provider (:func:`carve`)."""
+
+
+def carve(device: torch.device, *specs: tuple[int, torch.dtype]) -> list[torch.Tensor]:
+    """One provider's arrays (``(numel, dtype)`` each), carved in order from one buffer, each
+    64-byte aligned and :data:`GAP_BYTES` after the previous one, so that every provider's
+    arrays lie the same way relative to each other. The placement alone moved the same
+    kernel a lot: on a 2-core AMD EPYC VM, torch's fused AdamW and zerokern's fp32 kernel took
+    30 to 66 ms at 2^25 elements depending only on the distance between their four arrays (the
+    two kernels alike, within 5%, at each distance), and arrays allocated one after another
+    fall a power of two plus one page apart, among the slowest; left to the allocator, the
+    ratio of two providers measured where their arrays happened to land."""
+    sizes = [numel * torch.empty(0, dtype=dt).element_size() for numel, dt in specs]
+    starts, end = [], 0
+    for size in sizes:
+        starts.append(end)
+        end += -(-size // 64) * 64 + GAP_BYTES
+    buf = torch.empty(end, dtype=torch.uint8, device=device)
+    return [buf[a:a + size].view(dt) for a, size, (_, dt) in zip(starts, sizes, specs, strict=True)]
 
 
 def inputs(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,11 +135,20 @@ def _torch_param(n: int, device: torch.device) -> torch.nn.Parameter:
 
 
 def torch_opt(n: int, device: torch.device, mode: str) -> Provider:
-    p = _torch_param(n, device)
-    p0, g = p.detach().clone(), p.grad
+    p0, g0 = inputs(n, device)
+    pa, g, m, v = carve(device, *[(n, torch.float32)] * 4)
+    pa.copy_(p0)
+    g.copy_(g0)
+    m.zero_()
+    v.zero_()
+    p = torch.nn.Parameter(pa)
+    p.grad = g
     kw = {"forloop": dict(foreach=False), "foreach": dict(foreach=True),
           "fused": dict(fused=True)}[mode]
     opt = torch.optim.AdamW([p], **HP, **kw)
+    # The moments carved with the rest, set as the state AdamW's first step would create.
+    step0 = torch.zeros((), dtype=torch.float32, device=device if mode == "fused" else "cpu")
+    opt.state[p] = {"step": step0, "exp_avg": m, "exp_avg_sq": v}
     return Provider(opt.step, lambda: p.detach(), p0, g, 28.0,
                     f"torch.optim.AdamW({next(iter(kw))}=True), fp32 param and grad")
 
@@ -132,14 +173,16 @@ def zk(n: int, device: torch.device, fmt: str, backend: str) -> Provider:
     """zerokern's step in format ``fmt`` (FORMATS) on ``backend``."""
     moments, master, nbytes = FORMATS[fmt]
     p0, g = inputs(n, device)
-    g16 = g.to(torch.bfloat16)
     st = {"step": 0}
     hp = dict(lr=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1], eps=HP["eps"],
               weight_decay=HP["weight_decay"])
     if fmt == "fp32":
-        param = p0.clone()
-        m, v = torch.zeros_like(param), torch.zeros_like(param)
-        p16 = torch.empty(n, device=device, dtype=torch.bfloat16)
+        f32, b16 = torch.float32, torch.bfloat16
+        param, g16, m, v, p16 = carve(device, (n, f32), (n, b16), (n, f32), (n, f32), (n, b16))
+        param.copy_(p0)
+        g16.copy_(g)
+        m.zero_()
+        v.zero_()
 
         def step() -> None:
             st["step"] += 1
@@ -149,8 +192,10 @@ def zk(n: int, device: torch.device, fmt: str, backend: str) -> Provider:
         return Provider(step, lambda: param, p0, g16.float(), nbytes,
                         f"ops.fused_adamw_(backend={backend!r}), bf16 grad, fp32 master/m/v, "
                         "bf16 param out")
-    kw = compressed_state(n, device, moments, master)
-    param = p0.clone() if master == "fp32" else p0.to(torch.bfloat16)
+    pdt = torch.float32 if master == "fp32" else torch.bfloat16
+    param, g16, kw = compressed_state(n, device, moments, master, pdt)
+    param.copy_(p0)
+    g16.copy_(g)
     start = param.to(torch.float32, copy=True)  # the start (bf16-rounded without master)
 
     def cstep() -> None:
@@ -163,26 +208,29 @@ def zk(n: int, device: torch.device, fmt: str, backend: str) -> Provider:
     return Provider(cstep, lambda: param.float(), start, g16.float(), nbytes, what)
 
 
-def compressed_state(n: int, device: torch.device, moments: str,
-                     master: str) -> dict[str, object]:
-    """The keyword arguments of fused_adamw_compressed_ that hold the state of one flat range
-    of n elements (one parameter starting at element 0): zero moments, and the absmax, the
-    bf16 copy or the stochastic-rounding key the format needs."""
+def compressed_state(n: int, device: torch.device, moments: str, master: str,
+                     pdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, object]]:
+    """The param (dtype pdt) and bf16 grad of one flat range of n elements (one parameter
+    starting at element 0), uninitialised, and the keyword arguments of
+    fused_adamw_compressed_ that hold its state: zero moments, and the absmax, the bf16 copy or
+    the stochastic-rounding key the format needs. All carved together (carve)."""
     nb = -(-n // BLOCK)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}[moments]
-    kw: dict[str, object] = {
-        "exp_avg": torch.zeros(n, device=device, dtype=dt),
-        "exp_avg_sq": torch.zeros(n, device=device, dtype=dt),
-    }
+    specs = [(n, pdt), (n, torch.bfloat16), (n, dt), (n, dt)]
+    specs += [(nb, torch.float32)] * 2 * (moments == "int8")
+    specs += [(n, torch.bfloat16)] * (master == "fp32")
+    param, g16, *arrays = carve(device, *specs)
+    for a in arrays:
+        a.zero_()
+    kw: dict[str, object] = {"exp_avg": arrays[0], "exp_avg_sq": arrays[1]}
     if moments == "int8":
-        kw["exp_avg_absmax"] = torch.zeros(nb, device=device)
-        kw["exp_avg_sq_absmax"] = torch.zeros(nb, device=device)
+        kw["exp_avg_absmax"], kw["exp_avg_sq_absmax"] = arrays[2], arrays[3]
     if master == "fp32":
-        kw["param_lp"] = torch.empty(n, device=device, dtype=torch.bfloat16)
+        kw["param_lp"] = arrays[-1]
     else:
         kw["sr_index"] = BLOCK * torch.arange(nb, device=device, dtype=torch.int64)
         kw["seed"] = 0
-    return kw
+    return param, g16, kw
 
 
 def bnb_adamw8bit(n: int, device: torch.device) -> Provider:
@@ -279,7 +327,8 @@ def update_cos(prov: Provider) -> float:
 
 
 def bench(device: torch.device, sizes: list[int], rounds: int, bw: float,
-          meta: dict[str, str], every: bool, only: list[str] | None) -> list[dict[str, object]]:
+          meta: dict[str, str], every: bool, only: list[str] | None,
+          clock: Callable[[], float] = time.perf_counter) -> list[dict[str, object]]:
     facts, base, notes = providers(device, every, only)
     for note in notes:
         print(f"# {note}")
@@ -292,8 +341,19 @@ def bench(device: torch.device, sizes: list[int], rounds: int, bw: float,
             if not c > MIN_COS:
                 raise AssertionError(f"{name} at 2^{lg}: update cosine {c:.4f} against AdamW's "
                                      f"first step (want > {MIN_COS})")
-        samples = H.time_interleaved({k: p.step for k, p in provs.items()}, device,
-                                     rounds=rounds)
+        fns = {k: p.step for k, p in provs.items()}
+        fns[TRIAD] = H.triad(n, device)
+        samples = H.time_interleaved(fns, device, rounds=rounds, clock=clock)
+        triad_ms = samples.pop(TRIAD)
+        triad_gbs = n * H.TRIAD_BYTES_PER_ELEM / (min(triad_ms) * 1e-3) / 1e9
+        limit, limit_by = triad_gbs, "triad"
+        fused = n * provs[base].bytes_per_elem / (min(samples[base]) * 1e-3) / 1e9
+        if fused > limit:
+            limit, limit_by = fused, base
+        print(f"# 2^{lg}: limit {limit:.1f} GB/s ({limit_by}; triad best "
+              f"{n * H.TRIAD_BYTES_PER_ELEM / (min(triad_ms) * 1e-3) / 1e9:.1f}, median "
+              f"{n * H.TRIAD_BYTES_PER_ELEM / (statistics.median(triad_ms) * 1e-3) / 1e9:.1f}"
+              f" GB/s; {base} best {fused:.1f} GB/s)")
         refs = {"base": base, **{a.split("_")[0]: a for a in ANCHORS if a in samples}}
         for name, ms in samples.items():
             med = statistics.median(ms)
@@ -302,7 +362,9 @@ def bench(device: torch.device, sizes: list[int], rounds: int, bw: float,
             nbytes = provs[name].bytes_per_elem
             gbs = n * nbytes / (med * 1e-3) / 1e9
             row.update(gparam_s=n / (med * 1e-3) / 1e9, bytes_per_elem=nbytes, gb_s=gbs,
-                       pct_bw=100 * gbs / bw, update_cos=cos[name])
+                       gb_s_best=n * nbytes / (min(ms) * 1e-3) / 1e9, limit_gbs=limit,
+                       limit_by=limit_by, pct_limit=100 * gbs / limit, triad_gbs=triad_gbs,
+                       update_cos=cos[name])
             for tag, ref in refs.items():
                 row.update(H.ratio_stats([b / m for b, m in zip(samples[ref], ms)],
                                          f"x_vs_{tag}"))
@@ -318,22 +380,30 @@ def markdown(rows: list[dict[str, object]], command: str, meta: dict[str, str],
              rounds: int) -> str:
     """The rows as the markdown table docs/benchmarks.md shows."""
     lines = [f"{meta['device']}, torch {meta['torch']}, {meta['date']}, {rounds} interleaved "
-             f"rounds.  \n`{command}`", "",
-             "| log2 n | provider | ms | GB/s | B/elt | x vs torch fused: median (min-max) "
-             "| x vs bnb | x vs torchao |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             f"rounds, {meta.get('clock', 'wall')} clock.  \n`{command}`", "",
+             "| log2 n | provider | ms | B/elt | GB/s | % of limit "
+             "| x vs torch fused: median (min-max) | x vs bnb | x vs torchao |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
 
     def r3(row: dict[str, object], k: str) -> str:
         if k not in row:
             return ""
         return f"{row[k]:.2f} ({row[k + '_min']:.2f}-{row[k + '_max']:.2f})"
 
+    limits: dict[object, str] = {}
     for row in rows:
         if "ms" not in row:
             continue
+        limits[row["log2_n"]] = (f"2^{row['log2_n']}: {row['limit_gbs']:.1f} GB/s "
+                                 f"({row['limit_by']})")
         lines.append(f"| {row['log2_n']} | {row['provider']} | {row['ms']:.2f} | "
-                     f"{row['gb_s']:.1f} | {row['bytes_per_elem']:.2f} | "
+                     f"{row['bytes_per_elem']:.2f} | {row['gb_s']:.1f} | "
+                     f"{row['pct_limit']:.0f} | "
                      f"{r3(row, 'x_vs_base')} | {r3(row, 'x_vs_bnb')} | "
                      f"{r3(row, 'x_vs_torchao')} |")
+    lines.append("")
+    lines.append("The limit (best round of a STREAM triad in the same rounds, or of torch's fused "
+                 "AdamW if higher): " + "; ".join(limits.values()) + ".")
     return "\n".join(lines)
 
 
@@ -349,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the rows named PREFIX or PREFIX_... (and the baseline): "
                     "torch, zk, zk_int8, bnb, torchao, ...")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (smoke test)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: time each sample by this process's CPU time (time.process_time), "
+                    "which other processes on a time-shared machine do not inflate; with one "
+                    "thread only (it sums the threads' times)")
     ap.add_argument("--out", help="folder for the CSV and markdown (default bench/results)")
     ap.add_argument("--tag", default="", help="appended to the file names (e.g. run1)")
     args = ap.parse_args(argv)
@@ -356,10 +430,14 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes or ([10, 12] if args.quick else
                            [20, 25, 28] if device.type == "cuda" else [20, 25])
     rounds = args.rounds or (2 if args.quick else 5)
+    if args.clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        ap.error("--clock cpu needs --device cpu and one thread (OMP_NUM_THREADS=1)")
     meta, bw = H.op_bench_header(device, rounds, args.quick)
-    rows = bench(device, sizes, rounds, bw, meta, args.all, args.providers)
-    cols = ["log2_n", "provider", "ms", "ms_min", "ms_max", "gb_s", "bytes_per_elem",
-            "x_vs_base", "x_vs_base_min", "x_vs_base_max", "x_vs_bnb", "x_vs_torchao",
+    meta["clock"] = args.clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    rows = bench(device, sizes, rounds, bw, meta, args.all, args.providers, clock)
+    cols = ["log2_n", "provider", "ms", "ms_min", "ms_max", "bytes_per_elem", "gb_s",
+            "pct_limit", "x_vs_base", "x_vs_base_min", "x_vs_base_max", "x_vs_bnb", "x_vs_torchao",
             "update_cos"]
     H.print_table([r for r in rows if "ms" in r], cols)
     for r in rows:

@@ -3,23 +3,30 @@
 // kernel equals bit for bit (NaN payloads aside).
 //
 // One pass per 256-element quantization block, in two sweeps over the block:
-//   1. widen grad and param, dequantize (code_map[c] * absmax) or widen the moments, apply the
-//      fp32 update of kernels.h with its rounding contract (the same three fmas as
-//      adam_cpu.cpp, every other operation one IEEE rounding), write the param (and param_lp,
+//   1. widen grad and param, dequantize (code_map[c] * scale) or widen the moments, apply the
+//      fp32 update of kernels.h with its rounding contract (adam_update of cpu_lanes.h, as
+//      adam_cpu.cpp), write the param (and param_lp,
 //      rounded to nearest even) or, for a bf16 param, its stochastic rounding; fp32 and bf16
 //      moments are written here too. 8-bit moments go to a 1 KiB stack buffer per moment while
-//      the block absmax is tracked as the maximum of the bit patterns with the sign cleared:
-//      for non-negative floats the integer order is the value order and every NaN pattern lies
-//      above inf's, so the maximum propagates NaN like torch's amax.
-//   2. (8-bit moments only) n = x / absmax, correctly rounded (divisor 1 for an all-zero
-//      block), then the code of n.
+//      the block's scale is tracked: the maximum of the bit patterns with the sign cleared (for
+//      non-negative floats the integer order is the value order and every NaN pattern lies
+//      above inf's, so the maximum propagates NaN like torch's amax) and the maximum of the
+//      patterns read as signed integers (it equals A's pattern exactly when some element is
+//      +A; else the scale is -A: format version 2, zerokern.quant.blockwise).
+//   2. (8-bit moments only) n = x * r with r = 1 / scale, one division per block (a scale
+//      outside [2^-126, 2^126) divides each element instead, in a scalar loop), then the code.
 // The block stays in L1 between the sweeps, so memory sees each byte once.
 //
-// Where the time goes (measured on a 2-core AVX-512 VM): sweep 1 is bound by the divider (a
-// square root and two divisions per element, as in adam_cpu.cpp). Gathers, which this CPU
-// microcodes, do not overlap with divider work at all, so sweep 1 dequantizes 64 codes at a
-// time with byte permutes instead (dequant64); sweep 2 keeps its gathers (one per moment
-// and 16 elements) and its two divisions.
+// Where the time goes. The update's square root and two IEEE divisions, then the table
+// lookups: the map value of each code (decode) and the lookup word of each normalised value
+// (encode), two of each per element (V::lut, V::lut_hi16). AVX2 assembles them from scalar
+// loads: hardware gathers, which it used before, measured about 20 cycles per 8 lanes on
+// Zen 3, more than the divisions. AVX-512 keeps its gathers (measured on a Xeon; scalar loads
+// there are not measured) and, with VBMI, decodes 64 codes at a time with byte permutes
+// (dequant64).
+// Version 1 divided every element by the absmax in sweep 2 (two more divisions per element)
+// and evaluated Philox once per element. (Taking the signed maximum in a separate pass over
+// the buffered block instead of in sweep 1 measured slower on AVX2.)
 //
 // The code of n is #{t_k < n} for n >= 0 and #{t_k <= n} for n < 0 (NaN: 0), t the 255
 // thresholds of the map. A binary search per element costs eight dependent table lookups; the
@@ -35,15 +42,15 @@
 // also checks that the table has this shape; a table that does not (never kernel_tables) makes
 // the block fall back to the exact search for every element.
 //
-// Vector code: the per-chunk routines are templates over a small "lane" interface implemented
-// for AVX-512 (16 lanes), AVX2 (8 lanes) and plain scalars (1 lane), so the three paths share
-// one algorithm and differ only in the instructions; a block runs its 64-element chunks (8-bit
+// Vector code: the per-chunk routines are templates over the lanes of cpu_lanes.h (AVX-512,
+// AVX2, scalar), so the three paths share one algorithm; a block runs its 64-element chunks (8-bit
 // moments, AVX-512), its 16-lane chunks, then an 8-lane chunk, then single elements. OpenMP
 // splits the range on block boundaries.
 //
-// Stochastic rounding draws, per block, the Philox4x32-10 words of its elements (counter
-// (index, step, 0, 0), key (seed lo, seed hi)) into a stack buffer first, 16 or 8 counters at
-// a time (32x32 -> 64-bit products from the even/odd-lane multiplies).
+// Stochastic rounding draws, per block, the Philox4x32-10 words of the groups of 8 elements it
+// covers (counter (index / 8, step, 0, 0), key (seed lo, seed hi); format version 2: element i
+// takes 16 bits of its group's 128), 16 or 8 groups at a time, into a stack buffer first
+// (32x32 -> 64-bit products from the even/odd-lane multiplies).
 // Compile with contraction off: GCC's default (-ffp-contract=fast) would fuse, e.g., the
 // dequantize multiply into the following subtraction, which rounds once where the contract
 // rounds twice. (Before the includes, so the intrinsics' bodies carry the same setting and
@@ -65,8 +72,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_lanes.h"
 #include "cpu_vec.h"
 #include "kernels.h"
+
+// The byte permutes of dequant64 need AVX-512 VBMI (Ice Lake on); Skylake-X and Cascade Lake
+// have AVX-512 without it and decode by scalar lookups, as AVX2 does.
+#if defined(ZK_AVX512) && defined(__AVX512VBMI__)
+#define ZK_VBMI 1
+#endif
 
 namespace zk {
 namespace {
@@ -173,208 +187,8 @@ std::shared_ptr<const Derived> derived_for(const float* tables) {
   return cache.back();
 }
 
-// -- lanes -------------------------------------------------------------------------------------
-// One lane: the scalar path and the tails. I is the 32-bit pattern, M a lane predicate.
-struct L1 {
-  static constexpr int N = 1;
-  using F = float;
-  using I = uint32_t;
-  using M = bool;
-  static F set1(float x) { return x; }
-  static I seti(uint32_t x) { return x; }
-  static F ld(const float* p) { return *p; }
-  static void st(float* p, F v) { *p = v; }
-  static F add(F a, F b) { return a + b; }
-  static F sub(F a, F b) { return a - b; }
-  static F mul(F a, F b) { return a * b; }
-  static F div(F a, F b) { return a / b; }
-  static F sqrt(F a) { return std::sqrt(a); }
-  static F fma(F a, F b, F c) { return std::fma(a, b, c); }    // a*b + c, one rounding
-  static F fnma(F a, F b, F c) { return std::fma(-a, b, c); }  // c - a*b, one rounding
-  static I bits(F a) { return float_to_bits(a); }
-  static I and_(I a, I b) { return a & b; }
-  static I or_(I a, I b) { return a | b; }
-  static I add(I a, I b) { return a + b; }
-  static I sub(I a, I b) { return a - b; }
-  template <int K> static I srl(I a) { return a >> K; }
-  static I maxu(I a, I b) { return std::max(a, b); }
-  static I minu(I a, I b) { return std::min(a, b); }
-  // Low 16 bits of u, complemented when the sign bit is set.
-  static I low16_flip(I u) { return (u ^ (u >> 31 ? 0xFFFFu : 0u)) & 0xFFFFu; }
-  static M ilt(I a, I b) { return int32_t(a) < int32_t(b); }
-  static M ieq(I a, I b) { return a == b; }
-  static I seli(M m, I t, I f) { return m ? t : f; }
-  static F gather(const float* t, I idx) { return t[idx]; }
-  static I gatheri(const int32_t* t, I idx) { return uint32_t(t[idx]); }
-  static I ld_u8(const uint8_t* p) { return *p; }
-  static void st_u8(uint8_t* p, I v) { *p = uint8_t(v); }
-  static I ld_u32(const uint32_t* p) { return *p; }
-  static void st_u16(uint16_t* p, I v) { *p = uint16_t(v); }
-  static uint32_t hmax(I v) { return v; }
-  static I iota(uint32_t base) { return base; }
-  static void st_u32(uint32_t* p, I v) { *p = v; }
-  static I xor3(I a, I b, I c) { return a ^ b ^ c; }
-  // High and low words of the 64-bit product x * m.
-  static void mulhilo(I x, uint32_t m, I& hi, I& lo) {
-    const uint64_t p = uint64_t(x) * m;
-    hi = uint32_t(p >> 32);
-    lo = uint32_t(p);
-  }
-  template <typename T> static F ldt(const T* p) { return Scalar<T>::load(p); }
-  template <typename T> static void stt(T* p, F v) { Scalar<T>::store(p, v); }
-};
 
-#ifdef ZK_AVX2
-struct L8 {
-  static constexpr int N = 8;
-  using F = __m256;
-  using I = __m256i;
-  using M = __m256i;  // all-ones lanes
-  static F set1(float x) { return _mm256_set1_ps(x); }
-  static I seti(uint32_t x) { return _mm256_set1_epi32(int32_t(x)); }
-  static F ld(const float* p) { return _mm256_loadu_ps(p); }
-  static void st(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F div(F a, F b) { return _mm256_div_ps(a, b); }
-  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
-  static I bits(F a) { return _mm256_castps_si256(a); }
-  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
-  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
-  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
-  template <int K> static I srl(I a) { return _mm256_srli_epi32(a, K); }
-  static I maxu(I a, I b) { return _mm256_max_epu32(a, b); }
-  static I minu(I a, I b) { return _mm256_min_epu32(a, b); }
-  static I low16_flip(I u) {
-    return _mm256_and_si256(_mm256_xor_si256(u, _mm256_srai_epi32(u, 31)),
-                            _mm256_set1_epi32(0xFFFF));
-  }
-  static M ilt(I a, I b) { return _mm256_cmpgt_epi32(b, a); }
-  static M ieq(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
-  static I seli(M m, I t, I f) { return _mm256_blendv_epi8(f, t, m); }
-  static F gather(const float* t, I idx) { return _mm256_i32gather_ps(t, idx, 4); }
-  static I gatheri(const int32_t* t, I idx) { return _mm256_i32gather_epi32(t, idx, 4); }
-  static I ld_u8(const uint8_t* p) {
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  }
-  static void st_u8(uint8_t* p, I v) {  // low byte of each lane (values < 256)
-    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                          -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
-                                          -1, -1, -1, -1);
-    const __m256i b = _mm256_shuffle_epi8(v, pick);
-    const __m256i d = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(d));
-  }
-  static I ld_u32(const uint32_t* p) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  }
-  static void st_u16(uint16_t* p, I v) {  // low half of each lane (values < 65536)
-    const __m128i packed =
-        _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-  }
-  static uint32_t hmax(I v) {
-    __m128i x = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4E));
-    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0xB1));
-    return uint32_t(_mm_cvtsi128_si32(x));
-  }
-  static I iota(uint32_t base) {
-    return _mm256_add_epi32(_mm256_set1_epi32(int32_t(base)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  }
-  static void st_u32(uint32_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
-  static I xor3(I a, I b, I c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); }
-  static void mulhilo(I x, uint32_t m, I& hi, I& lo) {  // even lanes, then odd lanes
-    const __m256i mv = _mm256_set1_epi32(int32_t(m));
-    const __m256i pe = _mm256_mul_epu32(x, mv), po = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), mv);
-    hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
-    lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
-  }
-  template <typename T> static F ldt(const T* p) { return Vec8<T>::load(p); }
-  template <typename T> static void stt(T* p, F v) { Vec8<T>::store(p, v); }
-};
-#endif
-
-#ifdef ZK_AVX512
-struct L16 {
-  static constexpr int N = 16;
-  using F = __m512;
-  using I = __m512i;
-  using M = __mmask16;
-  static F set1(float x) { return _mm512_set1_ps(x); }
-  static I seti(uint32_t x) { return _mm512_set1_epi32(int32_t(x)); }
-  static F ld(const float* p) { return _mm512_loadu_ps(p); }
-  static void st(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F div(F a, F b) { return _mm512_div_ps(a, b); }
-  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
-  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
-  static I bits(F a) { return _mm512_castps_si512(a); }
-  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
-  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
-  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
-  template <int K> static I srl(I a) { return _mm512_srli_epi32(a, K); }
-  static I maxu(I a, I b) { return _mm512_max_epu32(a, b); }
-  static I minu(I a, I b) { return _mm512_min_epu32(a, b); }
-  static I low16_flip(I u) {  // (u ^ (u >> 31 arithmetic)) & 0xFFFF in one ternary op
-    return _mm512_ternarylogic_epi32(u, _mm512_srai_epi32(u, 31), _mm512_set1_epi32(0xFFFF),
-                                     0x28);
-  }
-  static M ilt(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
-  static M ieq(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
-  static I seli(M m, I t, I f) { return _mm512_mask_blend_epi32(m, f, t); }
-  static F gather(const float* t, I idx) { return _mm512_i32gather_ps(idx, t, 4); }
-  static I gatheri(const int32_t* t, I idx) { return _mm512_i32gather_epi32(idx, t, 4); }
-  static I ld_u8(const uint8_t* p) {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  static void st_u8(uint8_t* p, I v) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
-  }
-  static I ld_u32(const uint32_t* p) { return _mm512_loadu_si512(p); }
-  static void st_u16(uint16_t* p, I v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(v));
-  }
-  static uint32_t hmax(I v) { return uint32_t(_mm512_reduce_max_epu32(v)); }
-  static I iota(uint32_t base) {
-    return _mm512_add_epi32(_mm512_set1_epi32(int32_t(base)),
-                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  }
-  static void st_u32(uint32_t* p, I v) { _mm512_storeu_si512(p, v); }
-  static I xor3(I a, I b, I c) { return _mm512_ternarylogic_epi32(a, b, c, 0x96); }
-  static void mulhilo(I x, uint32_t m, I& hi, I& lo) {  // even lanes, then odd lanes
-    const __m512i mv = _mm512_set1_epi32(int32_t(m));
-    const __m512i pe = _mm512_mul_epu32(x, mv), po = _mm512_mul_epu32(_mm512_srli_epi64(x, 32), mv);
-    hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe, 32), po);
-    lo = _mm512_mask_blend_epi32(0xAAAA, pe, _mm512_slli_epi64(po, 32));
-  }
-  template <typename T> static F ldt(const T* p) { return Vec16<T>::load(p); }
-  template <typename T> static void stt(T* p, F v) {
-#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
-    // The BF16 extension's conversion rounds to nearest even in one instruction but treats
-    // subnormal inputs as zero: only vectors without subnormals take it.
-    if constexpr (std::is_same_v<T, BF16>) {
-      if (_mm512_fpclass_ps_mask(v, 0x20) == 0) {
-        const __m256bh r = _mm512_cvtneps_pbh(v);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<const __m256i&>(r));
-        return;
-      }
-    }
-#endif
-    Vec16<T>::store(p, v);
-  }
-};
-#endif
-
-#ifdef ZK_AVX512
+#ifdef ZK_VBMI
 // The map values of 64 codes: each byte of the value is looked up in its own 256-byte table
 // (two 128-byte permutes and a blend on the code's top bit), and the four byte vectors are
 // interleaved into 64 floats with in-lane unpacks. Unpacks interleave within 128-bit lanes,
@@ -403,15 +217,15 @@ inline void dequant64(const uint8_t* codes, const uint8_t (*planes)[256], __m512
 }
 #endif
 
-// Philox4x32-10's first output word for counters (c0 = lanes of `index`, c1 = step, 0, 0)
-// under the key (k0, k1), V::N elements at a time (zerokern.quant.philox.sr_bits).
+// Philox4x32-10 of the counters (c0 = lanes of `group`, c1 = step, 0, 0) under the key
+// (k0, k1), V::N counters at a time: the four output words.
 template <class V>
-inline typename V::I philox_lanes(typename V::I index, uint32_t step, uint32_t k0,
-                                  uint32_t k1) {
+inline void philox_lanes(typename V::I group, uint32_t step, uint32_t k0, uint32_t k1,
+                         typename V::I (&out)[4]) {
   using I = typename V::I;
   // Round 1 with c2 = c3 = 0: the c2 product is 0.
   I hi0, lo0;
-  V::mulhilo(index, 0xD2511F53u, hi0, lo0);
+  V::mulhilo(group, 0xD2511F53u, hi0, lo0);
   I c0 = V::seti(step ^ k0), c1 = V::seti(0), c2 = V::xor3(hi0, V::seti(0), V::seti(k1)),
     c3 = lo0;
   for (int r = 1; r < 10; ++r) {
@@ -425,16 +239,45 @@ inline typename V::I philox_lanes(typename V::I index, uint32_t step, uint32_t k
     c1 = lo1;
     c3 = lo0;
   }
-  return c0;
+  out[0] = c0;
+  out[1] = c1;
+  out[2] = c2;
+  out[3] = c3;
 }
 
-// The random words of elements [j, L) of a block whose first element has index `base`.
+// Format version 2's random bits (zerokern.quant.philox.sr_bits16): element i takes half
+// i % 2 of word (i / 2) % 4 of Philox at counter (i / 8, step, 0, 0). Groups [t, G) of a
+// block (group t is i / 8 = g0 + t) are written as 4 words each, group after group, so that
+// as 16-bit halves (little-endian) the bits of index i sit at position i - 8 * g0.
 template <class V>
-int64_t fill_sr(uint32_t* sr, uint32_t base, int64_t j, int64_t L, uint32_t step, uint32_t k0,
+int64_t fill_sr(uint32_t* w, uint32_t g0, int64_t t, int64_t G, uint32_t step, uint32_t k0,
                 uint32_t k1) {
-  for (; j + V::N <= L; j += V::N)
-    V::st_u32(sr + j, philox_lanes<V>(V::iota(base + uint32_t(j)), step, k0, k1));
-  return j;
+  for (; t + V::N <= G; t += V::N) {
+    typename V::I out[4];
+    philox_lanes<V>(V::iota(g0 + uint32_t(t)), step, k0, k1, out);
+#ifdef ZK_AVX2
+    if constexpr (std::is_same_v<V, L8>) {  // the 4 x 8 transpose in registers
+      const __m256i a0 = _mm256_unpacklo_epi32(out[0], out[1]);
+      const __m256i a1 = _mm256_unpackhi_epi32(out[0], out[1]);
+      const __m256i b0 = _mm256_unpacklo_epi32(out[2], out[3]);
+      const __m256i b1 = _mm256_unpackhi_epi32(out[2], out[3]);
+      // Groups (0 | 4), (1 | 5), (2 | 6), (3 | 7): 128-bit halves.
+      const __m256i r0 = _mm256_unpacklo_epi64(a0, b0), r1 = _mm256_unpackhi_epi64(a0, b0);
+      const __m256i r2 = _mm256_unpacklo_epi64(a1, b1), r3 = _mm256_unpackhi_epi64(a1, b1);
+      __m256i* d = reinterpret_cast<__m256i*>(w + 4 * t);
+      _mm256_storeu_si256(d, _mm256_permute2x128_si256(r0, r1, 0x20));
+      _mm256_storeu_si256(d + 1, _mm256_permute2x128_si256(r2, r3, 0x20));
+      _mm256_storeu_si256(d + 2, _mm256_permute2x128_si256(r0, r1, 0x31));
+      _mm256_storeu_si256(d + 3, _mm256_permute2x128_si256(r2, r3, 0x31));
+      continue;
+    }
+#endif
+    alignas(64) uint32_t tmp[4][V::N];
+    for (int k = 0; k < 4; ++k) V::st_u32(tmp[k], out[k]);
+    for (int l = 0; l < V::N; ++l)
+      for (int k = 0; k < 4; ++k) w[4 * (t + l) + k] = tmp[k][l];
+  }
+  return t;
 }
 
 // -- the kernel --------------------------------------------------------------------------------
@@ -474,32 +317,27 @@ inline typename V::I sr_bf16(typename V::F p, typename V::I r) {
   return V::seli(V::ilt(mag, V::seti(0x7F800000u)), fin, out);
 }
 
-// Code of n from the lookup words: word[top 16 bits] + low 16 bits (flipped for n < 0),
-// shifted down.
-template <class V>
-inline typename V::I quantize(const int32_t* words, typename V::F x) {
-  using I = typename V::I;
-  const I u = V::bits(x);
-  const I word = V::gatheri(words, V::template srl<16>(u));
-  return V::template srl<16>(V::add(word, V::low16_flip(u)));
+// Code of one n from the lookup words: word[top 16 bits] + low 16 bits (flipped for n < 0),
+// shifted down (code_lanes below does the same V::N at a time).
+inline uint32_t quantize1(const int32_t* words, float x) {
+  const uint32_t u = float_to_bits(x);
+  return (uint32_t(words[u >> 16]) + L1::low16_flip(u)) >> 16;
 }
 
 // Sweep 1 over elements [j, L) of the block at i0, V::N at a time; returns where it stopped.
-// 8-bit moments land in mb/vb with their running absmax patterns in am/av.
+// 8-bit moments land in mb/vb with their running absmax patterns in am/av and the running
+// maximum of their patterns as signed integers in pm/pv (for the scale's sign).
 template <class V, typename G, PMode PM, MomentFmt MF, bool LERP_LOW>
 int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_scale,
-                     float v_scale, float* mb, float* vb, const uint32_t* sr, uint32_t& am,
-                     uint32_t& av) {
+                     float v_scale, float* mb, float* vb, const uint16_t* sr, uint32_t& am,
+                     uint32_t& av, int32_t& pm, int32_t& pv) {
   using F = typename V::F;
   using I = typename V::I;
-  const AdamScalars& s = c.s;
-  const F inv_scale = V::set1(s.inv_grad_scale), decay = V::set1(s.decay);
-  const F w = V::set1(s.one_minus_beta1), one_minus_w = V::set1(1.0f - s.one_minus_beta1);
-  const F b2 = V::set1(s.beta2), omb2 = V::set1(s.one_minus_beta2);
-  const F bc2 = V::set1(s.bc2_sqrt), eps = V::set1(s.eps), step = V::set1(s.step_size);
+  const AdamCoeffs<V> k(c.s);
   const F msc = V::set1(m_scale), vsc = V::set1(v_scale);
   const I abs_mask = V::seti(0x7FFFFFFFu);
   I acc_m = V::seti(0), acc_v = V::seti(0);
+  I acc_pm = V::seti(0x80000000u), acc_pv = V::seti(0x80000000u);
   // Local copies: the stores below may alias anything, so members of c would be reloaded.
   const G* const g = static_cast<const G*>(c.grad);
   void* const param = c.param;
@@ -509,21 +347,15 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
   // One chunk of V::N elements at j whose moments are already widened to mi, vi.
   auto body = [&](int64_t jj, F mi, F vi) {
     const int64_t i = i0 + jj;
-    const F gi = V::mul(V::template ldt<G>(g + i), inv_scale);
     F pi;
     if constexpr (PM == PMode::BF16_SR) {
       pi = V::template ldt<BF16>(static_cast<const BF16*>(param) + i);
     } else {
       pi = V::ld(static_cast<const float*>(param) + i);
     }
-    pi = V::mul(pi, decay);
-    const F d = V::sub(gi, mi);
-    mi = LERP_LOW ? V::fma(w, d, mi) : V::fnma(d, one_minus_w, gi);
-    vi = V::fma(V::mul(omb2, gi), gi, V::mul(vi, b2));
-    const F denom = V::add(V::div(V::sqrt(vi), bc2), eps);
-    pi = V::fnma(step, V::div(mi, denom), pi);
+    adam_update<V, LERP_LOW>(k, V::template ldt<G>(g + i), pi, mi, vi);
     if constexpr (PM == PMode::BF16_SR) {
-      V::st_u16(static_cast<uint16_t*>(param) + i, sr_bf16<V>(pi, V::ld_u32(sr + jj)));
+      V::st_u16(static_cast<uint16_t*>(param) + i, sr_bf16<V>(pi, V::ld_u16(sr + jj)));
     } else {
       V::st(static_cast<float*>(param) + i, pi);
       if constexpr (PM == PMode::F32_LPBF16) V::template stt<BF16>(static_cast<BF16*>(lp) + i, pi);
@@ -540,9 +372,11 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
       V::st(vb + jj, vi);
       acc_m = V::maxu(acc_m, V::and_(V::bits(mi), abs_mask));
       acc_v = V::maxu(acc_v, V::and_(V::bits(vi), abs_mask));
+      acc_pm = V::maxi(acc_pm, V::bits(mi));
+      acc_pv = V::maxi(acc_pv, V::bits(vi));
     }
   };
-#ifdef ZK_AVX512
+#ifdef ZK_VBMI
   if constexpr (MF == MomentFmt::U8 && std::is_same_v<V, L16>) {
     // 64 codes at a time through byte-table permutes: unlike gathers, they overlap with the
     // divisions and square roots that bound this loop.
@@ -565,52 +399,93 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
       mi = V::template ldt<BF16>(static_cast<const BF16*>(m) + i);
       vi = V::template ldt<BF16>(static_cast<const BF16*>(v) + i);
     } else {
-      mi = V::mul(V::gather(c.tables + kSignedMap, V::ld_u8(static_cast<const uint8_t*>(m) + i)),
-                  msc);
-      vi = V::mul(V::gather(c.tables + kUnsignedMap, V::ld_u8(static_cast<const uint8_t*>(v) + i)),
-                  vsc);
+      mi = V::mul(V::lut(c.tables + kSignedMap, static_cast<const uint8_t*>(m) + i), msc);
+      vi = V::mul(V::lut(c.tables + kUnsignedMap, static_cast<const uint8_t*>(v) + i), vsc);
     }
     body(j, mi, vi);
   }
   if constexpr (MF == MomentFmt::U8) {
     am = std::max(am, V::hmax(acc_m));
     av = std::max(av, V::hmax(acc_v));
+    pm = std::max(pm, V::hmaxi(acc_pm));
+    pv = std::max(pv, V::hmaxi(acc_pv));
   }
   return j;
 }
 
-// Sweep 2 (8-bit moments): codes of mb/vb over [j, L) into the block's code arrays.
+// Sweep 2 (8-bit moments), n = x * r (format version 2: one reciprocal per block,
+// zerokern.quant.blockwise), in two passes over the block buffered in L1:
+//   a. n = x * r in place, V::N at a time;
+//   b. code = (word + low half, flipped for n < 0) >> 16, the word looked up by n's top 16
+//      bits (V::lut_hi16), V::N at a time, stored as bytes.
 template <class V>
-int64_t sweep_quantize(const Derived& dw, const float* mb, const float* vb, float m_div,
-                       float v_div, uint8_t* mc, uint8_t* vc, int64_t j, int64_t L) {
+int64_t normalise_lanes(float* mb, float* vb, float m_r, float v_r, int64_t j, int64_t L) {
   using F = typename V::F;
-  const F md = V::set1(m_div), vd = V::set1(v_div);
-  const int32_t* wm = dw.m.words.data();
-  const int32_t* wv = dw.v.words.data();
+  const F mr = V::set1(m_r), vr = V::set1(v_r);
   for (; j + V::N <= L; j += V::N) {
-    V::st_u8(mc + j, quantize<V>(wm, V::div(V::ld(mb + j), md)));
-    V::st_u8(vc + j, quantize<V>(wv, V::div(V::ld(vb + j), vd)));
+    V::st(mb + j, V::mul(V::ld(mb + j), mr));
+    V::st(vb + j, V::mul(V::ld(vb + j), vr));
   }
   return j;
 }
+
+template <class V>
+int64_t code_lanes(const Derived& dw, const float* mb, const float* vb, uint8_t* mc,
+                   uint8_t* vc, int64_t j, int64_t L) {
+  const int32_t* tm = dw.m.words.data();
+  const int32_t* tv = dw.v.words.data();
+  for (; j + V::N <= L; j += V::N) {
+    const auto um = V::bits(V::ld(mb + j)), uv = V::bits(V::ld(vb + j));
+    V::st_u8(mc + j, V::template srl<16>(V::add(V::lut_hi16(tm, mb + j), V::low16_flip(um))));
+    V::st_u8(vc + j, V::template srl<16>(V::add(V::lut_hi16(tv, vb + j), V::low16_flip(uv))));
+  }
+  return j;
+}
+
+// The signed scale of a block (zerokern.quant.blockwise.block_scales) from the maximum of its
+// magnitude patterns (`amag`) and of its patterns as signed integers (`imax`): +A when some
+// element is +A (its pattern is then the largest non-negative one), else -A; NaN as is.
+inline float block_scale(uint32_t amag, int32_t imax) {
+  if (amag > 0x7F800000u || amag == 0 || imax == int32_t(amag)) return bits_to_float(amag);
+  return bits_to_float(amag | 0x80000000u);
+}
+
+// How a block's values are normalised: n = x * r when 2^-126 <= |d| < 2^126 (r = 1 / d, one
+// division per block), else n = x / d (d = the scale, 1 for a zero scale).
+struct Norm {
+  float d, r;
+  bool recip;
+  explicit Norm(float scale) {
+    d = scale == 0.0f ? 1.0f : scale;
+    const float a = std::fabs(d);
+    recip = a >= 0x1p-126f && a < 0x1p126f;
+    r = 1.0f / d;
+  }
+  float operator()(float x) const { return recip ? x * r : x / d; }
+};
 
 template <typename G, PMode PM, MomentFmt MF, bool LERP_LOW>
 void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
   alignas(64) float mb[kBlock];
   alignas(64) float vb[kBlock];
-  alignas(64) uint32_t sr[kBlock];
+  // 16 random bits per element: up to 33 Philox groups of 8 elements cover a block.
+  alignas(64) uint32_t srw[4 * 40] = {};  // (initialised: GCC cannot see fill_sr write it)
+  const uint16_t* sr = nullptr;
   for (int64_t b = b_begin; b < b_end; ++b) {
     const int64_t i0 = b * kBlock, L = std::min(kBlock, c.n - i0);
     if constexpr (PM == PMode::BF16_SR) {
       const uint32_t base = uint32_t(c.sr_index[b]);
-      int64_t j = 0;
+      const uint32_t g0 = base >> 3;
+      const int64_t ng = int64_t((base + uint32_t(L) - 1) >> 3) - int64_t(g0) + 1;
+      int64_t t = 0;
 #ifdef ZK_AVX512
-      j = fill_sr<L16>(sr, base, j, L, c.step, c.k0, c.k1);
+      t = fill_sr<L16>(srw, g0, t, ng, c.step, c.k0, c.k1);
 #endif
 #ifdef ZK_AVX2
-      j = fill_sr<L8>(sr, base, j, L, c.step, c.k0, c.k1);
+      t = fill_sr<L8>(srw, g0, t, ng, c.step, c.k0, c.k1);
 #endif
-      fill_sr<L1>(sr, base, j, L, c.step, c.k0, c.k1);
+      fill_sr<L1>(srw, g0, t, ng, c.step, c.k0, c.k1);
+      sr = reinterpret_cast<const uint16_t*>(srw) + (base & 7u);
     }
     float m_scale = 0.0f, v_scale = 0.0f;
     if constexpr (MF == MomentFmt::U8) {
@@ -618,36 +493,50 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
       v_scale = c.v_absmax[b];
     }
     uint32_t am = 0, av = 0;
+    int32_t pm = INT32_MIN, pv = INT32_MIN;
     int64_t j = 0;
 #ifdef ZK_AVX512
-    j = sweep_update<L16, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av);
+    j = sweep_update<L16, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av,
+                                               pm, pv);
 #endif
 #ifdef ZK_AVX2
-    j = sweep_update<L8, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av);
+    j = sweep_update<L8, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av,
+                                              pm, pv);
 #endif
-    sweep_update<L1, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av);
+    sweep_update<L1, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av, pm,
+                                          pv);
     if constexpr (MF == MomentFmt::U8) {
-      const float amf = bits_to_float(am), avf = bits_to_float(av);
-      c.m_absmax[b] = amf;
-      c.v_absmax[b] = avf;
-      // IEEE divisions by the block absmax (1 for an all-zero block).
-      const float md = amf == 0.0f ? 1.0f : amf, vd = avf == 0.0f ? 1.0f : avf;
+      const float ms = block_scale(am, pm), vs = block_scale(av, pv);
+      c.m_absmax[b] = ms;
+      c.v_absmax[b] = vs;
+      const Norm mn(ms), vn(vs);
       uint8_t* mc = static_cast<uint8_t*>(c.m) + i0;
       uint8_t* vc = static_cast<uint8_t*>(c.v) + i0;
       const Derived& dw = *c.words;
-      if (dw.m.ok && dw.v.ok) {
+      if (dw.m.ok && dw.v.ok && mn.recip && vn.recip) {
         j = 0;
 #ifdef ZK_AVX512
-        j = sweep_quantize<L16>(dw, mb, vb, md, vd, mc, vc, j, L);
+        j = normalise_lanes<L16>(mb, vb, mn.r, vn.r, j, L);
 #endif
 #ifdef ZK_AVX2
-        j = sweep_quantize<L8>(dw, mb, vb, md, vd, mc, vc, j, L);
+        j = normalise_lanes<L8>(mb, vb, mn.r, vn.r, j, L);
 #endif
-        sweep_quantize<L1>(dw, mb, vb, md, vd, mc, vc, j, L);
-      } else {  // a table without the one-step-per-bucket shape: exact search throughout
+        normalise_lanes<L1>(mb, vb, mn.r, vn.r, j, L);
+        j = 0;
+#ifdef ZK_AVX512
+        j = code_lanes<L16>(dw, mb, vb, mc, vc, j, L);
+#endif
+#ifdef ZK_AVX2
+        j = code_lanes<L8>(dw, mb, vb, mc, vc, j, L);
+#endif
+        code_lanes<L1>(dw, mb, vb, mc, vc, j, L);
+      } else {  // a scale outside the reciprocal's range, or a table without lookup words
         for (int64_t k = 0; k < L; ++k) {
-          mc[k] = uint8_t(code_exact(c.tables + kSignedThr, dw.m.sorted, mb[k] / md));
-          vc[k] = uint8_t(code_exact(c.tables + kUnsignedThr, dw.v.sorted, vb[k] / vd));
+          const float nm = mn(mb[k]), nv = vn(vb[k]);
+          mc[k] = uint8_t(dw.m.ok ? quantize1(dw.m.words.data(), nm)
+                                  : code_exact(c.tables + kSignedThr, dw.m.sorted, nm));
+          vc[k] = uint8_t(dw.v.ok ? quantize1(dw.v.words.data(), nv)
+                                  : code_exact(c.tables + kUnsignedThr, dw.v.sorted, nv));
         }
       }
     }

@@ -17,28 +17,34 @@
 // kernels.h with its rounding contract (three fmas, every other operation one IEEE rounding:
 // __f*_rn intrinsics, so nvcc can neither contract nor reassociate; the build passes no fast
 // math, so subnormals are kept). Then, by format:
-//   * uint8 moments: absmax = max |x| over the block as the maximum of the bit patterns with
-//     the sign cleared. For non-negative floats the integer order is the value order and every
-//     NaN pattern lies above inf's, so the maximum propagates NaN exactly like torch's amax
-//     (redux.sync on sm_80+). n = x / absmax (__fdiv_rn; divisor 1 for an all-zero block), and
+//   * uint8 moments (format version 2, zerokern.quant.blockwise): A = max |x| over the block
+//     as the maximum of the bit patterns with the sign cleared. For non-negative floats the
+//     integer order is the value order and every NaN pattern lies above inf's, so the maximum
+//     propagates NaN exactly like torch's amax (redux.sync on sm_80+). The scale is -A when no
+//     element is +A (a second maximum, of the patterns as signed integers), else +A.
+//     n = x * __fdiv_rn(1, d) (one division per block; d = the scale, 1 for a zero scale), or
+//     x / d outside 2^-126 <= |d| < 2^126, and
 //     the code is #{t_k < n} for n >= 0, #{t_k <= n} for n < 0, counted by an 8-step
 //     branch-free binary search over the 256-entry threshold table (255 thresholds and +inf);
 //     NaN compares false at every step, so it takes code 0.
 //   * bf16 moments: round to nearest even. fp32 moments: stored as they are.
 //   * fp32 param: stored, and param_lp (bf16/fp16) rounded to nearest even when given.
-//   * bf16 param: stochastic rounding with the first word of Philox4x32-10 of the counter
-//     (index, step, 0, 0) under the key (seed lo, seed hi), computed here (ten rounds,
-//     __umulhi), with index = sr_index[block] + the element's offset in the block.
+//   * bf16 param: stochastic rounding with 16 bits of Philox4x32-10 of the counter
+//     (index / 8, step, 0, 0) under the key (seed lo, seed hi), computed here (ten rounds,
+//     __umulhi) once per run of 4 elements (twice when the run straddles two groups of 8), with
+//     index = sr_index[block] + the element's offset in the block (format version 2).
 // Indices are int64_t; ranges longer than 2^31 elements are fine.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 
+#include "adam_update.cuh"
 #include "kernels.h"
 
 namespace zk {
@@ -53,13 +59,6 @@ constexpr int kTable = 1024;              // floats in the map/threshold table
 static_assert(kBlock == 256 && kPer == 2 * kRun, "the lane layout assumes 256-element blocks");
 
 struct NoLp {};  // "no param_lp" marker type
-
-// Kernel-side scalars: AdamScalars plus the lerp branch and 1 - w, decided once on the host
-// exactly as adam_cuda.cu decides them.
-struct Coeffs {
-  float decay, w, one_minus_w, beta2, one_minus_beta2, step_size, bc2_sqrt, eps, inv_grad_scale;
-  bool w_small;
-};
 
 template <typename G, typename P, typename L, typename M>
 struct KArgs {
@@ -82,23 +81,6 @@ struct KArgs {
 // Offset in its block of lane `lane`'s element e (0..7): two runs of 4, 128 apart.
 __device__ __forceinline__ int elem_offset(int lane, int e) {
   return (e / kRun) * (kBlock / 2) + lane * kRun + (e % kRun);
-}
-
-// ---- the fp32 update (kernels.h) ----------------------------------------------------------
-
-__device__ __forceinline__ void adam_elem(float& p, float graw, float& m, float& v,
-                                          const Coeffs& k) {
-  const float g = __fmul_rn(graw, k.inv_grad_scale);
-  const float pd = __fmul_rn(p, k.decay);
-  const float d = __fsub_rn(g, m);
-  // torch's lerp_: w < 0.5 ? m + w*(g-m) : g - (g-m)*(1-w), each one fma.
-  const float mi = k.w_small ? __fmaf_rn(k.w, d, m) : __fmaf_rn(-d, k.one_minus_w, g);
-  // v*b2 + ((1-b2)*g)*g, the sum fused.
-  const float vi = __fmaf_rn(__fmul_rn(k.one_minus_beta2, g), g, __fmul_rn(v, k.beta2));
-  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), k.bc2_sqrt), k.eps);
-  p = __fmaf_rn(-k.step_size, __fdiv_rn(mi, denom), pd);
-  m = mi;
-  v = vi;
 }
 
 // ---- element access -----------------------------------------------------------------------
@@ -242,13 +224,22 @@ __device__ __forceinline__ void store_codes(uint8_t* base, int lane, bool vec, i
 
 // ---- 8-bit block quantization -------------------------------------------------------------
 
-// Block absmax over the warp: the largest |x| bit pattern (NaN-propagating, see the header).
-// Elements outside the block (o >= len) hold 0 and cannot raise it.
-__device__ __forceinline__ float warp_absmax(const float (&x)[kPer]) {
+// Block scale over the warp (format version 2, zerokern.quant.blockwise): A = the largest
+// |x| bit pattern (NaN-propagating, see the header), and the scale is -A when A > 0 and no
+// element is +A (the largest pattern read as a signed integer is then not A's), else +A.
+// Elements outside the block (o >= len) hold 0 and cannot raise either maximum past A.
+__device__ __forceinline__ float warp_scale(const float (&x)[kPer]) {
   uint32_t mx = 0;
+  int imax = INT_MIN;
 #pragma unroll
-  for (int e = 0; e < kPer; ++e) mx = max(mx, __float_as_uint(x[e]) & 0x7FFFFFFFu);
-  return __uint_as_float(__reduce_max_sync(0xFFFFFFFFu, mx));
+  for (int e = 0; e < kPer; ++e) {
+    mx = max(mx, __float_as_uint(x[e]) & 0x7FFFFFFFu);
+    imax = max(imax, __float_as_int(x[e]));
+  }
+  mx = __reduce_max_sync(0xFFFFFFFFu, mx);
+  imax = __reduce_max_sync(0xFFFFFFFFu, imax);
+  if (mx > 0x7F800000u || mx == 0u || imax == int(mx)) return __uint_as_float(mx);
+  return __uint_as_float(mx | 0x80000000u);
 }
 
 // #{t_k < x} for x >= 0 (and NaN: no comparison holds), #{t_k <= x} for x < 0, over the 256
@@ -265,22 +256,26 @@ __device__ __forceinline__ uint32_t code_of(const float* t, float x) {
   return uint32_t(pos);
 }
 
-// Requantize a lane's 8 new values of one moment with the block's new absmax: writes the
-// codes to c and returns the absmax (the value to store).
+// Requantize a lane's 8 new values of one moment with the block's new signed scale: writes
+// the codes to c and returns the scale (the value to store). n = x * fl(1 / d) when
+// 2^-126 <= |d| < 2^126, else x / d (d = the scale, 1 for a zero scale).
 __device__ __forceinline__ float quantize_lane(const float* thresholds, const float (&x)[kPer],
                                                uint32_t (&c)[kPer]) {
-  const float absmax = warp_absmax(x);
-  const float divisor = absmax == 0.0f ? 1.0f : absmax;
+  const float scale = warp_scale(x);
+  const float d = scale == 0.0f ? 1.0f : scale;
+  const float ad = fabsf(d);
+  const bool recip = ad >= 0x1p-126f && ad < 0x1p126f;  // warp-uniform
+  const float r = __fdiv_rn(1.0f, d);
 #pragma unroll
-  for (int e = 0; e < kPer; ++e) c[e] = code_of(thresholds, __fdiv_rn(x[e], divisor));
-  return absmax;
+  for (int e = 0; e < kPer; ++e)
+    c[e] = code_of(thresholds, recip ? __fmul_rn(x[e], r) : __fdiv_rn(x[e], d));
+  return scale;
 }
 
 // ---- stochastic rounding ------------------------------------------------------------------
 
-// Word 0 of Philox4x32-10 of the counter (c0, c1, 0, 0) under the key (k0, k1).
-__device__ __forceinline__ uint32_t philox_word0(uint32_t c0, uint32_t c1, uint32_t k0,
-                                                 uint32_t k1) {
+// Philox4x32-10 of the counter (c0, c1, 0, 0) under the key (k0, k1): the four words.
+__device__ __forceinline__ uint4 philox4(uint32_t c0, uint32_t c1, uint32_t k0, uint32_t k1) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
   constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
   uint32_t c2 = 0, c3 = 0;
@@ -298,7 +293,15 @@ __device__ __forceinline__ uint32_t philox_word0(uint32_t c0, uint32_t c1, uint3
     c2 = n2;
     c3 = lo0;
   }
-  return c0;
+  return make_uint4(c0, c1, c2, c3);
+}
+
+// The 16 random bits of element `index` from the words of its group index / 8
+// (zerokern.quant.philox.sr_bits16): half index % 2 of word (index / 2) % 4.
+__device__ __forceinline__ uint32_t pick16(const uint4& w, uint32_t index) {
+  const uint32_t k = (index >> 1) & 3u;
+  const uint32_t word = k == 0 ? w.x : k == 1 ? w.y : k == 2 ? w.z : w.w;
+  return (word >> (16u * (index & 1u))) & 0xFFFFu;
 }
 
 // zerokern.quant.rounding.stochastic_round_bf16 of one value with random word `bits`.
@@ -363,10 +366,20 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kSr) {
       const uint32_t first_index = static_cast<uint32_t>(a.sr_index[b]);
       uint32_t out[kPer];
+      // Each run of 4 consecutive elements lies in one or two Philox groups of 8.
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) {
-        const uint32_t index = first_index + uint32_t(elem_offset(lane, e));
-        out[e] = stochastic_round_bf16(p[e], philox_word0(index, a.step, a.seed_lo, a.seed_hi));
+      for (int r = 0; r < kPer / kRun; ++r) {
+        const uint32_t i0 = first_index + uint32_t(elem_offset(lane, r * kRun));
+        const uint4 wa = philox4(i0 >> 3, a.step, a.seed_lo, a.seed_hi);
+        const uint4 wb = ((i0 + kRun - 1) >> 3) == (i0 >> 3)
+                             ? wa
+                             : philox4((i0 >> 3) + 1, a.step, a.seed_lo, a.seed_hi);
+#pragma unroll
+        for (int j = 0; j < kRun; ++j) {
+          const uint32_t index = i0 + uint32_t(j);
+          const uint32_t bits = pick16((index >> 3) == (i0 >> 3) ? wa : wb, index);
+          out[r * kRun + j] = stochastic_round_bf16(p[r * kRun + j], bits);
+        }
       }
       auto* dst = reinterpret_cast<unsigned short*>(a.param + base);
 #pragma unroll
@@ -516,17 +529,7 @@ void adamw_compressed_cuda(const CompressedArgs& c, const AdamScalars& s, void* 
   } else if (c.param_lp != nullptr && c.lpdt != DType::BF16 && c.lpdt != DType::F16) {
     refuse("lpdt (param_lp) must be BF16 or F16");
   }
-  Coeffs k;
-  k.decay = s.decay;
-  k.w = s.one_minus_beta1;
-  k.one_minus_w = 1.0f - s.one_minus_beta1;  // fp32, as the oracle computes it
-  k.w_small = (s.one_minus_beta1 < 0.0f ? -s.one_minus_beta1 : s.one_minus_beta1) < 0.5f;
-  k.beta2 = s.beta2;
-  k.one_minus_beta2 = s.one_minus_beta2;
-  k.step_size = s.step_size;
-  k.bc2_sqrt = s.bc2_sqrt;
-  k.eps = s.eps;
-  k.inv_grad_scale = s.inv_grad_scale;
+  const Coeffs k = coeffs_of(s);
   const auto st = static_cast<cudaStream_t>(stream);
   switch (c.gdt) {
     case DType::F32: return by_param<float>(c, k, st);

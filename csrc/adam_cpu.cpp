@@ -1,12 +1,20 @@
 // Fused mixed-precision AdamW over one flat shard on the CPU: one pass reads grad, master,
 // m, v and writes master, m, v and (optionally) the 16-bit param copy. OpenMP splits the
-// shard into contiguous per-thread ranges; inside a range AVX2 processes 8 lanes with
-// 16-bit values converted in registers. The per-element formula is in kernels.h.
+// shard into contiguous per-thread ranges; inside a range the lanes of cpu_lanes.h run
+// AVX-512 (16 lanes), then AVX2 (8), then single elements, with 16-bit values converted in
+// registers. The per-element formula is in kernels.h, spelled once in cpu_lanes.h.
+// Contraction off and no errno, before the includes: see cpu_lanes.h.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off", "no-math-errno")
+#endif
 #include <omp.h>
 
 #include <algorithm>
 #include <stdexcept>
 
+#include "cpu_lanes.h"
 #include "cpu_vec.h"
 #include "kernels.h"
 
@@ -16,85 +24,35 @@ namespace {
 // Below this many elements threads cost more than they save.
 constexpr int64_t kParallelMin = 1 << 15;
 
-template <typename G, typename LP>
-inline void adam_scalar(float* p, const G* g, float* m, float* v, LP* lp, int64_t i,
-                        const AdamScalars& s, bool lerp_low) {
-  float gi = Scalar<G>::load(g + i) * s.inv_grad_scale;
-  float pi = p[i] * s.decay;
-  float mi = m[i];
-  float d = gi - mi;
-  mi = lerp_low ? std::fma(s.one_minus_beta1, d, mi) : std::fma(-d, 1.0f - s.one_minus_beta1, gi);
-  // Same roundings as the AVX2 body (and the CUDA kernel): fma where it uses one.
-  float vi = std::fma(s.one_minus_beta2 * gi, gi, v[i] * s.beta2);
-  float denom = std::sqrt(vi) / s.bc2_sqrt + s.eps;
-  pi = std::fma(-s.step_size, mi / denom, pi);
-  p[i] = pi;
-  m[i] = mi;
-  v[i] = vi;
-  if constexpr (!std::is_same_v<LP, void>) Scalar<LP>::store(lp + i, pi);
+// Elements [i, end) in chunks of V::N; returns where it stopped.
+template <class V, typename G, typename LP, bool LERP_LOW>
+int64_t adam_lanes(float* p, const G* g, float* m, float* v, LP* lp, int64_t i, int64_t end,
+                   const AdamScalars& s) {
+  using F = typename V::F;
+  const AdamCoeffs<V> k(s);
+  for (; i + V::N <= end; i += V::N) {
+    F pi = V::ld(p + i), mi = V::ld(m + i), vi = V::ld(v + i);
+    adam_update<V, LERP_LOW>(k, V::template ldt<G>(g + i), pi, mi, vi);
+    V::st(p + i, pi);
+    V::st(m + i, mi);
+    V::st(v + i, vi);
+    if constexpr (!std::is_same_v<LP, void>) V::template stt<LP>(lp + i, pi);
+  }
+  return i;
 }
 
 // LERP_LOW is a template parameter so the inner loops carry no branch on it.
 template <typename G, typename LP, bool LERP_LOW>
 void adam_range(float* p, const G* g, float* m, float* v, LP* lp, int64_t begin, int64_t end,
                 const AdamScalars& s) {
-  constexpr bool lerp_low = LERP_LOW;
   int64_t i = begin;
 #ifdef ZK_AVX512
-  {
-    const __m512 inv_scale = _mm512_set1_ps(s.inv_grad_scale);
-    const __m512 decay = _mm512_set1_ps(s.decay);
-    const __m512 w = _mm512_set1_ps(s.one_minus_beta1);
-    const __m512 one_minus_w = _mm512_set1_ps(1.0f - s.one_minus_beta1);
-    const __m512 b2 = _mm512_set1_ps(s.beta2);
-    const __m512 omb2 = _mm512_set1_ps(s.one_minus_beta2);
-    const __m512 bc2 = _mm512_set1_ps(s.bc2_sqrt);
-    const __m512 eps = _mm512_set1_ps(s.eps);
-    const __m512 step = _mm512_set1_ps(s.step_size);
-    for (; i + 16 <= end; i += 16) {
-      __m512 gi = _mm512_mul_ps(Vec16<G>::load(g + i), inv_scale);
-      __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + i), decay);
-      __m512 mi = _mm512_loadu_ps(m + i);
-      __m512 d = _mm512_sub_ps(gi, mi);
-      mi = lerp_low ? _mm512_fmadd_ps(w, d, mi) : _mm512_fnmadd_ps(d, one_minus_w, gi);
-      __m512 vi = _mm512_mul_ps(_mm512_loadu_ps(v + i), b2);
-      vi = _mm512_fmadd_ps(_mm512_mul_ps(omb2, gi), gi, vi);
-      __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
-      pi = _mm512_fnmadd_ps(step, _mm512_div_ps(mi, denom), pi);
-      _mm512_storeu_ps(p + i, pi);
-      _mm512_storeu_ps(m + i, mi);
-      _mm512_storeu_ps(v + i, vi);
-      if constexpr (!std::is_same_v<LP, void>) Vec16<LP>::store(lp + i, pi);
-    }
-  }
+  i = adam_lanes<L16, G, LP, LERP_LOW>(p, g, m, v, lp, i, end, s);
 #endif
 #ifdef ZK_AVX2
-  const __m256 inv_scale = _mm256_set1_ps(s.inv_grad_scale);
-  const __m256 decay = _mm256_set1_ps(s.decay);
-  const __m256 w = _mm256_set1_ps(s.one_minus_beta1);
-  const __m256 one_minus_w = _mm256_set1_ps(1.0f - s.one_minus_beta1);
-  const __m256 b2 = _mm256_set1_ps(s.beta2);
-  const __m256 omb2 = _mm256_set1_ps(s.one_minus_beta2);
-  const __m256 bc2 = _mm256_set1_ps(s.bc2_sqrt);
-  const __m256 eps = _mm256_set1_ps(s.eps);
-  const __m256 step = _mm256_set1_ps(s.step_size);
-  for (; i + 8 <= end; i += 8) {
-    __m256 gi = _mm256_mul_ps(Vec8<G>::load(g + i), inv_scale);
-    __m256 pi = _mm256_mul_ps(_mm256_loadu_ps(p + i), decay);
-    __m256 mi = _mm256_loadu_ps(m + i);
-    __m256 d = _mm256_sub_ps(gi, mi);
-    mi = lerp_low ? _mm256_fmadd_ps(w, d, mi) : _mm256_fnmadd_ps(d, one_minus_w, gi);
-    __m256 vi = _mm256_mul_ps(_mm256_loadu_ps(v + i), b2);
-    vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gi), gi, vi);
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2), eps);
-    pi = _mm256_fnmadd_ps(step, _mm256_div_ps(mi, denom), pi);
-    _mm256_storeu_ps(p + i, pi);
-    _mm256_storeu_ps(m + i, mi);
-    _mm256_storeu_ps(v + i, vi);
-    if constexpr (!std::is_same_v<LP, void>) Vec8<LP>::store(lp + i, pi);
-  }
+  i = adam_lanes<L8, G, LP, LERP_LOW>(p, g, m, v, lp, i, end, s);
 #endif
-  for (; i < end; ++i) adam_scalar<G, LP>(p, g, m, v, lp, i, s, lerp_low);
+  adam_lanes<L1, G, LP, LERP_LOW>(p, g, m, v, lp, i, end, s);
 }
 
 template <typename G, typename LP>

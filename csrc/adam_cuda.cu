@@ -8,9 +8,9 @@
 // elements are handled by the first threads of the grid. Arrays whose phases cannot all be
 // reconciled use the scalar kernel. Indices are int64_t throughout (shards > 2^31 elements).
 //
-// Per-element arithmetic: the formula of kernels.h, rounded step by step as the CPU backend's
-// AVX2 path (adam_cpu.cpp) does it: the lerp, the addcmul and the final addcdiv are single
-// fused multiply-adds (as nvcc compiles torch's own lerp_/addcmul_/addcdiv_ CUDA kernels),
+// Per-element arithmetic: adam_elem of adam_update.cuh, the formula of kernels.h rounded
+// step by step as the CPU lanes (cpu_lanes.h) do it: the lerp, the addcmul and the final
+// addcdiv are single fused multiply-adds (as nvcc compiles torch's own lerp_/addcmul_/addcdiv_ CUDA kernels),
 // every other operation is one IEEE rounding (true division, correctly rounded sqrt).
 // torch.optim.AdamW on CUDA differs in one place: it divides sqrt(v) by bc2_sqrt as a multiply
 // by an fp32 reciprocal. Written with __f*_rn intrinsics so nvcc cannot contract differently.
@@ -23,6 +23,7 @@
 #include <string>
 #include <type_traits>
 
+#include "adam_update.cuh"
 #include "kernels.h"
 
 namespace zk {
@@ -33,29 +34,6 @@ constexpr int kBlocksPerSm = 4;
 constexpr int kVec = 8;  // elements per thread-iteration on the vector path
 
 struct NoLp {};  // "no param_lp" marker type
-
-// Kernel-side scalars: AdamScalars plus the lerp branch and 1 - w, decided once on the host.
-struct Coeffs {
-  float decay, w, one_minus_w, beta2, one_minus_beta2, step_size, bc2_sqrt, eps, inv_grad_scale;
-  bool w_small;
-};
-
-__device__ __forceinline__ void adam_elem(float& p, float graw, float& m, float& v,
-                                          const Coeffs& k) {
-  const float g = __fmul_rn(graw, k.inv_grad_scale);
-  float pi = __fmul_rn(p, k.decay);
-  const float d = __fsub_rn(g, m);
-  // torch's lerp_: w < 0.5 ? m + w*(g-m) : g - (g-m)*(1-w), each as one fma.
-  const float mi = k.w_small ? __fmaf_rn(k.w, d, m) : __fmaf_rn(-d, k.one_minus_w, g);
-  // mul_(beta2) then addcmul_(g, g, value=1-beta2): v*b2 + ((1-b2)*g)*g.
-  const float vi = __fmaf_rn(__fmul_rn(k.one_minus_beta2, g), g, __fmul_rn(v, k.beta2));
-  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), k.bc2_sqrt), k.eps);
-  // addcdiv_(m, denom, value=-step_size): p - step_size * (m / denom), fused.
-  pi = __fmaf_rn(-k.step_size, __fdiv_rn(mi, denom), pi);
-  p = pi;
-  m = mi;
-  v = vi;
-}
 
 // ---- element access --------------------------------------------------------------------
 
@@ -268,17 +246,7 @@ void adamw_cuda(float* param, const void* grad, DType gdt, float* exp_avg, float
     throw std::invalid_argument("zerokern adamw_cuda: unsupported grad dtype");
   if (n < 0) throw std::invalid_argument("zerokern adamw_cuda: negative element count");
   if (n == 0) return;
-  Coeffs k;
-  k.decay = s.decay;
-  k.w = s.one_minus_beta1;
-  k.one_minus_w = 1.0f - s.one_minus_beta1;  // fp32, as torch's lerp computes it
-  k.w_small = (s.one_minus_beta1 < 0.0f ? -s.one_minus_beta1 : s.one_minus_beta1) < 0.5f;
-  k.beta2 = s.beta2;
-  k.one_minus_beta2 = s.one_minus_beta2;
-  k.step_size = s.step_size;
-  k.bc2_sqrt = s.bc2_sqrt;
-  k.eps = s.eps;
-  k.inv_grad_scale = s.inv_grad_scale;
+  const Coeffs k = coeffs_of(s);
   const auto st = static_cast<cudaStream_t>(stream);
   switch (gdt) {
     case DType::F32:

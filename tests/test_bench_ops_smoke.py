@@ -112,6 +112,13 @@ def test_bench_adam_quick(tmp_path: Path) -> None:
             assert float(row["update_cos"]) > 0.95, name
             assert row["baseline"] == "torch_fused"
             check_ratios(row)
+            # The limit: the triad's best round, never below torch fused AdamW's best round;
+            # each row's GB/s as a percentage of it.
+            limit = float(row["limit_gbs"])
+            assert limit >= float(row["triad_gbs"]) > 0, name
+            assert limit >= float(sel["torch_fused"]["gb_s_best"]), name
+            assert row["limit_by"] in ("triad", "torch_fused"), name
+            assert float(row["pct_limit"]) == pytest.approx(100 * float(row["gb_s"]) / limit)
 
 
 def test_bench_convergence_quick(tmp_path: Path) -> None:
@@ -136,3 +143,16 @@ def test_bench_convergence_quick(tmp_path: Path) -> None:
     assert math.isclose(float(curve[0]["zk_fp32"]), float(curve[0]["zk_int8"]))
     if importlib.util.find_spec("matplotlib") is not None:
         assert len(list(tmp_path.glob("bench_convergence_cpu_*_curve.png"))) == 1
+
+
+def test_bench_adam_builds_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two trees (here the same one twice): every kernel timed in every child, one ratio per
+    kernel and tree after the first."""
+    import bench_adam_builds
+
+    assert bench_adam_builds.main(["--tree", f"a={ROOT}", "--tree", f"b={ROOT}", "--size", "10",
+                                   "--rounds", "1", "--calls", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert set(rows) == set(bench_adam_builds.KERNELS)
+    assert all(" a/b " in line for line in rows.values())

@@ -19,6 +19,7 @@ import torch
 
 from zerokern import _native
 from zerokern.ops.adamw_compressed import fused_adamw_compressed_
+from zerokern.quant.blockwise import quantize_blockwise_v2
 from zerokern.quant.maps import (
     BLOCK,
     SIGNED_MAP_ID,
@@ -250,7 +251,7 @@ def test_other_code_maps(kind):
     # The kernel takes its maps from `tables`: evenly spaced maps (the per-bucket lookup words
     # are derived for them too) and maps with thresholds closer than a bf16 ulp (no lookup
     # words: the exact search for every element). beta1 = 0 and beta2 = 0 make the new
-    # moments g and RN(g * g), whose codes quantize_blockwise gives independently.
+    # moments g and RN(g * g), whose codes quantize_blockwise_v2 gives independently.
     signed = torch.linspace(-1, 1, 256)
     unsigned = torch.linspace(0, 1, 256)
     if kind == "clustered":
@@ -267,8 +268,8 @@ def test_other_code_maps(kind):
     _native._C.adamw_compressed(
         torch.zeros(n), g, m, v, absmax_m, absmax_v, None, None, 0, 1, _table(signed, unsigned),
         1.0, 1.0, 0.0, 1.0, 1e-3, 1.0, 1e-8, 1.0)
-    want_m, want_am = quantize_blockwise(g, signed)
-    want_v, want_av = quantize_blockwise(g * g, unsigned)
+    want_m, want_am = quantize_blockwise_v2(g, signed)
+    want_v, want_av = quantize_blockwise_v2(g * g, unsigned)
     _assert_same(m, want_m, "exp_avg codes")
     _assert_same(absmax_m, want_am, "exp_avg_absmax")
     _assert_same(v, want_v, "exp_avg_sq codes")

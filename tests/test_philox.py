@@ -14,7 +14,7 @@ import triton_common
 from triton_common import Group, assert_group
 from triton_common import start_scripts as start_scripts  # conftest starts the subprocess
 
-from zerokern.quant.philox import MASK32, philox4x32, randint4x, sr_bits
+from zerokern.quant.philox import MASK32, philox4x32, randint4x, sr_bits, sr_bits16
 
 # Random123 known-answer vectors, the three "philox4x32 10" lines of tests/kat_vectors in
 # https://github.com/DEShawResearch/random123 (columns: counter[4], key[2], expected[4]).
@@ -262,3 +262,33 @@ def test_sr_bits_on_cuda_index_equals_cpu():
     got = sr_bits(123, 9, idx.cuda())
     assert got.device.type == "cuda"
     assert torch.equal(got.cpu(), want)
+def test_sr_bits16_key():
+    """sr_bits16 (format version 2): the 8 elements of group i // 8 share one Philox call at
+    counter (i // 8, step, 0, 0) and take its 128 bits 16 at a time, in order."""
+    for seed, step in ((0, 0), (2**64 - 1, 2**32 - 1), (0xDEADBEEF12345678, 77)):
+        idx = torch.arange(0, 4096) * 1237 % (2**32)
+        got = sr_bits16(seed, step, idx)
+        words = philox4x32(idx >> 3, step, 0, 0, seed & MASK32, seed >> 32)
+        w = torch.stack(words, 1).gather(1, ((idx >> 1) & 3).view(-1, 1)).view(-1)
+        assert torch.equal(got, (w >> (16 * (idx & 1))) & 0xFFFF)
+    # 8 consecutive elements from a multiple of 8 hold the four words, low half first.
+    bits = sr_bits16(5, 9, torch.arange(64, 72))
+    words = philox4x32(8, 9, 0, 0, 5, 0)
+    assert [int(bits[2 * k]) | int(bits[2 * k + 1]) << 16 for k in range(4)] == [
+        int(w) for w in words]
+
+
+def test_sr_bits16_reproducible_layout_free_and_distinct():
+    n = 5000
+    whole = sr_bits16(1234, 42, torch.arange(n))
+    for start, stop in ((0, 1), (3, 11), (7, 4093), (4000, 5000)):
+        assert torch.equal(sr_bits16(1234, 42, torch.arange(start, stop)), whole[start:stop])
+    assert int(whole.min()) >= 0 and int(whole.max()) < 2**16
+    # Another step, seed or a shifted index draws other bits.
+    for b in (sr_bits16(1234, 43, torch.arange(n)), sr_bits16(1235, 42, torch.arange(n)),
+              sr_bits16(1234, 42, torch.arange(8, n + 8))):
+        assert (b != whole).float().mean() > 0.99
+    with pytest.raises(ValueError):
+        sr_bits16(-1, 0, torch.arange(3))
+    with pytest.raises(ValueError):
+        sr_bits16(0, 0, torch.tensor([2**32]))

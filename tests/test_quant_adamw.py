@@ -2,7 +2,7 @@
 
 References: the fused kernels' fp32 update spelled exactly (``quant.contract.adamw_contract_``,
 itself checked against the cpu kernel) and torch.optim.AdamW (closely) for the fp32 path,
-hand compositions of ``maps`` + ``adamw_contract_`` + ``sr_bits`` / ``stochastic_round_bf16``
+hand compositions of ``blockwise`` + ``adamw_contract_`` + ``sr_bits16`` / ``stochastic_round_bf16``
 for the compressed paths, and an fp32 run of the same quadratic for int8 training.
 """
 
@@ -20,6 +20,7 @@ from zerokern.quant.adamw import (
     effective_moments_format,
     init_compressed_moments,
 )
+from zerokern.quant.blockwise import quantize_blockwise_v2
 from zerokern.quant.contract import adamw_contract_
 from zerokern.quant.maps import (
     BLOCK,
@@ -27,9 +28,8 @@ from zerokern.quant.maps import (
     UNSIGNED_MAP_ID,
     code_map,
     dequantize_blockwise,
-    quantize_blockwise,
 )
-from zerokern.quant.philox import sr_bits
+from zerokern.quant.philox import sr_bits16
 from zerokern.quant.rounding import stochastic_round_bf16
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
@@ -136,7 +136,7 @@ def test_compressed_step_is_dequant_fp32_update_requant(moments, master):
     p_ref = p.float().clone()
     adamw_contract_(p_ref, g, m, v, None, s)
     if master == "none":
-        p_ref = stochastic_round_bf16(p_ref, sr_bits(SEED, 4, torch.arange(N)))
+        p_ref = stochastic_round_bf16(p_ref, sr_bits16(SEED, 4, torch.arange(N)))
 
     ours = _clone(state)
     p_ours = p.clone()
@@ -147,7 +147,7 @@ def test_compressed_step_is_dequant_fp32_update_requant(moments, master):
     if moments == "int8":
         for codes, absmax, x, cmap in ((ours.exp_avg, ours.exp_avg_absmax, m, SIGNED),
                                        (ours.exp_avg_sq, ours.exp_avg_sq_absmax, v, UNSIGNED)):
-            ref_codes, ref_absmax = quantize_blockwise(x, cmap)
+            ref_codes, ref_absmax = quantize_blockwise_v2(x, cmap)
             _same(codes, ref_codes)
             _same(absmax, ref_absmax)
             _same(dequantize_blockwise(codes, absmax, cmap),

@@ -23,6 +23,7 @@ from zerokern.quant.maps import (
     code_map,
     create_dynamic_map,
     decision_thresholds,
+    decodes_alike,
     dequantize_blockwise,
     quantize_blockwise,
 )
@@ -31,9 +32,12 @@ SIGNED = create_dynamic_map(True)
 UNSIGNED = create_dynamic_map(False)
 
 # sha256 of the 256 little-endian fp32 values: a map id must always name the same bytes.
+_SIGNED_HASH = "e732639a65f497b4ad684bb166a4467708255edd5207757de8b8f0c7e1fda89c"
+_UNSIGNED_HASH = "305f002cc11278fb769d13b25b9fd0c7c83c8402c40a878fe086f4039fde6398"
+# Format version 2 (zerokern.quant.blockwise) encodes differently; the maps are version 1's.
 PINNED = {
-    SIGNED_MAP_ID: "e732639a65f497b4ad684bb166a4467708255edd5207757de8b8f0c7e1fda89c",
-    UNSIGNED_MAP_ID: "305f002cc11278fb769d13b25b9fd0c7c83c8402c40a878fe086f4039fde6398",
+    SIGNED_MAP_ID: _SIGNED_HASH, "dynamic-signed-v1": _SIGNED_HASH,
+    UNSIGNED_MAP_ID: _UNSIGNED_HASH, "dynamic-unsigned-v1": _UNSIGNED_HASH,
 }
 
 
@@ -118,13 +122,21 @@ def test_map_bytes_are_pinned(map_id: str) -> None:
 
 def test_map_ids() -> None:
     # These strings go into checkpoints: changing them breaks every saved int8 state.
-    assert SIGNED_MAP_ID == "dynamic-signed-v1"
-    assert UNSIGNED_MAP_ID == "dynamic-unsigned-v1"
-    assert set(MAP_IDS) == {SIGNED_MAP_ID, UNSIGNED_MAP_ID}
+    assert SIGNED_MAP_ID == "dynamic-signed-v2"
+    assert UNSIGNED_MAP_ID == "dynamic-unsigned-v2"
+    # Version 1 checkpoints name these and still load.
+    assert set(MAP_IDS) == {SIGNED_MAP_ID, UNSIGNED_MAP_ID, "dynamic-signed-v1",
+                            "dynamic-unsigned-v1"}
     assert torch.equal(_bits(code_map(SIGNED_MAP_ID)), _bits(SIGNED))
     assert torch.equal(_bits(code_map(UNSIGNED_MAP_ID)), _bits(UNSIGNED))
-    with pytest.raises(ValueError, match="dynamic-signed-v1"):
-        code_map("dynamic-signed-v2")
+    assert torch.equal(_bits(code_map("dynamic-signed-v1")), _bits(SIGNED))
+    assert torch.equal(_bits(code_map("dynamic-unsigned-v1")), _bits(UNSIGNED))
+    assert decodes_alike("dynamic-signed-v1", SIGNED_MAP_ID)
+    assert decodes_alike("dynamic-unsigned-v1", UNSIGNED_MAP_ID)
+    assert not decodes_alike(SIGNED_MAP_ID, UNSIGNED_MAP_ID)
+    assert not decodes_alike("dynamic-signed-v3", SIGNED_MAP_ID)
+    with pytest.raises(ValueError, match="dynamic-signed-v2"):
+        code_map("dynamic-signed-v3")
     assert code_map(SIGNED_MAP_ID) is not code_map(SIGNED_MAP_ID)  # callers may mutate theirs
 
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..quant.maps import decodes_alike
 from ..zero.interop import optimizer_of
 from ..zero.registry import runtime_of_module
 from ..zero.shards import ShardRange
@@ -316,7 +317,7 @@ class _Reader:
             if not buf.blockwise:  # fp32 or bf16: a cast of the fp32 values stores them
                 self.read_moment(buf.data, name, r.start, key)
             elif idx is not None and idx.format_of(name) == buf.fmt and \
-                    idx.maps.get(key) == buf.map_id:
+                    decodes_alike(idx.maps.get(key), buf.map_id):
                 assert buf.absmax is not None
                 copy_int8_into(idx, self.raw, name, r.start, buf.data, buf.absmax, key)
             else:  # another format saved: dequantized or widened, then quantized

@@ -11,12 +11,15 @@ the others equal it bit for bit):
   (zerokern pads the layout so each compressed parameter starts on a block).
 * Moments, by ``exp_avg``'s dtype: fp32 (updated in place), bf16 (widened, updated, stored
   rounded to nearest even) or uint8 codes (``exp_avg`` on the signed map, ``exp_avg_sq`` on
-  the unsigned one, one fp32 absmax per block in ``exp_avg_absmax`` / ``exp_avg_sq_absmax``;
-  dequantized, updated, requantized with the new block absmax: ``zerokern.quant.maps``).
+  the unsigned one, one fp32 scale per block in ``exp_avg_absmax`` / ``exp_avg_sq_absmax``;
+  dequantized ``code[c] * scale`` (``zerokern.quant.maps``), updated, requantized with
+  format version 2: a signed scale and one reciprocal per block,
+  ``zerokern.quant.blockwise``). A version-1 state (absmax >= 0) decodes the same way.
 * The parameter, by ``param``'s dtype: fp32 is the master (``param_lp`` optionally receives
   it rounded to nearest even); bf16 is updated directly and written with
-  ``stochastic_round_bf16(p, sr_bits(seed, step, index))`` where element ``i``'s index in its
-  parameter is ``sr_index[i // 256] + i % 256``.
+  ``stochastic_round_bf16(p, sr_bits16(seed, step, index))`` (format version 2: one Philox
+  call per 8 elements, 16 bits each) where element ``i``'s index in its parameter is
+  ``sr_index[i // 256] + i % 256``.
 * The fp32 update between is the kernels' rounding contract (csrc/kernels.h),
   ``zerokern.quant.contract.adamw_contract_``.
 
@@ -30,6 +33,7 @@ import torch
 
 from .. import _native
 from ..kernel_contract import AdamScalars, adam_scalars
+from ..quant.blockwise import quantize_blockwise_v2
 from ..quant.contract import adamw_contract_
 from ..quant.maps import (
     BLOCK,
@@ -38,9 +42,8 @@ from ..quant.maps import (
     code_map,
     dequantize_blockwise,
     kernel_tables,
-    quantize_blockwise,
 )
-from ..quant.philox import sr_bits
+from ..quant.philox import sr_bits16
 from ..quant.rounding import stochastic_round_bf16
 from ._backend import resolve_backend
 from ._validate import FLOAT_DTYPES, LOW_DTYPES, check_flat, check_real
@@ -90,15 +93,15 @@ def adamw_compressed_torch_(
         exp_avg_sq.copy_(v)
     elif fmt == "int8":
         assert exp_avg_absmax is not None and exp_avg_sq_absmax is not None
-        codes, absmax = quantize_blockwise(m, code_map(SIGNED_MAP_ID, m.device))
+        codes, absmax = quantize_blockwise_v2(m, code_map(SIGNED_MAP_ID, m.device))
         exp_avg.copy_(codes)
         exp_avg_absmax.copy_(absmax)
-        codes, absmax = quantize_blockwise(v, code_map(UNSIGNED_MAP_ID, v.device))
+        codes, absmax = quantize_blockwise_v2(v, code_map(UNSIGNED_MAP_ID, v.device))
         exp_avg_sq.copy_(codes)
         exp_avg_sq_absmax.copy_(absmax)
     if param.dtype == torch.bfloat16:
         assert sr_index is not None
-        param.copy_(stochastic_round_bf16(p, sr_bits(seed, step, sr_indices(sr_index, n))))
+        param.copy_(stochastic_round_bf16(p, sr_bits16(seed, step, sr_indices(sr_index, n))))
     elif param_lp is not None:
         param_lp.copy_(p)
 

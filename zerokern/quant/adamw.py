@@ -28,7 +28,7 @@ csrc/kernels.h, spelled exactly in ``zerokern.quant.contract``) with the scalars
 **The parameter.** ``master="fp32"``: the update runs on the fp32 master and the optional
 16-bit copy is written rounded to nearest even (as today). ``master="none"`` (bf16
 parameters only): the bf16 parameter is widened to fp32 (exact), updated, and written back
-with ``stochastic_round_bf16(p, sr_bits(seed, step, global index))``, so its bits depend on
+with ``stochastic_round_bf16(p, sr_bits16(seed, step, global index))``, so its bits depend on
 (seed, step, element) only, never on the shard or the backend.
 
 **The int8 format's limit** (the anchors' maps have it too): the unsigned map's smallest
@@ -237,8 +237,8 @@ def adamw_compressed_step_reference_(
         start: the shard's first element in the parameter's global element space.
         param_lp: ``master="fp32"`` only: the 16-bit parameter copy, written rounded to
             nearest even (None: no copy).
-        seed: ``master="none"`` only: the run's seed for ``sr_bits``, in [0, 2**64).
-        step: ``master="none"`` only: the optimizer step for ``sr_bits``, in [0, 2**32).
+        seed: ``master="none"`` only: the run's seed for ``sr_bits16``, in [0, 2**64).
+        step: ``master="none"`` only: the optimizer step for ``sr_bits16``, in [0, 2**32).
 
     Raises:
         ValueError: naming the bad argument: an unknown ``moments`` or ``master`` name,

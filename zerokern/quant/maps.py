@@ -68,15 +68,31 @@ import torch
 BLOCK = 256
 """Elements per quantization block: each block of one parameter has its own fp32 absmax."""
 
-SIGNED_MAP_ID = "dynamic-signed-v1"
-"""Id of the signed dynamic map (``exp_avg``); checkpoints store it next to the codes."""
+SIGNED_MAP_ID = "dynamic-signed-v2"
+"""Id of the signed dynamic map (``exp_avg``) with format version 2's encoding
+(``zerokern.quant.blockwise``: a signed scale per block); checkpoints store it next to the
+codes."""
 
-UNSIGNED_MAP_ID = "dynamic-unsigned-v1"
-"""Id of the unsigned dynamic map (``exp_avg_sq``); checkpoints store it next to the codes."""
+UNSIGNED_MAP_ID = "dynamic-unsigned-v2"
+"""Id of the unsigned dynamic map (``exp_avg_sq``), format version 2, as ``SIGNED_MAP_ID``."""
 
-_MAP_SIGNED = {SIGNED_MAP_ID: True, UNSIGNED_MAP_ID: False}
+LEGACY_MAP_IDS = {"dynamic-signed-v1": SIGNED_MAP_ID, "dynamic-unsigned-v1": UNSIGNED_MAP_ID}
+"""Version 1 ids (absmax scales, the encoding of :func:`quantize_blockwise`) and the version 2
+id of the same map. The 256 values are the same, so version 1 codes decode to the same values
+and a version 1 state is a valid version 2 state as stored: it loads unchanged, and the next
+step re-encodes it with version 2's rule."""
+
+_MAP_SIGNED = {SIGNED_MAP_ID: True, UNSIGNED_MAP_ID: False, "dynamic-signed-v1": True,
+               "dynamic-unsigned-v1": False}
 MAP_IDS = tuple(_MAP_SIGNED)
 """Every map id this version can read, the ids a checkpoint may name."""
+
+
+def decodes_alike(a: str | None, b: str | None) -> bool:
+    """Whether codes stored under map id ``a`` mean the same values under map id ``b`` (the
+    same map, whatever the format version), so they can be copied instead of re-encoded."""
+    return a in _MAP_SIGNED and b in _MAP_SIGNED and _MAP_SIGNED[a] == _MAP_SIGNED[b]
+
 
 _CODES = 256
 _EXPONENTS = 7  # e = 0..6 leading zero bits; e = 7 (all zeros) is the code for 0

@@ -166,3 +166,34 @@ def sr_bits(seed: int, step: int | torch.Tensor, index: torch.Tensor) -> torch.T
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     k0, k1 = _seed_words(seed)
     return philox4x32(_word("index", index), _word("step", step), 0, 0, k0, k1)[0]
+
+
+def sr_bits16(seed: int, step: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The 16 random bits of each element for stochastic rounding, format version 2.
+
+    One Philox4x32-10 call feeds 8 consecutive elements: element ``i`` takes half
+    ``i % 2`` (low, then high) of word ``(i // 2) % 4`` of
+    ``philox4x32(i // 8, step, 0, 0, seed_lo, seed_hi)``. Eight elements share one counter
+    and each takes its own 16 bits of the 128, so every (seed, step, index) still has bits of
+    its own, and a kernel evaluates Philox once per 8 elements instead of once per element
+    (``sr_bits``, version 1). ``stochastic_round_bf16`` reads only 16 bits.
+
+    Args:
+        seed: The run's seed, an int in [0, 2**64); saved with the optimizer state.
+        step: The optimizer step, an int or an integer tensor broadcastable with ``index``,
+            in [0, 2**32).
+        index: Integer tensor of the elements' indices in their whole parameter, in
+            [0, 2**32).
+
+    Returns:
+        int64 tensor of the broadcast shape, values in [0, 2**16).
+    """
+    if not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    k0, k1 = _seed_words(seed)
+    i = _word("index", index)
+    words = philox4x32(i >> 3, _word("step", step), 0, 0, k0, k1)
+    pick = (i >> 1) & 3
+    w = torch.where(pick == 0, words[0], torch.where(
+        pick == 1, words[1], torch.where(pick == 2, words[2], words[3])))
+    return (w >> (16 * (i & 1))) & 0xFFFF

@@ -24,7 +24,7 @@ What each input gives (the rules every backend must match bit for bit):
 * NaN (any sign or payload) gives the canonical quiet NaN 0x7FC0. Truncating a NaN could
   otherwise give inf (a payload only in the low 16 bits) and the addition could carry out.
 
-Only the low 16 bits of ``bits`` are used; ``zerokern.quant.philox.sr_bits`` supplies them.
+Only the low 16 bits of ``bits`` are used; ``zerokern.quant.philox.sr_bits16`` supplies them.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
+from ..quant.maps import decodes_alike
 from .engine_slot import EngineSlot
 from .param_table import ParamTable
 from .rules import UpdateRule
@@ -266,7 +267,11 @@ class StateAccess:
                 "opt.full_state_dict() (fp32, quantized on load) or use "
                 "zerokern.save_checkpoint / load_checkpoint, which convert through fp32")
         maps, mine = saved.get("maps"), code_maps(self.slot.rule)
-        if fmt.blockwise and maps is not None and maps != mine:
+        # Version 1 and 2 map ids decode alike (the same codes, the same scale rule): a state
+        # saved by either loads into the other as stored.
+        if fmt.blockwise and maps is not None and (
+                not isinstance(maps, dict) or set(maps) != set(mine)
+                or not all(decodes_alike(maps[k], mine[k]) for k in mine)):
             raise ValueError(f"state_dict: int8 moments quantized with the code maps {maps}, "
                              f"this zerokern uses {mine}")
         if fmt.in_place:

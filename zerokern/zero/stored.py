@@ -4,10 +4,10 @@ checkpoint as.
 
 - ``Fp32Stored``: fp32 values; reading copies, writing copies.
 - ``Bf16Stored``: bf16 values; reading widens (exact), writing rounds to nearest even.
-- ``Int8Stored``: uint8 codes on a code map (``map_id``) with one fp32 absmax per 256-element
-  block (``zerokern.quant.maps``); reading dequantizes, writing quantizes with
-  ``requantize_blockwise`` (a decoded block gets its own codes back), the one path by which
-  fp32 values from outside the step are stored into int8.
+- ``Int8Stored``: uint8 codes on a code map (``map_id``) with one fp32 signed scale per
+  256-element block (``zerokern.quant.maps``, format version 2); reading dequantizes, writing
+  quantizes with ``requantize_blockwise`` (version 2's quantizer; a decoded block gets its own
+  codes back), the one path by which fp32 values from outside the step are stored into int8.
 
 The format name ("fp32", "bf16", "int8") is looked up once, in ``stored_type``; everything
 else asks the type. A ``Stored`` is a view: ``narrow`` gives a range of it (an int8 range

@@ -106,6 +106,46 @@ def _bits_f32(bits, like):
 
 
 @triton.jit
+def adamw_update(
+    p,
+    g,
+    m,
+    v,
+    decay,
+    w,
+    neg_one_minus_w_bits,
+    beta2,
+    one_minus_beta2,
+    neg_step_size_bits,
+    bc2_sqrt,
+    eps,
+    inv_grad_scale,
+    LERP_LOW: tl.constexpr,
+    APPLY_SCALE: tl.constexpr,
+    SOFT_FP: tl.constexpr,
+):
+    """The fp32 AdamW update of the kernel contract (module docstring), spelled once for
+    every Triton kernel (this one and ``adamw_compressed.py``): fp32 ``p`` (the master), ``g``
+    (the widened gradient before its scaling), ``m``, ``v`` in; the updated ``(p, m, v)``
+    out."""
+    if APPLY_SCALE:
+        g = g * inv_grad_scale
+    p = p * decay
+    diff = g - m
+    if LERP_LOW:
+        m = _fma(w, diff, m, SOFT_FP)
+    else:
+        # fma(-(g-m), 1-w, g) == fma(g-m, -(1-w), g) bit for bit (negation is exact), with
+        # -(1-w) negated on the host: no negation in the kernel (below).
+        m = _fma(diff, _bits_f32(neg_one_minus_w_bits, v), g, SOFT_FP)
+    v = _fma(one_minus_beta2 * g, g, v * beta2, SOFT_FP)
+    # div_rn does not broadcast its operands: splat the scalar divisor first.
+    denom = tl.div_rn(tl.sqrt_rn(v), tl.full(v.shape, bc2_sqrt, tl.float32)) + eps
+    p = _fma(_bits_f32(neg_step_size_bits, p), tl.div_rn(m, denom), p, SOFT_FP)
+    return p, m, v
+
+
+@triton.jit
 def _adamw_block(
     offs,
     mask,
@@ -140,21 +180,24 @@ def _adamw_block(
         m = tl.load(exp_avg_ptr + offs)
         v = tl.load(exp_avg_sq_ptr + offs)
 
-    g = g.to(tl.float32)
-    if APPLY_SCALE:
-        g = g * inv_grad_scale
-    p = p * decay
-    diff = g - m
-    if LERP_LOW:
-        m = _fma(w, diff, m, SOFT_FP)
-    else:
-        # fma(-(g-m), 1-w, g) == fma(g-m, -(1-w), g) bit for bit (negation is exact), with
-        # -(1-w) negated on the host: no negation in the kernel (below).
-        m = _fma(diff, _bits_f32(neg_one_minus_w_bits, v), g, SOFT_FP)
-    v = _fma(one_minus_beta2 * g, g, v * beta2, SOFT_FP)
-    # div_rn does not broadcast its operands: splat the scalar divisor first.
-    denom = tl.div_rn(tl.sqrt_rn(v), tl.full(v.shape, bc2_sqrt, tl.float32)) + eps
-    p = _fma(_bits_f32(neg_step_size_bits, p), tl.div_rn(m, denom), p, SOFT_FP)
+    p, m, v = adamw_update(
+        p,
+        g.to(tl.float32),
+        m,
+        v,
+        decay,
+        w,
+        neg_one_minus_w_bits,
+        beta2,
+        one_minus_beta2,
+        neg_step_size_bits,
+        bc2_sqrt,
+        eps,
+        inv_grad_scale,
+        LERP_LOW,
+        APPLY_SCALE,
+        SOFT_FP,
+    )
     if HAS_LP:
         p_lp = _round_lp(p, lp_ptr.dtype.element_ty, SOFT_FP)
 

@@ -4,14 +4,15 @@ It implements the range contract of ``zerokern.ops.adamw_compressed`` (read its 
 docstring first) and equals its torch oracle, ``adamw_compressed_torch_``, bit for bit:
 
 * moments fp32 (in place), bf16 (widened exactly, stored rounded to nearest even) or uint8
-  codes with one fp32 absmax per 256-element block (``zerokern.quant.maps``): dequantize
-  ``code[c] * absmax``, update, then requantize with the block's new absmax;
+  codes with one fp32 scale per 256-element block (``zerokern.quant.maps``): dequantize
+  ``code[c] * scale``, update, then requantize with format version 2
+  (``zerokern.quant.blockwise``: the block's signed scale, one reciprocal per block);
 * the fp32 update of the kernel contract (three explicit fma, the rest rounded op by op,
   IEEE sqrt/div), shared with the fp32 kernel in ``adamw.py``;
 * the parameter: an fp32 master (``param_lp`` optionally receives it rounded to nearest even)
   or a bf16 parameter written with ``stochastic_round_bf16`` of ``zerokern.quant.rounding``
-  using ``tl.randint(seed, (step << 32) | index)`` with a 64-bit offset
-  (``zerokern.quant.philox.sr_bits``).
+  using 16 bits of ``tl.randint4x(seed, (step << 32) | (index // 8))`` with a 64-bit offset
+  (``zerokern.quant.philox.sr_bits16``).
 
 Layout: one program per tile of ``ROWS`` quantization blocks, held as one flat tensor of
 ``ROWS * 256`` elements; the block absmax reshapes it to ``[ROWS, 256]`` for a ``tl.max`` over
@@ -23,13 +24,15 @@ accesses); only the last tile is masked.
 
 Why each exact step is written as it is:
 
-* **Absmax.** torch's ``amax`` propagates NaN, Triton's ``tl.max`` on the GPU does not
+* **Scale.** torch's ``amax`` propagates NaN, Triton's ``tl.max`` on the GPU does not
   (``max.f32`` returns the other operand). So the kernel takes the max over the non-NaN
-  magnitudes and sets the block's absmax to NaN when any lane of the block is NaN. A max is
+  magnitudes and sets the block's scale to NaN when any lane of the block is NaN. A max is
   exact, so the non-NaN result equals torch's. (The NaN's payload is not specified: a NaN
-  compares by position, like every NaN the fp32 arithmetic produces.)
-* **Normalisation.** ``n = x / absmax`` with ``tl.div_rn`` (IEEE division; a reciprocal
-  multiply would round differently), divisor 1 for an all-zero block.
+  compares by position, like every NaN the fp32 arithmetic produces.) The sign: a second
+  max over the lanes that equal ``+A``.
+* **Normalisation.** ``n = x * r`` with ``r = tl.div_rn(1, d)`` (one IEEE division; fp fusion
+  is off, so the product rounds on its own), or ``tl.div_rn(x, d)`` outside
+  ``[2**-126, 2**126)``; ``d`` is the scale, 1 for an all-zero block.
 * **Code search.** ``code = #{t_k < n}`` for ``n >= 0`` and ``#{t_k <= n}`` for ``n < 0``,
   over the 256-entry threshold table padded with +inf: a branch-free binary search of eight
   ``tl.load`` gathers (halves 128, 64, ..., 1). The predicate is monotone in ``k`` (the
@@ -56,7 +59,7 @@ import triton.language as tl
 from zerokern.kernel_contract import AdamScalars
 
 from . import check_interpreter
-from .adamw import _bits_f32, _fma, _round_lp, kernel_scalars
+from .adamw import _round_lp, adamw_update, kernel_scalars
 
 QBLOCK = 256  # elements per quantization block (zerokern.quant.maps.BLOCK)
 # 4 quantization blocks per program over 8 warps: 4 elements per thread, as in adamw.py, so
@@ -114,9 +117,11 @@ def _dequantize(codes, absmax, tables_ptr, CODES_AT: tl.constexpr):
 
 
 @triton.jit
-def _absmax(x, mask, ROWS: tl.constexpr, MASKED: tl.constexpr):
-    """Per block (row of 256 lanes): max |x| over the valid lanes, NaN when any valid lane is
-    NaN (torch.amax). Returns (per block [ROWS], per element [ROWS * 256])."""
+def _block_scale(x, mask, ROWS: tl.constexpr, MASKED: tl.constexpr):
+    """Per block (row of 256 lanes) the signed scale of format version 2
+    (zerokern.quant.blockwise.block_scales): A = max |x| over the valid lanes (NaN when any
+    valid lane is NaN, as torch.amax), -A when A > 0 and no valid lane equals +A, else +A.
+    Returns (per block [ROWS], per element [ROWS * 256])."""
     nan = x != x
     mag = tl.where(nan, 0.0, tl.abs(x))
     if MASKED:
@@ -124,15 +129,25 @@ def _absmax(x, mask, ROWS: tl.constexpr, MASKED: tl.constexpr):
         mag = tl.where(mask, mag, 0.0)  # the oracle pads a partial block with zeros
     amax = tl.max(tl.reshape(mag, (ROWS, 256)), axis=1)
     any_nan = tl.max(tl.reshape(nan.to(tl.int32), (ROWS, 256)), axis=1)
+    per = tl.reshape(tl.broadcast_to(amax[:, None], (ROWS, 256)), (ROWS * 256,))
+    hit = x == per  # a lane holding +A (-0 == +0: an all-zero block counts as +0)
+    if MASKED:
+        hit = hit & mask
+    has_pos = tl.max(tl.reshape(hit.to(tl.int32), (ROWS, 256)), axis=1)
     qnan = tl.full(amax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    amax = tl.where(any_nan > 0, qnan, amax)
-    return amax, tl.reshape(tl.broadcast_to(amax[:, None], (ROWS, 256)), (ROWS * 256,))
+    scale = tl.where(any_nan > 0, qnan, tl.where(has_pos > 0, amax, -amax))
+    return scale, tl.reshape(tl.broadcast_to(scale[:, None], (ROWS, 256)), (ROWS * 256,))
 
 
 @triton.jit
-def _quantize(x, absmax, tables_ptr, THRESHOLDS_AT: tl.constexpr):
-    """The code of each element of x (fp32) under its block's absmax (per element)."""
-    q = tl.div_rn(x, tl.where(absmax == 0.0, 1.0, absmax))
+def _quantize(x, scale, tables_ptr, THRESHOLDS_AT: tl.constexpr):
+    """The code of each element of x (fp32) under its block's signed scale (per element):
+    n = x * fl(1 / d) when 2**-126 <= |d| < 2**126, else x / d (d = scale, 1 for 0)."""
+    d = tl.where(scale == 0.0, 1.0, scale)
+    ad = tl.abs(d)
+    fast = (ad >= 1.1754943508222875e-38) & (ad < 8.507059173023462e37)
+    r = tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+    q = tl.where(fast, x * r, tl.div_rn(x, d))
     neg = q < 0.0
     pos = tl.zeros(x.shape, tl.int32)
     for k in tl.static_range(8):
@@ -159,14 +174,19 @@ def _stochastic_round_bf16(p, r):
 
 @triton.jit
 def _sr_bits(first, col, seed_lo_bits, seed_hi_bits, step_bits):
-    """quant.philox.sr_bits: tl.randint(seed, (step << 32) | index) with an int64 offset,
-    index = sr_index[block] + column (first: sr_index[block] per element)."""
+    """quant.philox.sr_bits16 (format version 2): element i takes half i % 2 of word
+    (i // 2) % 4 of tl.randint4x(seed, (step << 32) | (i // 8)) with an int64 offset,
+    i = sr_index[block] + column (first: sr_index[block] per element)."""
     index = first.to(tl.int64) + col.to(tl.int64)
     step = tl.cast(tl.cast(step_bits, tl.uint32, bitcast=True), tl.int64)
-    offset = (step << 32) | index
+    offset = (step << 32) | (index >> 3)
     lo = tl.cast(tl.cast(seed_lo_bits, tl.uint32, bitcast=True), tl.uint64)
     hi = tl.cast(tl.cast(seed_hi_bits, tl.uint32, bitcast=True), tl.uint64)
-    return tl.randint((hi << 32) | lo, offset)
+    w0, w1, w2, w3 = tl.randint4x((hi << 32) | lo, offset)
+    pick = (index >> 1) & 3
+    w = tl.where(pick == 0, w0, tl.where(pick == 1, w1, tl.where(pick == 2, w2, w3)))
+    w = w.to(tl.uint32, bitcast=True)
+    return (w >> ((index & 1) * 16).to(tl.uint32)) & 0xFFFF
 
 
 @triton.jit
@@ -193,22 +213,13 @@ def _tile(
         m = _widen(_load(exp_avg_ptr, offs, mask, MASKED), SOFT_FP)
         v = _widen(_load(exp_avg_sq_ptr, offs, mask, MASKED), SOFT_FP)
 
-    # The fp32 update of the kernel contract, as in adamw.py.
-    if APPLY_SCALE:
-        g = g * inv_grad_scale
-    p = p * decay
-    diff = g - m
-    if LERP_LOW:
-        m = _fma(w, diff, m, SOFT_FP)
-    else:
-        m = _fma(diff, _bits_f32(neg_one_minus_w_bits, v), g, SOFT_FP)
-    v = _fma(one_minus_beta2 * g, g, v * beta2, SOFT_FP)
-    denom = tl.div_rn(tl.sqrt_rn(v), tl.full(v.shape, bc2_sqrt, tl.float32)) + eps
-    p = _fma(_bits_f32(neg_step_size_bits, p), tl.div_rn(m, denom), p, SOFT_FP)
+    p, m, v = adamw_update(
+        p, g, m, v, decay, w, neg_one_minus_w_bits, beta2, one_minus_beta2, neg_step_size_bits,
+        bc2_sqrt, eps, inv_grad_scale, LERP_LOW, APPLY_SCALE, SOFT_FP)
 
     if MOMENTS == 2:
-        m_rows, m_amax = _absmax(m, mask, ROWS, MASKED)
-        v_rows, v_amax = _absmax(v, mask, ROWS, MASKED)
+        m_rows, m_amax = _block_scale(m, mask, ROWS, MASKED)
+        v_rows, v_amax = _block_scale(v, mask, ROWS, MASKED)
         _store(exp_avg_ptr, offs, _quantize(m, m_amax, tables_ptr, 256), mask, MASKED)
         _store(exp_avg_sq_ptr, offs, _quantize(v, v_amax, tables_ptr, 768), mask, MASKED)
         _store(m_absmax_ptr, rblk, m_rows, row_ok, MASKED)
