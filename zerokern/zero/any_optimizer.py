@@ -44,8 +44,10 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
     rank's flat fp32 shard, so the result is the class's update, to the rounding of the same
     operations. A subclass that keeps one of their ``step`` methods is accepted; any other
     class must declare that its update is element-wise (class attribute
-    ``zerokern_elementwise = True``, or ``elementwise=True`` here). LBFGS, SparseAdam,
-    Adafactor and Muon are refused (docs/other-optimizers.md says why and what to do).
+    ``zerokern_elementwise = True``, or ``elementwise=True`` here). ``torch.optim.Muon``
+    runs with whole-matrix owners: its momentum sharded like any buffer, Newton-Schulz run
+    once per matrix on the matrix's owner rank (zero/muon_step.py). LBFGS, SparseAdam and
+    Adafactor are refused (docs/other-optimizers.md says why and what to do).
 
     The class's hyperparameters are checked as the class checks them (its constructor runs
     on a placeholder with each group's values, before anything is sharded), and per-element
