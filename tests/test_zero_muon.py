@@ -37,6 +37,7 @@ from torch import nn
 
 import zerokern
 from zerokern import formulas
+from zerokern.zero import muon_step
 from zerokern.zero.registry import runtime_of_module
 
 STEPS = 3
@@ -179,16 +180,25 @@ def parity_case(rank, world, *, stages, matrices, path):
             _compare(model, ref, matrices, what, exact)
             _compare_momentum(om, rom, what, exact)
             if stage in (1, 2) and nesterov:
-                _exchange_counted(om, world)
+                _exchange_counted(model, om, oa, world, rank)
             if exact and stage == 1:
                 _round_trips(base, model, om, oa, ref, rom, roa, matrices, world, rank, path,
                              rest_cls)
 
 
-def _exchange_counted(om, world):
-    """comm_stats(): the stage's own reduce-scatter and all-gather of the flat space, plus
+def _exchange_counted(model, om, oa, world, rank):
+    """One more step: Newton-Schulz runs on exactly the matrices this rank owns, once each;
+    comm_stats() holds the stage's own reduce-scatter and all-gather of the flat space plus
     the owner exchange's two collectives of N S elements (formulas.muon_exchange_elements)."""
     plan = om._rule_state.plan
+    seen = []
+    ns = muon_step._ns
+    muon_step._ns = lambda stack, key: (seen.append(stack.numel()), ns(stack, key))[1]
+    try:
+        _train(model, (om, oa), world, rank, 100, 1)
+    finally:
+        muon_step._ns = ns
+    assert sum(seen) == plan.owned_numel[rank], (seen, plan.owned_numel)
     want = formulas.muon_exchange_elements(list(plan.owned_numel))
     kinds = om.comm_stats()["per_kind"]
     flat = om.layout.flat_numel
