@@ -306,3 +306,13 @@ def test_non_matrix_is_refused_with_torchs_error():
     with pytest.raises(ValueError, match="offload='cpu'.*Muon"):
         zerokern.ZeroOptimizer([model.l1.weight], torch.optim.Muon, stage=1, offload="cpu")
     assert model.l1.weight.grad is None
+    # a group added later: the same refusal, nothing added
+    opt = zerokern.ZeroOptimizer([model.l1.weight], torch.optim.Muon, stage=1)
+    with pytest.raises(ValueError, match=r"\(param group 1\): Muon only supports 2D"):
+        opt.add_param_group({"params": [model.l2.bias]})
+    assert len(opt.param_groups) == 1
+    # stage 3: the full shape is checked, not the released placeholder's
+    sharded = zerokern.shard_model(MuonNet())
+    with pytest.raises(ValueError, match=r"Muon only supports 2D.*torch.Size\(\[12\]\)"):
+        zerokern.ZeroOptimizer([sharded.l1.weight, sharded.l1.bias], torch.optim.Muon,
+                               stage=3)
