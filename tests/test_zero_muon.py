@@ -303,6 +303,8 @@ def test_non_matrix_is_refused_with_torchs_error():
     with pytest.raises(ValueError, match="Adjust learning rate function nope"):
         zerokern.ZeroOptimizer([model.l1.weight], torch.optim.Muon, stage=1,
                                adjust_lr_fn="nope")
+    with pytest.raises(ValueError, match="Number of steps must be less than 100"):
+        zerokern.ZeroOptimizer([model.l1.weight], torch.optim.Muon, stage=1, ns_steps=100)
     with pytest.raises(ValueError, match="offload='cpu'.*Muon"):
         zerokern.ZeroOptimizer([model.l1.weight], torch.optim.Muon, stage=1, offload="cpu")
     assert model.l1.weight.grad is None

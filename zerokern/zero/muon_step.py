@@ -38,7 +38,7 @@ import torch
 from ..comm import Comm
 from ..comm.owner_exchange import OwnerExchange, batch_view, segment_view
 from ..optim.muon import _addmm, adjust_lr, newton_schulz
-from ..optim.muon_plan import MuonPlan, Unit, plan_muon
+from ..optim.muon_plan import MuonPlan, plan_muon
 from .param_table import ParamTable
 from .rule_state import RuleState
 from .rules import UpdateRule
@@ -136,10 +136,6 @@ class MuonRuleState(RuleState):
             for u in live:
                 one = segment_view(src, u).unsqueeze(0)
                 segment_view(dst, u).copy_(_ns(one, _ns_key(groups[group_of[u.matrix]]))[0])
-
-    def owned(self) -> list[Unit]:
-        """The matrices this rank orthogonalizes."""
-        return self.plan.owned(self.comm.rank)
 
 
 def _ns_key(g: dict[str, Any]) -> tuple[Any, ...]:

@@ -11,7 +11,9 @@ and only the orthogonalization goes to the matrix's owner (zerokern.optim.muon_p
 What differs from ``TorchClassRule``: the probe is a matrix (Muon refuses anything else),
 every trained parameter must be 2-D (torch's own error, raised by ``torch.optim.Muon`` built
 over the parameters' full shapes, at construction, before anything is sharded), and the
-state formats are fp32 only.
+state formats are fp32 only. (What torch's Newton-Schulz refuses only inside its step,
+``ns_steps >= 100``, the probe's one step raises at construction, and at any step whose
+group was changed so, before anything changes.)
 """
 
 from __future__ import annotations
