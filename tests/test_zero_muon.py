@@ -257,6 +257,32 @@ def test_three_ranks_more_ranks_than_matrices(tmp_path):
                                    path=str(tmp_path)), tmp_path=tmp_path, kwargs=True)
 
 
+def mesh_case(rank, world):
+    """A 2x2 mesh (hybrid sharding): owners within each shard group, replicas alike."""
+    from test_hybrid import _mesh
+
+    torch.manual_seed(0)
+    base = MuonNet()
+    for stage in (0, 2):
+        model = copy.deepcopy(base)
+        muon, rest = _split(model, MATRICES)
+        om = zerokern.ZeroOptimizer(muon, torch.optim.Muon, stage=stage, bucket_numel=BUCKET,
+                                    mesh=_mesh(), **MUON)
+        oa = zerokern.ZeroOptimizer(rest, torch.optim.AdamW, stage=stage, bucket_numel=BUCKET,
+                                    mesh=_mesh(), **ADAMW)
+        assert om._rule_state.plan.world_size == 2  # the shard group's
+        ref, rom, roa = _reference(base, MATRICES)
+        _train(model, (om, oa), world, rank, 0, STEPS)
+        _train(ref, (rom, roa), world, rank, 0, STEPS, ref=True)
+        _compare(model, ref, MATRICES, f"mesh stage {stage}", False)
+        _compare_momentum(om, rom, f"mesh stage {stage}", False)
+
+
+def test_two_d_mesh(tmp_path):
+    # 4 ranks: the pool test_zero_optimizer's mesh case forms is reused in one session.
+    run_ranks(4, mesh_case, tmp_path=tmp_path)
+
+
 def save_case(rank, world, *, path):
     torch.manual_seed(0)
     base = MuonNet()
