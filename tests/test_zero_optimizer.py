@@ -279,7 +279,6 @@ class Whole(torch.optim.Optimizer):
                         r"search"),
     (torch.optim.SparseAdam, "SparseAdam is not supported.*sparse gradients"),
     (getattr(torch.optim, "Adafactor", None), "Adafactor is not supported.*row and column"),
-    (getattr(torch.optim, "Muon", None), "Muon is not supported.*whole matrix"),
     (Whole, r"Whole: ZeroOptimizer cannot tell whether its update is element-wise.*"
             r"zerokern_elementwise = True.*elementwise=True"),
 ])

@@ -23,11 +23,14 @@ nobody else runs Newton-Schulz on it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..optim.muon_plan import Batch, MuonPlan, Unit
 from .collectives import Comm
+
+if TYPE_CHECKING:  # annotations only: zerokern.optim imports this module back
+    from ..optim.muon_plan import Batch, MuonPlan, Unit
 
 
 def unit_view(t: torch.Tensor, unit: Unit) -> torch.Tensor:

@@ -20,6 +20,7 @@ from .core import ZeroCore
 from .interchange import check_adamw_flags
 from .rules import ADAMW, UpdateRule
 from .rules.elementwise import rule_for
+from .rules.muon import MuonRule
 from .rules.torch_class import class_name
 from .state_api import StateSurface
 from .training import TrainingLoop
@@ -43,8 +44,10 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
     rank's flat fp32 shard, so the result is the class's update, to the rounding of the same
     operations. A subclass that keeps one of their ``step`` methods is accepted; any other
     class must declare that its update is element-wise (class attribute
-    ``zerokern_elementwise = True``, or ``elementwise=True`` here). LBFGS, SparseAdam,
-    Adafactor and Muon are refused (docs/other-optimizers.md says why and what to do).
+    ``zerokern_elementwise = True``, or ``elementwise=True`` here). ``torch.optim.Muon``
+    runs with whole-matrix owners: its momentum sharded like any buffer, Newton-Schulz run
+    once per matrix on the matrix's owner rank (zero/muon_step.py). LBFGS, SparseAdam and
+    Adafactor are refused (docs/other-optimizers.md says why and what to do).
 
     The class's hyperparameters are checked as the class checks them (its constructor runs
     on a placeholder with each group's values, before anything is sharded), and per-element
@@ -125,6 +128,8 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
             if rule is ADAMW:  # torch.optim.AdamW itself: ZeroAdamW's path
                 return rule, adamw_defaults(cfg, **defaults)
             rule.check_format(cfg.state_format)
+            if isinstance(rule, MuonRule):
+                rule.check_offload(cfg.offload)
             return rule, dict(rule.defaults)
 
         label = (class_name(optimizer_class) if isinstance(optimizer_class, type)

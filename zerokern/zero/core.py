@@ -43,7 +43,7 @@ from .optimizer_state import StateAccess, set_seed
 from .param_groups import check_groups, check_new_group
 from .param_table import ParamTable, broadcast_params, stage3_runtime, trained_params
 from .reduction import GradReduction
-from .rule_state import RuleState
+from .rule_state import make_rule_state
 from .rules import TorchClassRule, UpdateRule
 from .scaler import LossScaler
 from .stage3 import foreign
@@ -128,7 +128,7 @@ class ZeroCore(torch.optim.Optimizer):
                                 overlap=cfg.overlap_comm, backend=cfg.backend, dtype=dtype,
                                 device=device, fmt=cfg.state_format, seed=int(cfg.seed),
                                 reduce_dtype=cfg.reduce_dtype, rule=rule, wire=cfg.wire)
-        self._rule_state = RuleState(rule, len(params))
+        self._rule_state = make_rule_state(rule, len(params), self.comm, table)
         self._reduction = GradReduction(self.comm, self._rt)
         self._edits = GradEdits(len(params))
         me = weakref.ref(self)

@@ -70,6 +70,12 @@ class RuleState:
             out.append(Run(gi, run.start, run.stop, run.step))
         return out, groups
 
+    def update(self, engine: Any, runs: list[Run], groups: list[dict[str, Any]],
+               grad_scale: float, active: list[bool]) -> None:
+        """The update of this step: the engine's, range by range (Muon's rule state sends
+        its matrices to their owners instead: muon_step.py)."""
+        engine.update(runs, groups, grad_scale, active)
+
     def advance(self, active: list[bool], steps: list[int], group_of: list[int],
                 param_groups: list[dict[str, Any]], device: torch.device) -> None:
         """After the update, before the step counts advance: each stepped parameter's
@@ -115,3 +121,17 @@ def _tensor(v: Any) -> Any:
         return v
     dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     return torch.tensor(float(v), dtype=dtype)
+
+
+def make_rule_state(rule: UpdateRule, n: int, comm: Any, table: ParamTable) -> RuleState:
+    """The rule state ``rule`` steps with: Muon's owners (muon_step.py), or the
+    per-parameter scalars of every other rule."""
+    from .rules.muon import MuonRule
+
+    if isinstance(rule, MuonRule):
+        # Here, not at the top: zerokern.optim imports zerokern.comm, which this package's
+        # import of it would enter half-initialized.
+        from .muon_step import MuonRuleState
+
+        return MuonRuleState(rule, n, comm, table)
+    return RuleState(rule, n)

@@ -99,7 +99,7 @@ class TrainingLoop:
         scale = grad_scale(red, coef, self.max_grad_norm, self.loss_scale)
         runs, groups = self._rule_state.runs(self._table, self.layout, red.active,
                                              self.param_groups)
-        self._slot.engine.update(runs, groups, scale, red.active)
+        self._rule_state.update(self._slot.engine, runs, groups, scale, red.active)
         self._rule_state.advance(red.active, self._table.steps, self._group_of(),
                                  self.param_groups, self.device)
         self._table.advance(red.active)

@@ -13,8 +13,11 @@ cannot be read off a class, so it is declared:
   methods) is element-wise as its base is;
 - any other class declares itself with the class attribute ``zerokern_elementwise = True``,
   or the caller with ``ZeroOptimizer(..., elementwise=True)``;
-- classes that are known not to be element-wise (``REFUSED``: LBFGS, SparseAdam, Adafactor,
-  Muon) are refused whatever is declared, with what to do instead.
+- classes that are known not to be element-wise (``REFUSED``: LBFGS, SparseAdam, Adafactor)
+  are refused whatever is declared, with what to do instead;
+- ``torch.optim.Muon`` (and a subclass keeping its ``step``) is not element-wise either, but
+  only its Newton-Schulz reads a whole matrix: it gets its own rule (``MuonRule``, muon.py),
+  whose matrices each have one owner rank (zero/muon_step.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 from .adamw import ADAMW
 from .base import UpdateRule
+from .muon import MuonRule, is_muon
 from .torch_class import TorchClassRule
 from .torch_class import class_name as _name
 
@@ -46,9 +50,6 @@ REFUSED: dict[str, str] = {
     "Adafactor": "it factors the second moment of a matrix into row and column statistics, "
                  "which read whole rows and columns, not single elements; use Adam or AdamW "
                  "under ZeroOptimizer, or DDP with Adafactor",
-    "Muon": "it orthogonalizes each whole matrix (Newton-Schulz), which no rank can do on a "
-            "slice of it; ZeroOptimizer does not shard Muon yet: keep Muon on DDP (or "
-            "unsharded) and ZeroOptimizer for the other parameters",
 }
 """torch classes known not to be element-wise, with why and what to do."""
 
@@ -74,6 +75,8 @@ def check_elementwise(cls: Any, elementwise: bool) -> None:
         raise TypeError(f"optimizer_class: {cls.__name__} is zerokern's own; pass the torch "
                         "class (e.g. torch.optim.AdamW)")
     owner = _step_owner(cls)
+    if is_muon(cls):
+        return
     for c in cls.__mro__:
         why = REFUSED.get(c.__name__) if c.__module__.startswith("torch.optim") else None
         if why is not None and (c is owner or owner not in ELEMENTWISE):
@@ -94,9 +97,16 @@ def rule_for(cls: type[torch.optim.Optimizer], given: Mapping[str, Any],
              elementwise: bool = False) -> UpdateRule:
     """The rule stepping ``cls`` with the hyperparameters ``given``: AdamW's fused rule for
     ``torch.optim.AdamW`` itself (without ``amsgrad`` or ``maximize``), else a
-    ``TorchClassRule`` with the class's defaults (the
+    ``MuonRule`` for ``torch.optim.Muon``, else a ``TorchClassRule`` with the class's
+    defaults (the
     class's own constructor checks ``given``: its ValueError or TypeError)."""
     check_elementwise(cls, elementwise)
+    if is_muon(cls):
+        try:  # torch's checks of the hyperparameters, on a matrix (Muon takes no other)
+            probe = cls([torch.nn.Parameter(torch.zeros(1, 1))], **given)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"{_name(cls)}: {exc}") from None
+        return MuonRule(cls, probe.defaults, given)
     # The fused kernels implement AdamW without AMSGrad and minimizing; torch's own step
     # runs the other variants.
     if cls is torch.optim.AdamW and not given.get("amsgrad") and not given.get("maximize"):

@@ -63,6 +63,9 @@ class TorchClassRule(TorchRule):
     flat fp32 ranges; ``defaults``: the class's defaults with the user's values, ``given``:
     the user's keywords."""
 
+    probe_shape: tuple[int, ...] = (3,)
+    """The shape of the probe's parameter (Muon's: a matrix, as it takes nothing else)."""
+
     # torch's buffers that are sums or averages of squares (or of absolute values): a loaded
     # negative value is a corrupt state (base.UpdateRule.check_state).
     nonnegative = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "exp_inf",
@@ -108,13 +111,13 @@ class TorchClassRule(TorchRule):
             raise ValueError(f"differentiable=True{where}: {self.label}'s step is run inside "
                              "zerokern's step and not recorded by autograd; use "
                              "differentiable=False")
-        p = torch.nn.Parameter(torch.tensor(_PROBE_VALUES))
+        p = torch.nn.Parameter(torch.tensor(_PROBE_VALUES).reshape(self.probe_shape))
         try:
             opt = self._build(p, hp)
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{self.label}{where}: {exc}") from None
         init = {k: _clone(v) for k, v in opt.state.get(p, {}).items()}
-        p.grad = torch.tensor(_PROBE_GRAD)
+        p.grad = torch.tensor(_PROBE_GRAD).reshape(self.probe_shape)
         with torch.no_grad():
             raw_step(opt)
         st = opt.state.get(p, {})

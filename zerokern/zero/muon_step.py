@@ -1,0 +1,151 @@
+"""Muon's step inside the engine: every rank advances its own elements of the momentum, the
+matrices go to their owners, each owner orthogonalizes its matrices once, and every rank
+applies the owners' results to its own elements (``MuonRuleState.update``, called by
+``step()`` in place of the engine's range-by-range update).
+
+torch.optim.Muon's step of a matrix is, op for op::
+
+    buf.lerp_(grad, 1 - momentum)                           # element-wise
+    update = grad.lerp(buf, momentum) if nesterov else buf  # element-wise
+    update = NS(update)                                     # the whole matrix, in bfloat16
+    param.mul_(1 - lr * weight_decay)                       # element-wise
+    param.add_(update, alpha=-adjust_lr(lr, shape))         # element-wise
+
+so the element-wise lines run where the elements are (this rank's flat shard: the momentum
+is one flat buffer of the rule, sharded to the element like AdamW's moments), and only NS
+moves: each rank writes its elements of ``update`` into the owner's segment of a buffer that
+is zero elsewhere, one reduce-scatter hands each owner its whole matrices (a sum of one value
+and zeros: exact), the owner runs NS once per matrix (batched over same-shape matrices,
+zerokern.optim.muon.newton_schulz), and one all-gather of the bfloat16 results hands every
+rank what it applies to its elements. At stage 0 every rank holds every element, so the owner
+reads its matrices locally and only the all-gather runs. The owners and segments are
+zerokern.optim.muon_plan's, rebuilt from the shapes and the group size (so a checkpoint
+loads at any world size: nothing about the owners is saved).
+
+On the CPU each line above gives the same bits on a flat slice as on the whole matrix, so
+the result is torch.optim.Muon's on the averaged gradient, bit for bit where that average is
+(2 ranks: one addition). The exchange's collectives go through the Comm, so ``comm_stats()``
+counts them (``world_size * segment_numel`` elements each: zerokern.formulas
+``muon_exchange_elements``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..comm import Comm
+from ..comm.owner_exchange import OwnerExchange, batch_view, segment_view
+from ..optim.muon import _addmm, adjust_lr, newton_schulz
+from ..optim.muon_plan import MuonPlan, plan_muon
+from .param_table import ParamTable
+from .rule_state import RuleState
+from .rules import UpdateRule
+from .stages import Engine, Run
+
+_NS_KEYS = ("ns_coefficients", "ns_steps", "eps")
+MOMENTUM = "momentum_buffer"
+
+
+class MuonRuleState(RuleState):
+    """The rule state of ``MuonRule``: no per-parameter scalars, and the owner plan."""
+
+    def __init__(self, rule: UpdateRule, n: int, comm: Comm, table: ParamTable) -> None:
+        super().__init__(rule, n)
+        self.comm, self.table = comm, table
+        self._key: Any = None
+        self._plan: MuonPlan | None = None
+        self._exchange: OwnerExchange | None = None
+
+    @property
+    def plan(self) -> MuonPlan:
+        """The owner of every matrix, for the current parameters and group size."""
+        key = (tuple(tuple(s) for s in self.table.shapes), self.comm.world_size)
+        if key != self._key or self._plan is None:
+            self._plan = plan_muon([tuple(s) for s in self.table.shapes], self.comm.world_size)
+            self._key, self._exchange = key, None
+        return self._plan
+
+    def exchange(self, device: torch.device) -> OwnerExchange:
+        plan = self.plan
+        if self._exchange is None or self._exchange.grad_buffer.device != device:
+            # Gradients and momentum are fp32 (the state format is); NS returns bfloat16.
+            self._exchange = OwnerExchange(plan, self.comm, torch.float32, torch.bfloat16,
+                                           device)
+        return self._exchange
+
+    def update(self, engine: Engine, runs: list[Run], groups: list[dict[str, Any]],
+               grad_scale: float, active: list[bool]) -> None:
+        del runs  # the pieces say where each matrix's elements are
+        plan, layout = self.plan, engine.layout
+        ex = self.exchange(engine.device)
+        group_of = [gi for gi, n in enumerate(self.table.group_counts()) for _ in range(n)]
+        momentum = engine.state.buffers[MOMENTUM].main.data
+        sharded = layout.stage >= 1
+        rank, s = self.comm.rank, plan.segment_numel
+        send = ex.grad_buffer
+        if sharded:
+            send.zero_()  # each element comes from one rank; zeros from the others
+        pieces = [pc for pc in layout.pieces if pc.param >= 0 and active[pc.param]]
+        with torch.no_grad():
+            for pc in pieces:
+                g = groups[group_of[pc.param]]
+                grad = _cat(engine.grad_slices(pc.local_start, pc.numel)).float()
+                if grad_scale != 1.0:
+                    grad = grad / grad_scale
+                buf = momentum.narrow(0, pc.local_start, pc.numel)
+                buf.lerp_(grad, 1 - g["momentum"])
+                update = grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+                u = plan.units[pc.param]
+                if sharded or u.owner == rank:
+                    send.narrow(0, u.owner * s + u.offset + pc.param_offset,
+                                pc.numel).copy_(update)
+            if sharded:
+                self.comm.reduce_scatter(ex.segment(send), send, "Muon updates to owners")
+            self._orthogonalize(ex, groups, group_of, active)
+            self.comm.all_gather(ex.param_buffer, ex.segment(ex.param_buffer),
+                                 "Muon orthogonalized updates")
+            for pc in pieces:
+                g = groups[group_of[pc.param]]
+                u = plan.units[pc.param]
+                ortho = ex.param_buffer.narrow(0, u.owner * s + u.offset + pc.param_offset,
+                                               pc.numel)
+                lr = float(g["lr"])
+                values = engine.values(pc.local_start, pc.numel)
+                values.mul_(1 - lr * g["weight_decay"])
+                values.add_(ortho, alpha=-adjust_lr(lr, g["adjust_lr_fn"], u.shape))
+        engine.sync_params(gather=True)
+
+    def _orthogonalize(self, ex: OwnerExchange, groups: list[dict[str, Any]],
+                       group_of: list[int], active: list[bool]) -> None:
+        """NS of every matrix this rank owns that is stepped, from its segment of the
+        gradient buffer into its segment of the parameter buffer: one batched NS per batch
+        of same-shape matrices with the same NS settings."""
+        plan = self.plan
+        src, dst = ex.segment(ex.grad_buffer), ex.segment(ex.param_buffer)
+        for b in plan.batches[self.comm.rank]:
+            units = [plan.units[k] for k in b.units]
+            live = [u for u in units if active[u.matrix]]
+            if not live:
+                continue
+            keys = {_ns_key(groups[group_of[u.matrix]]) for u in live}
+            if len(live) == len(units) and len(keys) == 1:
+                batch_view(dst, b).copy_(_ns(batch_view(src, b), next(iter(keys))))
+                continue
+            for u in live:
+                one = segment_view(src, u).unsqueeze(0)
+                segment_view(dst, u).copy_(_ns(one, _ns_key(groups[group_of[u.matrix]]))[0])
+
+
+def _ns_key(g: dict[str, Any]) -> tuple[Any, ...]:
+    return (tuple(g["ns_coefficients"]), int(g["ns_steps"]), float(g["eps"]))
+
+
+def _ns(stack: torch.Tensor, key: tuple[Any, ...]) -> torch.Tensor:
+    coeffs, steps, eps = key
+    return newton_schulz(stack, coeffs, steps, eps, _addmm(None))
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
