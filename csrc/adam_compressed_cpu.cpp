@@ -218,7 +218,8 @@ inline void dequant64(const uint8_t* codes, const uint8_t (*planes)[256], __m512
 #endif
 
 // Philox4x32-10 of the counters (c0 = lanes of `group`, c1 = step, 0, 0) under the key
-// (k0, k1), V::N counters at a time: the four output words.
+// (k0, k1), V::N counters at a time: the four output words. The counter is built from the
+// element's index in its parameter: [Note: stochastic-rounding keys] in zerokern/quant/philox.py.
 template <class V>
 inline void philox_lanes(typename V::I group, uint32_t step, uint32_t k0, uint32_t k1,
                          typename V::I (&out)[4]) {

@@ -274,7 +274,9 @@ __device__ __forceinline__ float quantize_lane(const float* thresholds, const fl
 
 // ---- stochastic rounding ------------------------------------------------------------------
 
-// Philox4x32-10 of the counter (c0, c1, 0, 0) under the key (k0, k1): the four words.
+// Philox4x32-10 of the counter (c0, c1, 0, 0) under the key (k0, k1): the four words
+// ([Note: stochastic-rounding keys] in zerokern/quant/philox.py: c0 comes from the element's
+// index in its parameter).
 __device__ __forceinline__ uint4 philox4(uint32_t c0, uint32_t c1, uint32_t k0, uint32_t k1) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
   constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;

@@ -1,4 +1,5 @@
 // 16-bit <-> fp32 conversions for the CPU kernels, done in registers.
+// [Note: 16-bit values are rounded to nearest even] in zerokern/ops/adamw.py.
 // Scalar versions are exact bit manipulations (round to nearest even, as torch's
 // c10::BFloat16 / c10::Half conversions), used for tails and on CPUs without AVX2/F16C.
 // The AVX2 versions produce the same bits 8 lanes at a time.

@@ -5,7 +5,9 @@ a silent difference between ranks.
 The codec is ``zerokern.ops.quantize_blocks_`` / ``dequantize_blocks_`` (format, rounding and
 error bound in ``zerokern.quant.comm_codec``): one fp32 scale per block of ``block`` elements
 and int8 (``bits=8``) or int4 (``bits=4``) codes. Blocks are counted from the start of each
-rank's piece (its shard, or the chunk bound for one rank), so they never straddle ranks.
+rank's piece (its shard, or the chunk bound for one rank), so they never straddle ranks (the
+rule of the stored int8 state too: [Note: blocks never straddle shards] in
+zerokern/zero/state_format.py).
 
 * :func:`quantized_all_gather` (qwZ): each rank quantizes its shard, the payloads (codes and
   scales) are all-gathered, and every rank decodes every shard, its own included, from the

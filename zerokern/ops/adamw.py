@@ -15,6 +15,15 @@ from ._backend import resolve_backend
 from ._reference import adamw_torch_
 from ._validate import FLOAT_DTYPES, LOW_DTYPES, check_flat, check_real
 
+# [Note: 16-bit values are rounded to nearest even]
+# Wherever fp32 becomes bf16 or fp16 (the parameter copy written in the step, bf16 moments,
+# decoded communication, a checkpoint cast), the value is rounded to nearest, ties to even,
+# with subnormals kept: what torch's Tensor.to(dtype) does. Every backend
+# spells it so (C++: csrc/cpu_vec.h, CUDA: the __float2bfloat16_rn family, Triton:
+# kernels/triton/adamw.py's _round_lp, the oracle: .to(dtype)), and that is why a 16-bit
+# result is the same bits on every backend. Stochastic rounding (master="none") is the one
+# exception, with its own note in zerokern/quant/philox.py.
+
 __all__ = ["fused_adamw_"]
 
 

@@ -43,7 +43,7 @@ from ..quant.maps import (
     dequantize_blockwise,
     kernel_tables,
 )
-from ..quant.philox import sr_bits16
+from ..quant.philox import sr_bits16  # keyed as [Note: stochastic-rounding keys] says
 from ..quant.rounding import stochastic_round_bf16
 from ._backend import resolve_backend
 from ._validate import FLOAT_DTYPES, LOW_DTYPES, check_flat, check_real

@@ -145,6 +145,14 @@ def randint4x(seed: int, offset: torch.Tensor
     return philox4x32(lo, hi, zero, zero, k0, k1)
 
 
+# [Note: stochastic-rounding keys]
+# The random bits that round an element of a master="none" parameter are a function of
+# (seed, optimizer step, the element's index in its whole parameter) and nothing else: never
+# of its offset in a rank's shard or a bucket, of the thread or the backend. So the same bits
+# reach the same element at every world size, stage and mesh and on every backend, and a run
+# is reproducible bit for bit. A kernel that walks a flat range adds the parameter's first
+# global index to its lane's position (sr_index); sr_bits / sr_bits16 below are the oracle,
+# and the C++, CUDA and Triton kernels cite this note where they build the counter.
 def sr_bits(seed: int, step: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The random word of each element for stochastic rounding at optimizer step ``step``.
 

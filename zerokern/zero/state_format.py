@@ -34,6 +34,14 @@ from ..quant.adamw import effective_moments_format as _effective
 from ..quant.maps import BLOCK
 from .stored import stored_type
 
+# [Note: blocks never straddle shards]
+# An int8 block is 256 consecutive elements of one parameter, counted from the parameter's
+# first element. A parameter stored in int8 starts on a QUANT_ALIGN boundary of the flat space
+# and every shard boundary falls on one too, so each block lives whole on one rank: its scale
+# is taken over the same 256 values, and its codes are the same bits, whatever the world size,
+# stage or mesh (the tests compare them across all three). Layouts round to QUANT_ALIGN for
+# this reason, and the communication codec keeps its blocks inside one rank's piece for the
+# same one; both cite this note.
 QUANT_ALIGN = BLOCK
 """Elements of one quantization block: int8 parameters start on, and shards end on, these."""
 

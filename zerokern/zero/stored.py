@@ -3,7 +3,8 @@ keeps per element) is stored as, read back as fp32, written from fp32, and writt
 checkpoint as.
 
 - ``Fp32Stored``: fp32 values; reading copies, writing copies.
-- ``Bf16Stored``: bf16 values; reading widens (exact), writing rounds to nearest even.
+- ``Bf16Stored``: bf16 values; reading widens (exact), writing rounds to nearest even
+  ([Note: 16-bit values are rounded to nearest even] in zerokern/ops/adamw.py).
 - ``Int8Stored``: uint8 codes on a code map (``map_id``) with one fp32 signed scale per
   256-element block (``zerokern.quant.maps``, format version 2); reading dequantizes, writing
   quantizes with ``requantize_blockwise`` (version 2's quantizer; a decoded block gets its own

@@ -55,7 +55,8 @@ def _neg_bits(x: float) -> int:
 
 @triton.jit
 def _round_lp(p, LP_DTYPE: tl.constexpr, SOFT_FP: tl.constexpr):
-    """fp32 -> bf16/fp16, round to nearest even (what torch's .to(dtype) does)."""
+    """fp32 -> bf16/fp16, round to nearest even (what torch's .to(dtype) does; [Note: 16-bit
+    values are rounded to nearest even] in zerokern/ops/adamw.py)."""
     if SOFT_FP and LP_DTYPE == tl.bfloat16:
         # Integer RNE, used under TRITON_INTERPRET: the interpreter's own fp32->bf16
         # conversion rounds ties away from zero and drops the carry into the exponent.

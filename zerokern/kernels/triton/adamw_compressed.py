@@ -12,7 +12,7 @@ docstring first) and equals its torch oracle, ``adamw_compressed_torch_``, bit f
 * the parameter: an fp32 master (``param_lp`` optionally receives it rounded to nearest even)
   or a bf16 parameter written with ``stochastic_round_bf16`` of ``zerokern.quant.rounding``
   using 16 bits of ``tl.randint4x(seed, (step << 32) | (index // 8))`` with a 64-bit offset
-  (``zerokern.quant.philox.sr_bits16``).
+  (``zerokern.quant.philox.sr_bits16``; [Note: stochastic-rounding keys] there).
 
 Layout: one program per tile of ``ROWS`` quantization blocks, held as one flat tensor of
 ``ROWS * 256`` elements; the block absmax reshapes it to ``[ROWS, 256]`` for a ``tl.max`` over

@@ -29,6 +29,7 @@ class ModelLayout:
         # quantization blocks whole on one rank (zero/state_format.py). Smaller ones pack.
         numels = [[p.numel() for p in ps] for _, _, ps in units]
         self.plans: list[UnitPlan] = plan_units(
+            # units' slices end on QUANT_ALIGN: see [Note: blocks never straddle shards]
             numels, world_size, QUANT_ALIGN, [[quant_align(n) for n in ns] for ns in numels])
         self.starts = [0]
         for plan in self.plans:
