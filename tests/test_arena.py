@@ -385,7 +385,9 @@ def test_arena_random_ops_preserve_contents(core_cls, seed, chunk, monkeypatch):
         for b in live:
             assert torch.equal(b.tensor.view(torch.uint8), patterns[id(b)])
 
-    for _ in range(2000):
+    # 1000 operations: about 50 defragmentations among some 550 allocations and 400 frees, each
+    # followed by a full check of the arena against the model.
+    for _ in range(1000):
         r = rng.random()
         if r < 0.55 or not live:
             dtype = rng.choice(DTYPES)
