@@ -67,17 +67,24 @@ GATHER_ACROSS_BITS = 8
 int4 reduce), as ``quantized_reduce_scatter_2hop``'s default."""
 
 
-class QuantizedFlatReduce(FlatReduce):
-    """The gradient-reduce part of a flat group, quantized to ``bits`` (8 or 4) on the wire."""
+class _QuantizedShardHop:
+    """The shard group's reduce-scatter in ``bits`` (8 or 4) on the wire, summed in fp32:
+    what both quantized reduce parts put in place of the plain one."""
+
+    comm: Any
 
     def __init__(self, mesh: MeshInfo, dtype: torch.dtype | None, bits: int) -> None:
-        super().__init__(mesh, dtype)
+        super().__init__(mesh, dtype)  # type: ignore[call-arg]
         self.bits, self.block = bits, DEFAULT_BLOCK
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, label: str,
                         async_op: bool) -> Any:
         return quantized_reduce_scatter(self.comm, out, inp, bits=self.bits, block=self.block,
                                         label=label, async_op=async_op)
+
+
+class QuantizedFlatReduce(_QuantizedShardHop, FlatReduce):
+    """The gradient-reduce part of a flat group, quantized to ``bits`` (8 or 4) on the wire."""
 
 
 class _AcrossHops:
@@ -105,17 +112,8 @@ class _AcrossHops:
         return self.done
 
 
-class QuantizedHybridReduce(HybridReduce):
+class QuantizedHybridReduce(_QuantizedShardHop, HybridReduce):
     """The gradient-reduce part of a 2-D mesh, quantized on both hops (module docstring)."""
-
-    def __init__(self, mesh: MeshInfo, dtype: torch.dtype | None, bits: int) -> None:
-        super().__init__(mesh, dtype)
-        self.bits, self.block = bits, DEFAULT_BLOCK
-
-    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, label: str,
-                        async_op: bool) -> Any:
-        return quantized_reduce_scatter(self.comm, out, inp, bits=self.bits, block=self.block,
-                                        label=label, async_op=async_op)
 
     def _sum_replicas(self, t: torch.Tensor, label: str, async_op: bool) -> Any:
         r, n = self.replicate.world_size, t.numel()
