@@ -27,9 +27,10 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], str]:
+def build_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], str]:
     """Every (source, target) compiled at once, in parallel (the machine's cores do the
-    waiting, not the suite): each one's error output, "" when it compiled."""
+    waiting, not the suite): each one's error output, "" when it compiled. (Not named
+    ``compiled``: that fixture name asks tests/triton_common.py for its Triton subprocess.)"""
     out_dir = tmp_path_factory.mktemp("kernel_builds")
     procs = {}
     for source in SOURCES:
@@ -48,6 +49,6 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
 
 @pytest.mark.parametrize("march", TARGETS)
 @pytest.mark.parametrize("source", SOURCES)
-def test_cpu_kernel_compiles_for(source: str, march: str, compiled) -> None:
-    err = compiled[source, march]
+def test_cpu_kernel_compiles_for(source: str, march: str, build_errors) -> None:
+    err = build_errors[source, march]
     assert not err, err[-3000:]

@@ -149,11 +149,6 @@ class MeshInfo:
         return self.shard.world_size * self.replicas
 
 
-def mesh_shape(comm: Comm) -> tuple[int, int]:
-    """(R, S): the replicate and shard sizes of ``comm`` (R = 1 on a flat group)."""
-    return (comm.replicate.world_size if comm.replicate else 1), comm.world_size
-
-
 def check_same_mesh(mesh: Any, comm: Comm, where: str = "ZeroAdamW(stage=3)") -> None:
     """Stage 3: the optimizer's ``mesh``, if given, must be the one the model was sharded
     over (shard_model(mesh=)), whose Comm it uses."""
