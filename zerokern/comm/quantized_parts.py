@@ -134,30 +134,28 @@ class QuantizedHybridReduce(_QuantizedShardHop, HybridReduce):
         return hops
 
 
-class QuantizedFlatGather(FlatGather):
+class _QuantizedGatherHop:
+    """The shard group's all-gather as int8 codes on the wire: what both quantized gather
+    parts put in place of the plain one."""
+
+    comm: Any
+
+    def __init__(self, mesh: MeshInfo, bits: int) -> None:
+        super().__init__(mesh)  # type: ignore[call-arg]
+        self.bits, self.block = bits, DEFAULT_BLOCK
+
+    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor, label: str,
+                    async_op: bool) -> Any:
+        return quantized_all_gather(self.comm, out, shard, bits=self.bits, block=self.block,
+                                    label=label, async_op=async_op)
+
+
+class QuantizedFlatGather(_QuantizedGatherHop, FlatGather):
     """The parameter-gather part of a flat group, int8 on the wire."""
 
-    def __init__(self, mesh: MeshInfo, bits: int) -> None:
-        super().__init__(mesh)
-        self.bits, self.block = bits, DEFAULT_BLOCK
 
-    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor, label: str,
-                    async_op: bool) -> Any:
-        return quantized_all_gather(self.comm, out, shard, bits=self.bits, block=self.block,
-                                    label=label, async_op=async_op)
-
-
-class QuantizedHybridGather(HybridGather):
+class QuantizedHybridGather(_QuantizedGatherHop, HybridGather):
     """The parameter-gather part of a 2-D mesh, int8 on the wire (within the shard group)."""
-
-    def __init__(self, mesh: MeshInfo, bits: int) -> None:
-        super().__init__(mesh)
-        self.bits, self.block = bits, DEFAULT_BLOCK
-
-    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor, label: str,
-                    async_op: bool) -> Any:
-        return quantized_all_gather(self.comm, out, shard, bits=self.bits, block=self.block,
-                                    label=label, async_op=async_op)
 
 
 def quantized_reduce_part(mesh: MeshInfo, dtype: torch.dtype | None, bits: int) -> FlatReduce:
