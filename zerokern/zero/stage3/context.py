@@ -114,17 +114,21 @@ class UnitContext:
                       pin_memory=on_host and pin_host_memory(self.device))
         return arena, arena.alloc(self.local_numel, dtype).tensor
 
+    def _check_between_steps(self, option: str) -> None:
+        """The communication options change only with no unit gathered or reducing."""
+        if (self.inflight is not None or self.grad_comm.pending
+                or self.gather_arena.stats()["in_use"]):
+            raise RuntimeError(f"{option}: the sharded model is in a forward or backward "
+                               "(units gathered or reducing); build the optimizer between "
+                               "steps")
+
     def set_grad_dtype(self, dtype: torch.dtype, gather_bytes: int) -> None:
         """Gradients are reduced and kept in ``dtype`` from now on: new gradient slices (the
         values so far carried over) and a gather arena of ``gather_bytes`` whose gradient
         buffer is in that dtype. Only between steps, with no unit gathered or reducing."""
         if dtype == self.grad_dtype:
             return
-        if (self.inflight is not None or self.grad_comm.pending
-                or self.gather_arena.stats()["in_use"]):
-            raise RuntimeError("reduce_dtype: the sharded model is in a forward or backward "
-                               "(units gathered or reducing); build the optimizer between "
-                               "steps")
+        self._check_between_steps("reduce_dtype")
         self.grad_arena, grads = self._alloc_local(self.grads_on_host, dtype)
         grads.copy_(self.local_grads)
         self.local_grads = grads
@@ -138,11 +142,7 @@ class UnitContext:
         reducing."""
         if wire == self.wire:
             return
-        if (self.inflight is not None or self.grad_comm.pending
-                or self.gather_arena.stats()["in_use"]):
-            raise RuntimeError("gather_dtype / reduce_dtype: the sharded model is in a forward "
-                               "or backward (units gathered or reducing); build the optimizer "
-                               "between steps")
+        self._check_between_steps("gather_dtype / reduce_dtype")
         self.wire = wire
         self.grad_comm = reduce_part(self.comm, self.grad_dtype, wire.reduce_bits)
         self.param_comm = gather_part(self.comm, wire.gather_bits)
