@@ -189,7 +189,9 @@ def parity_case(rank, world, *, stages, matrices, path):
 def _exchange_counted(model, om, oa, world, rank):
     """One more step: Newton-Schulz runs on exactly the matrices this rank owns, once each;
     comm_stats() holds the stage's own reduce-scatter and all-gather of the flat space plus
-    the owner exchange's two collectives of N S elements (formulas.muon_exchange_elements)."""
+    the owner exchange's two all-to-alls of exactly the elements that change rank
+    (formulas.muon_shard_exchange_elements, from every rank's shard pieces): updates in
+    fp32 to the owners, orthogonalized updates in bfloat16 back."""
     plan = om._rule_state.plan
     seen = []
     ns = muon_step._ns
@@ -199,11 +201,22 @@ def _exchange_counted(model, om, oa, world, rank):
     finally:
         muon_step._ns = ns
     assert sum(seen) == plan.owned_numel[rank], (seen, plan.owned_numel)
-    want = formulas.muon_exchange_elements(list(plan.owned_numel))
+    held = [[0] * world for _ in range(world)]
+    rows = [None] * world
+    dist.all_gather_object(rows, [(pc.param, pc.numel) for pc in om.layout.pieces
+                                  if pc.param >= 0])
+    for r, row in enumerate(rows):
+        for param, numel in row:
+            held[r][plan.units[param].owner] += numel
+    assert [sum(h[o] for h in held) for o in range(world)] == list(plan.owned_numel)
+    want = formulas.muon_shard_exchange_elements(held, rank)
     kinds = om.comm_stats()["per_kind"]
     flat = om.layout.flat_numel
-    assert kinds["reduce_scatter"]["elements"] == flat + want["reduce_scatter"], kinds
-    assert kinds["all_gather"]["elements"] == flat + want["all_gather"], kinds
+    assert kinds["reduce_scatter"]["elements"] == flat, kinds
+    assert kinds["all_gather"]["elements"] == flat, kinds
+    a2a = kinds["all_to_all"]
+    assert a2a["elements"] == a2a["wire_elements"] == want["all_to_all"], (kinds, want)
+    assert a2a["bytes"] == 4 * want["to_owners"] + 2 * want["from_owners"], (kinds, want)
 
 
 def _round_trips(base, model, om, oa, ref, rom, roa, matrices, world, rank, path, rest_cls):

@@ -161,6 +161,19 @@ class OwnerExchange:
             mine.div_(n)
         return mine
 
+    def gather_segments(self, label: str = "Muon orthogonalized updates") -> torch.Tensor:
+        """Every rank's segment of :attr:`param_buffer` to every rank: one all-gather (what
+        the engine's stage 0 needs, where every rank applies every update itself).
+
+        Args:
+            label: what the collective names in an error.
+
+        Returns:
+            :attr:`param_buffer`, every segment filled.
+        """
+        self.comm.all_gather(self.param_buffer, self.segment(self.param_buffer), label)
+        return self.param_buffer
+
     @torch.no_grad()
     def gather_from_owners(self, params: Sequence[torch.Tensor],
                            label: str = "Muon parameters") -> None:
