@@ -139,6 +139,8 @@ class MuonRuleState(RuleState):
                 u = plan.units[pc.param]
                 lr = float(g["lr"])
                 values = engine.values(pc.local_start, pc.numel)
+                if ortho.device != values.device:  # offload: the master is on the host
+                    ortho = ortho.to(values.device)
                 values.mul_(1 - lr * g["weight_decay"])
                 values.add_(ortho, alpha=-adjust_lr(lr, g["adjust_lr_fn"], u.shape))
         engine.sync_params(gather=True)
