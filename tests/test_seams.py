@@ -73,6 +73,13 @@ def test_stages_and_units_call_no_collective(package):
     assert found == [], "collectives belong in zerokern/comm/parts.py: " + "; ".join(found)
 
 
+def test_muon_step_calls_no_collective():
+    # Muon's engine step moves its matrices through zerokern/comm (owner_exchange.py,
+    # shard_exchange.py), as the stages do through the communication parts.
+    found = _collective_calls(PKG / "zero" / "muon_step.py")
+    assert found == [], "collectives belong in zerokern/comm: " + "; ".join(found)
+
+
 # -- no import cycle ---------------------------------------------------------------------------
 def _modules(root: pathlib.Path) -> dict[str, tuple[pathlib.Path, bool]]:
     out = {}

@@ -13,20 +13,24 @@ torch.optim.Muon's step of a matrix is, op for op::
 
 so the element-wise lines run where the elements are (this rank's flat shard: the momentum
 is one flat buffer of the rule, sharded to the element like AdamW's moments), and only NS
-moves: each rank writes its elements of ``update`` into the owner's segment of a buffer that
-is zero elsewhere, one reduce-scatter hands each owner its whole matrices (a sum of one value
-and zeros: exact), the owner runs NS once per matrix (batched over same-shape matrices,
-zerokern.optim.muon.newton_schulz), and one all-gather of the bfloat16 results hands every
-rank what it applies to its elements. At stage 0 every rank holds every element, so the owner
-reads its matrices locally and only the all-gather runs. The owners and segments are
-zerokern.optim.muon_plan's, rebuilt from the shapes and the group size (so a checkpoint
-loads at any world size: nothing about the owners is saved).
+moves. At stages 1-3 every element is on one rank of the shard group: one all-to-all
+(zerokern.comm.shard_exchange) sends each owner exactly the elements of its matrices' updates
+that other ranks hold (nothing padded, nothing summed: the owner's matrix is the senders'
+values, bit for bit), the owner runs NS once per matrix (batched over same-shape matrices,
+zerokern.optim.muon.newton_schulz), and one all-to-all sends each rank back exactly its
+elements of the bfloat16 results, which it applies to its elements. At stage 0 every rank
+holds every element, so the owner reads its matrices locally and one all-gather of the
+owners' segments (zerokern.comm.owner_exchange) hands every rank every result. The owners
+and segments are zerokern.optim.muon_plan's, rebuilt from the shapes and the group size (so
+a checkpoint loads at any world size: nothing about the owners is saved). With offload the
+element-wise lines run on the host state, the exchange and NS on the engine's device.
 
 On the CPU each line above gives the same bits on a flat slice as on the whole matrix, so
 the result is torch.optim.Muon's on the averaged gradient, bit for bit where that average is
 (2 ranks: one addition). The exchange's collectives go through the Comm, so ``comm_stats()``
-counts them (``world_size * segment_numel`` elements each: zerokern.formulas
-``muon_exchange_elements``).
+counts them (stages 1-3: ``all_to_all``, the elements this rank sends, zerokern.formulas
+``muon_shard_exchange_elements``; stage 0: an all-gather of ``world_size * segment_numel``
+elements, ``muon_exchange_elements``).
 """
 
 from __future__ import annotations
