@@ -210,3 +210,7 @@ def test_shard_exchange_on_one_rank_and_its_refusals():
     with pytest.raises(ValueError, match="plan is for 2 ranks"):
         ShardExchange(plan_muon([(2, 3)], 2), Comm(), pieces, torch.float32, torch.float32,
                       "cpu")
+    with pytest.raises(ValueError, match="splits"):
+        Comm().all_to_all_uneven(torch.zeros(3), torch.zeros(3), [1, 2], [3])
+    with pytest.raises(ValueError, match="do not sum"):
+        Comm().all_to_all_uneven(torch.zeros(3), torch.zeros(3), [2], [3])

@@ -28,6 +28,7 @@ from zerokern.zero.stages import Stage2
 
 PKG = pathlib.Path(zerokern.__file__).parent
 COLLECTIVES = {"reduce_scatter", "all_gather", "all_reduce", "broadcast", "all_to_all",
+               "all_to_all_uneven",
                "replicate_all_reduce", "broadcast_all", "all_gather_object",
                "all_gather_object_all", "barrier", "reduce_scatter_tensor",
                "all_gather_into_tensor", "all_to_all_single", "isend", "irecv", "send", "recv"}
