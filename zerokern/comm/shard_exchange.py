@@ -81,7 +81,7 @@ class ShardExchange:
             raise ValueError(f"pieces has {len(pieces)} lists, comm {comm.world_size} ranks")
         for r, run in enumerate(pieces):
             for p in run:
-                if not (0 <= p.unit < len(plan.units) and p.numel > 0 and p.offset >= 0
+                if not (0 <= p.unit < len(plan.units) and p.numel >= 0 and p.offset >= 0
                         and p.offset + p.numel <= plan.units[p.unit].numel):
                     raise ValueError(f"pieces[{r}] has {p}, outside its unit")
         self.plan, self.comm = plan, comm
