@@ -152,3 +152,20 @@ def test_exchange_formulas_follow_the_plan():
         formulas.muon_exchange_elements([])
     with pytest.raises(ValueError, match="rank"):
         formulas.muon_owner_memory_bytes([1, 2], 2)
+
+
+def test_shard_exchange_formula_counts_what_changes_rank():
+    # held[r][o]: rank r holds 10 of owner 0's elements and 6 of owner 1's; rank 1 holds 4
+    # of owner 0's and 12 of its own. Rank 0 sends owner 1 its 6 and, as owner, rank 1's
+    # runs back (4); rank 1 sends 4 and 6.
+    held = [[10, 6], [4, 12]]
+    assert formulas.muon_shard_exchange_elements(held, 0) == {
+        "to_owners": 6, "from_owners": 4, "all_to_all": 10, "wire": 10, "padding": 0}
+    assert formulas.muon_shard_exchange_elements(held, 1)["all_to_all"] == 4 + 6
+    assert formulas.muon_shard_exchange_elements([[7]], 0)["all_to_all"] == 0
+    for bad, match in (([[1, 2]], "held"), ([[1, -1], [0, 0]], "held"),
+                       ([[True, 0], [0, 0]], "held")):
+        with pytest.raises(ValueError, match=match):
+            formulas.muon_shard_exchange_elements(bad, 0)
+    with pytest.raises(ValueError, match="rank"):
+        formulas.muon_shard_exchange_elements(held, 2)

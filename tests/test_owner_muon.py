@@ -176,3 +176,41 @@ def _refusals(rank, world):
 
 def test_refusals(tmp_path):
     run_ranks(2, _refusals, tmp_path=tmp_path)
+
+
+def test_shard_exchange_on_one_rank_and_its_refusals():
+    from zerokern.comm.owner_exchange import segment_view
+    from zerokern.comm.shard_exchange import ShardExchange, ShardPiece
+    from zerokern.optim.muon_plan import plan_muon
+
+    plan = plan_muon([(2, 3), (4, 2)], 1)
+    # one rank holds both matrices in three runs, the second split in two
+    pieces = [[ShardPiece(1, 0, 5), ShardPiece(0, 0, 6), ShardPiece(1, 5, 3)]]
+    sx = ShardExchange(plan, Comm(), pieces, torch.float32, torch.bfloat16, "cpu")
+    values = [torch.arange(5.0), torch.arange(6.0) + 10, torch.arange(3.0) + 20]
+    seg = sx.to_owners(values, [True, True])
+    assert torch.equal(segment_view(seg, plan.units[0]).flatten(), values[1])
+    assert torch.equal(segment_view(seg, plan.units[1]).flatten(),
+                       torch.cat([values[0], values[2]]))
+    sx.param_segment.copy_(seg)
+    back = sx.from_owners([True, True])
+    assert [torch.equal(b.float(), v) for b, v in zip(back, values)] == [True] * 3
+    assert len(sx.from_owners([False, True])) == 2  # an inactive unit's runs stay out
+    with pytest.raises(ValueError, match="values"):
+        sx.to_owners(values[:2], [True, True])
+    with pytest.raises(ValueError, match="values"):
+        sx.to_owners([torch.zeros(4)] + values[1:], [True, True])
+    with pytest.raises(ValueError, match="active"):
+        sx.from_owners([True])
+    with pytest.raises(ValueError, match="pieces"):
+        ShardExchange(plan, Comm(), [[ShardPiece(0, 4, 3)]], torch.float32, torch.float32,
+                      "cpu")
+    with pytest.raises(ValueError, match="pieces"):
+        ShardExchange(plan, Comm(), pieces * 2, torch.float32, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="plan is for 2 ranks"):
+        ShardExchange(plan_muon([(2, 3)], 2), Comm(), pieces, torch.float32, torch.float32,
+                      "cpu")
+    with pytest.raises(ValueError, match="splits"):
+        Comm().all_to_all_uneven(torch.zeros(3), torch.zeros(3), [1, 2], [3])
+    with pytest.raises(ValueError, match="do not sum"):
+        Comm().all_to_all_uneven(torch.zeros(3), torch.zeros(3), [2], [3])

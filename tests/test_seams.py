@@ -28,6 +28,7 @@ from zerokern.zero.stages import Stage2
 
 PKG = pathlib.Path(zerokern.__file__).parent
 COLLECTIVES = {"reduce_scatter", "all_gather", "all_reduce", "broadcast", "all_to_all",
+               "all_to_all_uneven",
                "replicate_all_reduce", "broadcast_all", "all_gather_object",
                "all_gather_object_all", "barrier", "reduce_scatter_tensor",
                "all_gather_into_tensor", "all_to_all_single", "isend", "irecv", "send", "recv"}
@@ -71,6 +72,13 @@ def test_stages_and_units_call_no_collective(package):
     assert files
     found = [hit for f in files for hit in _collective_calls(f)]
     assert found == [], "collectives belong in zerokern/comm/parts.py: " + "; ".join(found)
+
+
+def test_muon_step_calls_no_collective():
+    # Muon's engine step moves its matrices through zerokern/comm (owner_exchange.py,
+    # shard_exchange.py), as the stages do through the communication parts.
+    found = _collective_calls(PKG / "zero" / "muon_step.py")
+    assert found == [], "collectives belong in zerokern/comm: " + "; ".join(found)
 
 
 # -- no import cycle ---------------------------------------------------------------------------

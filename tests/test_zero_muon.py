@@ -80,14 +80,14 @@ def _split(model, matrices):
     return muon, rest
 
 
-def _build(base, stage, matrices, nesterov=True, rest_cls=torch.optim.AdamW):
+def _build(base, stage, matrices, nesterov=True, rest_cls=torch.optim.AdamW, offload=None):
     model = copy.deepcopy(base)
     if stage == 3:
         _freeze_rest(model, matrices)
         model = zerokern.shard_model(model)
     muon, rest = _split(model, matrices)
     om = zerokern.ZeroOptimizer(muon, torch.optim.Muon, stage=stage, bucket_numel=BUCKET,
-                                nesterov=nesterov, **MUON)
+                                nesterov=nesterov, offload=offload, **MUON)
     if stage == 3:
         return model, om, None
     oa = zerokern.ZeroOptimizer(rest, rest_cls, stage=stage, bucket_numel=BUCKET, **ADAMW)
@@ -168,18 +168,26 @@ def parity_case(rank, world, *, stages, matrices, path):
         # The recipe (AdamW: zerokern's fused kernels, within TOL of torch's, which the Muon
         # side sees through the gradients: MUON_TOL); and with torch's own Adam step for the
         # rest, where on 2 ranks every operation is torch's on the same numbers: bit for bit.
-        variants = [(True, torch.optim.AdamW, False)]
+        # With offload="cpu" (stages 2-3) the momentum and the element-wise lines are on the
+        # host, the exchange and Newton-Schulz on the device: the same operations, so the
+        # same bits.
+        variants = [(True, torch.optim.AdamW, False, None)]
         if stage in (1, 3) and world == 2:
-            variants.append((False, torch.optim.Adam, world == 2))
-        for nesterov, rest_cls, exact in variants:
-            what = f"world {world} stage {stage} nesterov {nesterov} {rest_cls.__name__}"
-            model, om, oa = _build(base, stage, matrices, nesterov, rest_cls)
+            variants.append((False, torch.optim.Adam, True, None))
+        if stage in (2, 3) and world == 2:
+            variants.append((True, torch.optim.Adam, True, "cpu"))
+        for nesterov, rest_cls, exact, offload in variants:
+            what = (f"world {world} stage {stage} nesterov {nesterov} {rest_cls.__name__} "
+                    f"offload {offload}")
+            model, om, oa = _build(base, stage, matrices, nesterov, rest_cls, offload)
+            if offload:
+                assert om.memory_stats()["host_momentum_buffer"] > 0, what
             ref, rom, roa = _reference(base, matrices, nesterov, rest_cls, stage)
             _train(model, (om, oa), world, rank, 0, STEPS)
             _train(ref, (rom, roa), world, rank, 0, STEPS, ref=True)
             _compare(model, ref, matrices, what, exact)
             _compare_momentum(om, rom, what, exact)
-            if stage in (1, 2) and nesterov:
+            if stage in (1, 2) and nesterov and not offload:
                 _exchange_counted(model, om, oa, world, rank)
             if exact and stage == 1:
                 _round_trips(base, model, om, oa, ref, rom, roa, matrices, world, rank, path,
@@ -189,7 +197,9 @@ def parity_case(rank, world, *, stages, matrices, path):
 def _exchange_counted(model, om, oa, world, rank):
     """One more step: Newton-Schulz runs on exactly the matrices this rank owns, once each;
     comm_stats() holds the stage's own reduce-scatter and all-gather of the flat space plus
-    the owner exchange's two collectives of N S elements (formulas.muon_exchange_elements)."""
+    the owner exchange's two all-to-alls of exactly the elements that change rank
+    (formulas.muon_shard_exchange_elements, from every rank's shard pieces): updates in
+    fp32 to the owners, orthogonalized updates in bfloat16 back."""
     plan = om._rule_state.plan
     seen = []
     ns = muon_step._ns
@@ -199,11 +209,22 @@ def _exchange_counted(model, om, oa, world, rank):
     finally:
         muon_step._ns = ns
     assert sum(seen) == plan.owned_numel[rank], (seen, plan.owned_numel)
-    want = formulas.muon_exchange_elements(list(plan.owned_numel))
+    held = [[0] * world for _ in range(world)]
+    rows = [None] * world
+    dist.all_gather_object(rows, [(pc.param, pc.numel) for pc in om.layout.pieces
+                                  if pc.param >= 0])
+    for r, row in enumerate(rows):
+        for param, numel in row:
+            held[r][plan.units[param].owner] += numel
+    assert [sum(h[o] for h in held) for o in range(world)] == list(plan.owned_numel)
+    want = formulas.muon_shard_exchange_elements(held, rank)
     kinds = om.comm_stats()["per_kind"]
     flat = om.layout.flat_numel
-    assert kinds["reduce_scatter"]["elements"] == flat + want["reduce_scatter"], kinds
-    assert kinds["all_gather"]["elements"] == flat + want["all_gather"], kinds
+    assert kinds["reduce_scatter"]["elements"] == flat, kinds
+    assert kinds["all_gather"]["elements"] == flat, kinds
+    a2a = kinds["all_to_all"]
+    assert a2a["elements"] == a2a["wire_elements"] == want["all_to_all"], (kinds, want)
+    assert a2a["bytes"] == 4 * want["to_owners"] + 2 * want["from_owners"], (kinds, want)
 
 
 def _round_trips(base, model, om, oa, ref, rom, roa, matrices, world, rank, path, rest_cls):
@@ -331,8 +352,6 @@ def test_non_matrix_is_refused_with_torchs_error():
                                adjust_lr_fn="nope")
     with pytest.raises(ValueError, match="Number of steps must be less than 100"):
         zerokern.ZeroOptimizer([model.l1.weight], torch.optim.Muon, stage=1, ns_steps=100)
-    with pytest.raises(ValueError, match="offload='cpu'.*Muon"):
-        zerokern.ZeroOptimizer([model.l1.weight], torch.optim.Muon, stage=1, offload="cpu")
     assert model.l1.weight.grad is None
     # a group added later: the same refusal, nothing added
     opt = zerokern.ZeroOptimizer([model.l1.weight], torch.optim.Muon, stage=1)

@@ -79,6 +79,11 @@ CASES = [
     (torch.optim.NAdam, dict(lr=0.01, weight_decay=0.01, momentum_decay=0.01)),
     (torch.optim.RAdam, dict(lr=0.01, weight_decay=0.01)),
     (torch.optim.Adamax, dict(lr=0.01, weight_decay=0.01)),
+    # Adadelta's two buffers, Rprop's sign-driven step sizes (its prev gradient and step
+    # sizes as buffers), ASGD's per-parameter scalars eta and mu with averaging from step 1.
+    (torch.optim.Adadelta, dict(lr=0.5, rho=0.8, eps=1e-5, weight_decay=0.01)),
+    (torch.optim.Rprop, dict(lr=0.02, etas=(0.4, 1.3), step_sizes=(1e-4, 0.5))),
+    (torch.optim.ASGD, dict(lr=0.02, lambd=1e-3, alpha=0.7, t0=1, weight_decay=0.01)),
     (MySGD, dict(lr=0.03)),
     (SignSGD, dict(lr=0.01)),
 ]
@@ -145,24 +150,27 @@ def parity_case(rank, world, *, stages, cases, offload=False, mesh=False):
             _train(model, opt, ref, ropt, world, rank, 0, STEPS)
             what = f"{cls.__name__}{hp} stage {stage} offload {offload} mesh {mesh}"
             _compare(model, ref, what)
-            # The state, in the class's own keys, as torch's holds it.
-            full = opt.full_state_dict(rank0_only=False)
-            want = ropt.state_dict()
-            # Adagrad fills a state for every parameter at construction, frozen ones too:
-            # ZeroOptimizer's state is of the parameters it trains.
-            trained = [i for i, p in enumerate(ref.parameters()) if p.requires_grad]
-            want["state"] = {i: st for i, st in want["state"].items() if i in trained}
-            assert set(full["state"]) == set(want["state"]), what
-            for i, st in want["state"].items():
-                assert set(full["state"][i]) == set(st), (what, i, set(full["state"][i]),
-                                                          set(st))
-                for k, v in st.items():
-                    got = full["state"][i][k]
-                    if torch.is_tensor(v):
-                        torch.testing.assert_close(got.float(), v.float(), rtol=TOL, atol=TOL,
-                                                   msg=lambda m, w=f"{what} {i} {k}": f"{w}: {m}")
-                    else:
-                        assert got == v, (what, i, k)
+            _compare_state(opt, ref, ropt, what)
+
+
+def _compare_state(opt, ref, ropt, what):
+    """The state, in the class's own keys, as torch's holds it."""
+    full = opt.full_state_dict(rank0_only=False)
+    want = ropt.state_dict()
+    # Adagrad fills a state for every parameter at construction, frozen ones too:
+    # ZeroOptimizer's state is of the parameters it trains.
+    trained = [i for i, p in enumerate(ref.parameters()) if p.requires_grad]
+    want["state"] = {i: st for i, st in want["state"].items() if i in trained}
+    assert set(full["state"]) == set(want["state"]), what
+    for i, st in want["state"].items():
+        assert set(full["state"][i]) == set(st), (what, i, set(full["state"][i]), set(st))
+        for k, v in st.items():
+            got = full["state"][i][k]
+            if torch.is_tensor(v):
+                torch.testing.assert_close(got.float(), v.float(), rtol=TOL, atol=TOL,
+                                           msg=lambda m, w=f"{what} {i} {k}": f"{w}: {m}")
+            else:
+                assert got == v, (what, i, k)
 
 
 @pytest.mark.parametrize("world", [2])
@@ -181,6 +189,53 @@ def test_two_d_mesh(tmp_path):
     pick = [CASES[0], CASES[6], CASES[5]]
     run_ranks(4, parity_case, dict(stages=(0, 2, 3), cases=pick, mesh=True),
               tmp_path=tmp_path, kwargs=True)
+
+
+FP16_SCALE = 256.0  # static: a scaled gradient (coefficient x 256) stays an exact fp16 value
+
+
+def fp16_case(rank, world, *, stages, cases):
+    """fp16 parameters through the torch-class path, as the project trains fp16: a loss
+    scale, the gradients reduced in fp16, unscaled, the class's step on an fp32 master, the
+    parameters its fp16 rounding. Reference: the same class on fp32 parameters (the fp16
+    initial values, upcast) fed the same averaged gradients: IntGradNet's gradients are small
+    integers, exact scaled by 256 in fp16, summed and averaged over two ranks (multiples of
+    128), so both sides step on the same numbers. The fp32 state must match within TOL and
+    the fp16 parameters the reference's rounding, within one fp16 unit (a master within TOL
+    of a rounding tie may round the other way); stepping the fp16 values themselves (no
+    master) would drift from the reference by several units in three steps."""
+    torch.manual_seed(0)
+    base = IntGradNet().half()
+    for cls, hp in cases:
+        for stage in stages:
+            what = f"fp16 {cls.__name__} stage {stage}"
+            model, opt = _build(base, cls, hp, stage, loss_scale=FP16_SCALE)
+            ref = copy.deepcopy(base).float()
+            ropt = cls(ref.parameters(), **hp)
+            for step in range(STEPS):
+                opt.scale_loss(_loss(model, step, rank)).backward()
+                opt.step()
+                opt.zero_grad()
+                _loss(ref, step, rank).backward()
+                _ref_average(ref, world)
+                ropt.step()
+                ropt.zero_grad()
+            assert opt.scaler.skipped_steps == 0, what
+            sharded = runtime_of_module(model) is not None
+            full = zerokern.full_state_dict(model, rank0_only=False) if sharded else \
+                dict(model.named_parameters())
+            for (name, _), b in zip(model.named_parameters(), ref.parameters()):
+                a = full[name].detach()
+                assert a.dtype == torch.float16, (what, name, a.dtype)
+                torch.testing.assert_close(a.float(), b.detach().half().float(), rtol=2**-10,
+                                           atol=0, msg=lambda m, w=f"{what}: {name}": f"{w}: {m}")
+            _compare_state(opt, ref, ropt, what)  # the fp32 state, stepped on the master
+
+
+def test_fp16_parameters_with_a_loss_scale(tmp_path):
+    pick = [CASES[2], CASES[9], CASES[11]]  # Adam (amsgrad), Adadelta, ASGD
+    run_ranks(2, fp16_case, dict(stages=(0, 1, 2, 3), cases=pick), tmp_path=tmp_path,
+              kwargs=True)
 
 
 def adamw_case(rank, world):

@@ -733,3 +733,31 @@ def muon_owner_memory_bytes(owned_numels: list[int], rank: int, grad_bytes: int 
     buf = len(owned_numels) * max(owned_numels)
     return {"momentum": owned_numels[rank] * grad_bytes, "grad_buffer": buf * grad_bytes,
             "param_buffer": buf * param_bytes}
+
+
+def muon_shard_exchange_elements(held: list[list[int]], rank: int) -> dict[str, int]:
+    """Elements rank ``rank`` sends in one Muon step at stages 1-3, where every rank holds a
+    shard and the matrices go to their owners by all-to-all (zerokern.comm.shard_exchange),
+    given ``held[r][o]``: the elements of owner o's matrices that rank r's shard holds (each
+    row sums to rank r's Muon elements, each column o to ``owned_numels[o]``).
+
+    ``to_owners``: what it sends the other owners (the updates, in the gradient dtype);
+    ``from_owners``: what it sends back, as owner, to the ranks holding its matrices (the
+    orthogonalized updates, bfloat16); ``all_to_all``: both, what ``comm_stats()`` counts
+    (elements and wire alike: nothing padded, nothing kept at home sent). Summed over ranks,
+    each direction moves every Muon element not held by its owner once: about 2 Psi (N-1)/N
+    in all, 2 Psi (N-1)/N^2 per rank, against :func:`muon_exchange_elements`' 2 N S per rank.
+
+    >>> muon_shard_exchange_elements([[10, 6], [4, 12]], 0)
+    {'to_owners': 6, 'from_owners': 4, 'all_to_all': 10, 'wire': 10, 'padding': 0}
+    """
+    n = len(held)
+    if n < 1 or any(len(row) != n or any(isinstance(x, bool) or not isinstance(x, int)
+                                         or x < 0 for x in row) for row in held):
+        raise ValueError(f"held must be an N x N table of ints >= 0, got {held!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
+        raise ValueError(f"rank must be in [0, {n}), got {rank!r}")
+    to = sum(held[rank][o] for o in range(n) if o != rank)
+    back = sum(held[r][rank] for r in range(n) if r != rank)
+    return {"to_owners": to, "from_owners": back, "all_to_all": to + back, "wire": to + back,
+            "padding": 0}

@@ -137,8 +137,10 @@ class CommStats:
         }
 
 
-PAPER_KINDS = ("reduce_scatter", "all_gather", "all_reduce")
-"""The collectives the paper counts (§7); broadcasts and the step's small all-reduce are not."""
+PAPER_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
+"""The collectives the paper counts (§7), and the all-to-all that sends Muon's matrices to
+their owners (zerokern.comm.shard_exchange); broadcasts and the step's small all-reduce are
+not."""
 
 
 def _dim_summary(stats: CommStats) -> dict[str, Any]:
@@ -466,6 +468,32 @@ class Comm:
         if count:
             self.stats.add("all_to_all", inp.numel(), inp.element_size(), ranks=self.world_size)
         return self._async("all_to_all", label, [work], handed, async_op)
+
+    def all_to_all_uneven(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                          in_splits: list[int], label: str = "pieces") -> None:
+        """``inp``'s consecutive chunks of ``in_splits[r]`` elements go to rank r; ``out``'s
+        chunks of ``out_splits[r]`` elements come from rank r (``all_to_all_single`` with
+        split sizes; gloo and NCCL both take them). Counted as ``all_to_all`` of the
+        elements this rank sends to other ranks, exactly (elements and wire alike: nothing
+        is padded, and this rank's own chunk, normally 0, never travels)."""
+        if len(out_splits) != self.world_size or len(in_splits) != self.world_size:
+            raise ValueError(f"all_to_all of {label}: {len(in_splits)} input and "
+                             f"{len(out_splits)} output splits for {self.world_size} ranks")
+        if sum(in_splits) != inp.numel() or sum(out_splits) != out.numel():
+            raise ValueError(f"all_to_all of {label}: splits {in_splits} -> {out_splits} do "
+                             f"not sum to {inp.numel()} -> {out.numel()} elements")
+        if self.world_size == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return
+        handed = (_hand(out), _hand(inp))
+        with self._guard("all_to_all", label):
+            work = dist.all_to_all_single(*handed, list(out_splits), list(in_splits),
+                                          group=self.group, async_op=True)
+        sent = inp.numel() - in_splits[self.rank]
+        self.stats.add("all_to_all", sent, inp.element_size())
+        self.stats.wire["all_to_all"] += sent
+        self._async("all_to_all", label, [work], handed, False)
 
     def all_gather_object(self, obj: Any, label: str = "objects") -> list[Any]:
         """Every rank's picklable ``obj``, in rank order. Built on all_gather (sizes, then the

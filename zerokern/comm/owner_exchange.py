@@ -18,6 +18,12 @@ Both collectives go through :class:`~zerokern.comm.Comm`, so they are counted in
 ``CommStats`` (``world_size * segment_numel`` elements each; zerokern.formulas
 :func:`~zerokern.formulas.muon_exchange_elements`). Only owners touch a unit's gradient sum;
 nobody else runs Newton-Schulz on it.
+
+Which exchange: this one when every rank holds every gradient (a real sum per element, so a
+reduce-scatter; its padding is only the owners' imbalance, ``MuonPlan.balance()``), as
+:class:`~zerokern.optim.owner_muon.OwnerMuon` and the engine's stage 0 (its all-gather only)
+do; :class:`~zerokern.comm.shard_exchange.ShardExchange` when every element is on one rank
+(the engine's stages 1-3: nothing to sum, so each element goes to its owner alone).
 """
 
 from __future__ import annotations
@@ -160,6 +166,19 @@ class OwnerExchange:
         if n > 1:
             mine.div_(n)
         return mine
+
+    def gather_segments(self, label: str = "Muon orthogonalized updates") -> torch.Tensor:
+        """Every rank's segment of :attr:`param_buffer` to every rank: one all-gather (what
+        the engine's stage 0 needs, where every rank applies every update itself).
+
+        Args:
+            label: what the collective names in an error.
+
+        Returns:
+            :attr:`param_buffer`, every segment filled.
+        """
+        self.comm.all_gather(self.param_buffer, self.segment(self.param_buffer), label)
+        return self.param_buffer
 
     @torch.no_grad()
     def gather_from_owners(self, params: Sequence[torch.Tensor],

@@ -20,7 +20,6 @@ from .core import ZeroCore
 from .interchange import check_adamw_flags
 from .rules import ADAMW, UpdateRule
 from .rules.elementwise import rule_for
-from .rules.muon import MuonRule
 from .rules.torch_class import class_name
 from .state_api import StateSurface
 from .training import TrainingLoop
@@ -128,8 +127,6 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
             if rule is ADAMW:  # torch.optim.AdamW itself: ZeroAdamW's path
                 return rule, adamw_defaults(cfg, **defaults)
             rule.check_format(cfg.state_format)
-            if isinstance(rule, MuonRule):
-                rule.check_offload(cfg.offload)
             return rule, dict(rule.defaults)
 
         label = (class_name(optimizer_class) if isinstance(optimizer_class, type)

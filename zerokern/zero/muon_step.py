@@ -13,32 +13,39 @@ torch.optim.Muon's step of a matrix is, op for op::
 
 so the element-wise lines run where the elements are (this rank's flat shard: the momentum
 is one flat buffer of the rule, sharded to the element like AdamW's moments), and only NS
-moves: each rank writes its elements of ``update`` into the owner's segment of a buffer that
-is zero elsewhere, one reduce-scatter hands each owner its whole matrices (a sum of one value
-and zeros: exact), the owner runs NS once per matrix (batched over same-shape matrices,
-zerokern.optim.muon.newton_schulz), and one all-gather of the bfloat16 results hands every
-rank what it applies to its elements. At stage 0 every rank holds every element, so the owner
-reads its matrices locally and only the all-gather runs. The owners and segments are
-zerokern.optim.muon_plan's, rebuilt from the shapes and the group size (so a checkpoint
-loads at any world size: nothing about the owners is saved).
+moves. At stages 1-3 every element is on one rank of the shard group: one all-to-all
+(zerokern.comm.shard_exchange) sends each owner exactly the elements of its matrices' updates
+that other ranks hold (nothing padded, nothing summed: the owner's matrix is the senders'
+values, bit for bit), the owner runs NS once per matrix (batched over same-shape matrices,
+zerokern.optim.muon.newton_schulz), and one all-to-all sends each rank back exactly its
+elements of the bfloat16 results, which it applies to its elements. At stage 0 every rank
+holds every element, so the owner reads its matrices locally and one all-gather of the
+owners' segments (zerokern.comm.owner_exchange) hands every rank every result. The owners
+and segments are zerokern.optim.muon_plan's, rebuilt from the shapes and the group size (so
+a checkpoint loads at any world size: nothing about the owners is saved). With offload the
+element-wise lines run on the host state, the exchange and NS on the engine's device.
 
 On the CPU each line above gives the same bits on a flat slice as on the whole matrix, so
 the result is torch.optim.Muon's on the averaged gradient, bit for bit where that average is
 (2 ranks: one addition). The exchange's collectives go through the Comm, so ``comm_stats()``
-counts them (``world_size * segment_numel`` elements each: zerokern.formulas
-``muon_exchange_elements``).
+counts them (stages 1-3: ``all_to_all``, the elements this rank sends, zerokern.formulas
+``muon_shard_exchange_elements``; stage 0: an all-gather of ``world_size * segment_numel``
+elements, ``muon_exchange_elements``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ..comm import Comm
 from ..comm.owner_exchange import OwnerExchange, batch_view, segment_view
+from ..comm.shard_exchange import ShardExchange, ShardPiece
 from ..optim.muon import _addmm, adjust_lr, newton_schulz
 from ..optim.muon_plan import MuonPlan, plan_muon
+from .layout import Layout
 from .param_table import ParamTable
 from .rule_state import RuleState
 from .rules import UpdateRule
@@ -57,6 +64,8 @@ class MuonRuleState(RuleState):
         self._key: Any = None
         self._plan: MuonPlan | None = None
         self._exchange: OwnerExchange | None = None
+        self._shard: ShardExchange | None = None
+        self._shard_layout: Layout | None = None
 
     @property
     def plan(self) -> MuonPlan:
@@ -68,6 +77,7 @@ class MuonRuleState(RuleState):
         return self._plan
 
     def exchange(self, device: torch.device) -> OwnerExchange:
+        """Stage 0's exchange: the owners' segments, gathered by every rank."""
         plan = self.plan
         if self._exchange is None or self._exchange.grad_buffer.device != device:
             # Gradients and momentum are fp32 (the state format is); NS returns bfloat16.
@@ -75,20 +85,32 @@ class MuonRuleState(RuleState):
                                            device)
         return self._exchange
 
+    def shard_exchange(self, layout: Layout, device: torch.device) -> ShardExchange:
+        """Stages 1-3's exchange: every rank's runs of the matrices, routed to and from
+        their owners (the runs are gathered once per layout: a collective, on every rank
+        at the same step since a layout changes on every rank at once)."""
+        plan = self.plan
+        if (self._shard is None or self._shard_layout is not layout
+                or self._shard.plan is not plan or self._shard.device != device):
+            mine = [ShardPiece(pc.param, pc.param_offset, pc.numel) for pc in layout.pieces
+                    if pc.param >= 0]
+            pieces = ShardExchange.gather_pieces(self.comm, mine)
+            self._shard = ShardExchange(plan, self.comm, pieces, torch.float32,
+                                        torch.bfloat16, device)
+            self._shard_layout = layout
+        return self._shard
+
     def update(self, engine: Engine, runs: list[Run], groups: list[dict[str, Any]],
                grad_scale: float, active: list[bool]) -> None:
         del runs  # the pieces say where each matrix's elements are
         plan, layout = self.plan, engine.layout
-        ex = self.exchange(engine.device)
         group_of = [gi for gi, n in enumerate(self.table.group_counts()) for _ in range(n)]
         momentum = engine.state.buffers[MOMENTUM].main.data
-        sharded = layout.stage >= 1
         rank, s = self.comm.rank, plan.segment_numel
-        send = ex.grad_buffer
-        if sharded:
-            send.zero_()  # each element comes from one rank; zeros from the others
         pieces = [pc for pc in layout.pieces if pc.param >= 0 and active[pc.param]]
-        with torch.no_grad():
+
+        def updates() -> Iterator[torch.Tensor]:
+            # The element-wise lines, one piece at a time (consumed as they are made).
             for pc in pieces:
                 g = groups[group_of[pc.param]]
                 grad = _cat(engine.grad_slices(pc.local_start, pc.numel)).float()
@@ -96,34 +118,44 @@ class MuonRuleState(RuleState):
                     grad = grad / grad_scale
                 buf = momentum.narrow(0, pc.local_start, pc.numel)
                 buf.lerp_(grad, 1 - g["momentum"])
-                update = grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
-                u = plan.units[pc.param]
-                if sharded or u.owner == rank:
-                    send.narrow(0, u.owner * s + u.offset + pc.param_offset,
-                                pc.numel).copy_(update)
-            if sharded:
-                self.comm.reduce_scatter(ex.segment(send), send, "Muon updates to owners")
-            self._orthogonalize(ex, groups, group_of, active)
-            self.comm.all_gather(ex.param_buffer, ex.segment(ex.param_buffer),
-                                 "Muon orthogonalized updates")
-            for pc in pieces:
+                yield grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+
+        with torch.no_grad():
+            if layout.stage >= 1:
+                sx = self.shard_exchange(layout, engine.device)
+                src = sx.to_owners(updates(), active)
+                self._orthogonalize(src, sx.param_segment, groups, group_of, active)
+                orthos = sx.from_owners(active)
+            else:  # every rank holds every element: owners read theirs, all gather all
+                ex = self.exchange(engine.device)
+                src, dst = ex.segment(ex.grad_buffer), ex.segment(ex.param_buffer)
+                for pc, update in zip(pieces, updates()):
+                    u = plan.units[pc.param]
+                    if u.owner == rank:
+                        src.narrow(0, u.offset + pc.param_offset, pc.numel).copy_(update)
+                self._orthogonalize(src, dst, groups, group_of, active)
+                gathered = ex.gather_segments()
+                orthos = [gathered.narrow(0, plan.units[pc.param].owner * s
+                                          + plan.units[pc.param].offset + pc.param_offset,
+                                          pc.numel) for pc in pieces]
+            for pc, ortho in zip(pieces, orthos):
                 g = groups[group_of[pc.param]]
                 u = plan.units[pc.param]
-                ortho = ex.param_buffer.narrow(0, u.owner * s + u.offset + pc.param_offset,
-                                               pc.numel)
                 lr = float(g["lr"])
                 values = engine.values(pc.local_start, pc.numel)
+                if ortho.device != values.device:  # offload: the master is on the host
+                    ortho = ortho.to(values.device)
                 values.mul_(1 - lr * g["weight_decay"])
                 values.add_(ortho, alpha=-adjust_lr(lr, g["adjust_lr_fn"], u.shape))
         engine.sync_params(gather=True)
 
-    def _orthogonalize(self, ex: OwnerExchange, groups: list[dict[str, Any]],
-                       group_of: list[int], active: list[bool]) -> None:
-        """NS of every matrix this rank owns that is stepped, from its segment of the
-        gradient buffer into its segment of the parameter buffer: one batched NS per batch
-        of same-shape matrices with the same NS settings."""
+    def _orthogonalize(self, src: torch.Tensor, dst: torch.Tensor,
+                       groups: list[dict[str, Any]], group_of: list[int],
+                       active: list[bool]) -> None:
+        """NS of every matrix this rank owns that is stepped, from its segment ``src`` (the
+        updates) into its segment ``dst``: one batched NS per batch of same-shape matrices
+        with the same NS settings."""
         plan = self.plan
-        src, dst = ex.segment(ex.grad_buffer), ex.segment(ex.param_buffer)
         for b in plan.batches[self.comm.rank]:
             units = [plan.units[k] for k in b.units]
             live = [u for u in units if active[u.matrix]]

@@ -66,14 +66,6 @@ class MuonRule(TorchClassRule):
         self.check_params(group, where)  # add_param_group's new parameters
         super().check_hparams(group, where, fmt)
 
-    def check_offload(self, offload: str | None) -> None:
-        """The owners run Newton-Schulz where the gradients are; a host-side state is not
-        implemented for Muon."""
-        if offload is not None:
-            raise ValueError(f"offload={offload!r}: {self.label} under ZeroOptimizer keeps its "
-                             "momentum on the device (the owners' Newton-Schulz runs there); "
-                             "use offload=None")
-
     def __repr__(self) -> str:
         return f"MuonRule({self.label})"
 
