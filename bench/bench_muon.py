@@ -10,14 +10,15 @@ The GPT is bench/gpt.py's (the reference workload of docs/how-it-works/conventio
 a shape option overrides it), fp32, Muon on the blocks' 2-D weight matrices and AdamW on the
 rest; muon_schedules.py defines the schedules. A schedule that does not start here
 (DeepSpeed's at a stage it refuses on CPU ranks, zerokern's stage 3 with two optimizers on
-one sharded model where that is refused) gets a row "skipped: <reason>". All schedules live in one set of ranks and are
-timed in interleaved rounds: each round runs ``--steps`` steps of every schedule, in the
-given order on even rounds and reversed on odd ones, after ``--warmup`` untimed steps each. A
-step's phase is the slowest rank's; a round's value the median of its steps; a row's value
-the median over rounds, with the spread (min-max) and each round's value, and each ratio is
-taken within a round. Communication is bytes per step as the ZeRO paper counts them
-(zerokern's CommStats; the others' collectives counted from their tensors; DeepSpeed's from
-the profiler, --prof-steps), beside zerokern.formulas.
+one sharded model where that is refused) gets a row "skipped: <reason>". All schedules live
+in one set of ranks and are timed in interleaved rounds: each round runs ``--steps`` steps of
+every schedule, in the given order on even rounds and reversed on odd ones, after
+``--warmup`` untimed steps each. A step's phase is the slowest rank's; a round's value the
+median of its steps; a row's value the median over rounds, with the spread (min-max) and
+each round's value, and each ratio is taken within a round. Communication is bytes per step
+as the ZeRO paper counts them (zerokern's Muon exchange counted from the tensors its
+collectives move, beside ``comm_stats()``; the redundant all-reduce from its tensors;
+DeepSpeed's from the profiler over one extra step), beside zerokern.formulas.
 
 The goal checked (issue 37): the owner schedule's Muon step at most 1/N of the redundant
 schedule's Newton-Schulz time plus its own exchange, the excess within 3% of the step.

@@ -137,8 +137,8 @@ class StateSurface:
 
         ``torch.optim.Muon`` adds its owner exchange's two buffers, kept between steps and
         outside the arena: ``muon_grad_buffer`` (fp32 updates) and ``muon_param_buffer``
-        (their bfloat16 Newton-Schulz results), N S elements each (zerokern.formulas ``muon_exchange_memory_bytes``),
-        counted in ``total``."""
+        (their bfloat16 Newton-Schulz results), N S elements each (zerokern.formulas
+        ``muon_exchange_memory_bytes``), counted in ``total``."""
         out = self._slot.memory_stats()
         extra = self._rule_state.memory_stats()
         if extra:
