@@ -17,10 +17,12 @@ the hidden 2-D matrices (:func:`muon_split`) and AdamW for everything else:
 A step returns its phases in milliseconds on this rank: ``step``, ``fwdbwd`` (forward and
 backward, the gradient hooks' communication included), ``opt`` (the whole optimizer step,
 Muon and AdamW), ``muon`` (the Muon optimizer's step), ``ns`` (Newton-Schulz alone: the time
-inside torch's, zerokern's or DeepSpeed's NS function on this rank) and ``ns_cpu`` (the same in
-CPU time of the rank's thread), ``exchange`` (zerokern: the owner exchange's collectives, those
-labelled "Muon"; redundant: the Muon gradients' all-reduce) and ``step_cpu`` (the process's CPU
-time of the step). Bytes per step as the ZeRO paper counts them.
+inside torch's, zerokern's or DeepSpeed's NS function on this rank), ``exchange`` (zerokern:
+the owner exchange's collectives, those labelled "Muon"; redundant: the Muon gradients'
+all-reduce); ``*_cpu`` the same in CPU time of the rank's thread (one torch thread per rank:
+the work itself, which other processes sharing the cores do not stretch as they stretch the
+wall clock; a wait in a collective costs none); ``step_cpu`` the process's CPU time of the
+step (every thread, gloo's included). Bytes per step as the ZeRO paper counts them.
 """
 
 from __future__ import annotations
@@ -99,8 +101,9 @@ class Schedule:
     ranks = "all"
     what = ""
 
-    def optimizer_step(self) -> tuple[float, float]:
-        """The optimizer step; returns (Muon ms, exchange ms)."""
+    def optimizer_step(self) -> dict[str, float]:
+        """The optimizer step; returns the Muon step's and its exchange's wall and CPU ms
+        (``muon``, ``muon_cpu``, ``exchange``, ``exchange_cpu``)."""
         raise NotImplementedError
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -114,10 +117,10 @@ class Schedule:
         loss = self.forward_backward(x, y)
         fwdbwd = _ms(t0)
         t1 = time.perf_counter()
-        muon, exchange = self.optimizer_step()
+        parts = self.optimizer_step()
         opt = _ms(t1)
         return {"step": _ms(t0), "step_cpu": (time.process_time() - c0) * 1e3,
-                "fwdbwd": fwdbwd, "opt": opt, "muon": muon, "exchange": exchange,
+                "fwdbwd": fwdbwd, "opt": opt, **parts,
                 "ns": NSClock.wall, "ns_cpu": NSClock.cpu, "loss": float(loss.detach())}
 
     def bytes(self) -> dict[str, Any]:
@@ -139,7 +142,7 @@ class Owner(Schedule):
         self.oa = zerokern.ZeroOptimizer(other, torch.optim.AdamW, stage=stage, **ADAMW)
         self.what = (f"zerokern ZeroOptimizer(torch.optim.Muon) + ZeroOptimizer(AdamW) at "
                      f"stage {stage}: one owner per matrix")
-        self.ex_ms = 0.0
+        self.ex_ms = self.ex_cpu = 0.0
         self.ex_bytes: dict[str, int] = {}
         comm = self.om.comm
         for kind in ("reduce_scatter", "all_gather", "all_to_all"):
@@ -151,26 +154,28 @@ class Owner(Schedule):
                 **k: Any) -> Any:
             if not str(label).startswith("Muon"):
                 return fn(out, inp, label, *a, **k)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return fn(out, inp, label, *a, **k)
             finally:
                 self.ex_ms += _ms(t)
+                self.ex_cpu += (time.thread_time() - c) * 1e3
                 moved = out if kind == "all_gather" else inp  # the paper's count
                 self.ex_bytes[kind] = (self.ex_bytes.get(kind, 0)
                                        + moved.numel() * moved.element_size())
 
         return run
 
-    def optimizer_step(self) -> tuple[float, float]:
-        self.ex_ms, self.ex_bytes = 0.0, {}
-        t = time.perf_counter()
+    def optimizer_step(self) -> dict[str, float]:
+        self.ex_ms, self.ex_cpu, self.ex_bytes = 0.0, 0.0, {}
+        t, c = time.perf_counter(), time.thread_time()
         self.om.step()
-        muon = _ms(t)
+        out = {"muon": _ms(t), "muon_cpu": (time.thread_time() - c) * 1e3,
+               "exchange": self.ex_ms, "exchange_cpu": self.ex_cpu}
         self.oa.step()
         self.om.zero_grad()
         self.oa.zero_grad()
-        return muon, self.ex_ms
+        return out
 
     def bytes(self) -> dict[str, Any]:
         plan = self.om._rule_state.plan
@@ -214,16 +219,16 @@ class Redundant(Schedule):
         self.counted[i] = 2 * buf.numel() * buf.element_size()  # the paper's all-reduce
         torch._foreach_copy_([p.grad for p in params], views)
 
-    def optimizer_step(self) -> tuple[float, float]:
-        t = time.perf_counter()
+    def optimizer_step(self) -> dict[str, float]:
+        t, c = time.perf_counter(), time.thread_time()
         self._average(0, self.muon_params)
-        exchange = _ms(t)
+        out = {"exchange": _ms(t), "exchange_cpu": (time.thread_time() - c) * 1e3}
         self.muon.step()
-        muon = _ms(t)
+        out.update(muon=_ms(t), muon_cpu=(time.thread_time() - c) * 1e3)
         self._average(1, self.other_params)
         self.adamw.step()
         self.model.zero_grad(set_to_none=True)
-        return muon, exchange
+        return out
 
     def bytes(self) -> dict[str, Any]:
         return {"muon_opt_bytes": self.counted[0], "adamw_opt_bytes": self.counted[1],
@@ -312,9 +317,10 @@ class DeepSpeedMuon(Schedule):
         self.engine.backward(loss)
         return loss
 
-    def optimizer_step(self) -> tuple[float, float]:
+    def optimizer_step(self) -> dict[str, float]:
         self.engine.step()
-        return float("nan"), float("nan")  # its Muon runs inside its step (or backward)
+        nan = float("nan")  # its Muon runs inside its step or its backward: not apart
+        return {"muon": nan, "muon_cpu": nan, "exchange": nan, "exchange_cpu": nan}
 
 
 def build(name: str, cfg: GPTConfig, world: int, micro_batch: int,
