@@ -305,6 +305,7 @@ def estimate(
     intra_latency_s: float | None = None,
     inter_latency_s: float | None = None,
     bucket_numel: int | None = None,
+    optimizer: str = "adamw",
 ) -> dict[str, Any]:
     """Compute everything the command reports. Bytes are exact; ``*_gb`` are bytes / 1e9.
 
@@ -327,7 +328,17 @@ def estimate(
     ``inter_latency_s`` per ring step (default 2 and 5 us); ``bucket_numel`` elements per
     collective call (default 2**21, ZeroAdamW's) set the latency term. These options without
     ``nodes``: ValueError naming the first one.
+
+    ``optimizer="muon"`` adds ``report["muon"]`` (else None): the owner exchange of
+    ``torch.optim.Muon`` on the GPT-like model's hidden matrices (needs ``layers`` and
+    ``hidden``; zerokern.estimate_muon).
     """
+    from .estimate_muon import OPTIMIZERS, muon_section  # imports the owners' plan
+
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if optimizer == "muon" and (layers is None or hidden is None):
+        raise ValueError("optimizer='muon' needs layers and hidden (the matrices' shapes)")
     gpus = [int(n) for n in gpus]
     for n in gpus:
         check_psi_n(psi, n)
@@ -386,4 +397,6 @@ def estimate(
         None if host_k == k else k_formula_text(moments, master, on_host=True))
     if layers is not None and hidden is not None:
         report["gpt_params_from_layers_hidden"] = gpt_params(layers, hidden)
+    report["muon"] = (muon_section(layers, hidden, gpus) if optimizer == "muon"
+                      and layers is not None and hidden is not None else None)
     return report

@@ -761,3 +761,41 @@ def muon_shard_exchange_elements(held: list[list[int]], rank: int) -> dict[str, 
     back = sum(held[r][rank] for r in range(n) if r != rank)
     return {"to_owners": to, "from_owners": back, "all_to_all": to + back, "wire": to + back,
             "padding": 0}
+
+def muon_exchange_bytes(owned_numels: list[int], stage: int, grad_bytes: int = 4,
+                        update_bytes: int = 2) -> dict[str, int]:
+    """Bytes one ``ZeroOptimizer(params, torch.optim.Muon)`` step's owner exchange moves
+    (zerokern/zero/muon_step.py), as ``comm_stats()`` counts them, beside the stage's own
+    collectives of the flat space: the fp32 updates to their owners (``reduce_scatter``, N S
+    elements; none at stage 0, where every rank holds every element) and the owners'
+    bfloat16 Newton-Schulz results back (``all_gather``, N S). ``wire``: bytes each rank
+    sends under bandwidth-optimal collectives, (N - 1) S of each. All 0 on one rank.
+
+    >>> muon_exchange_bytes([96, 64, 80], stage=1)
+    {'reduce_scatter': 1152, 'all_gather': 576, 'total': 1728, 'wire': 1152}
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    e = muon_exchange_elements(owned_numels)
+    n, s = len(owned_numels), max(owned_numels)
+    rs = 0 if stage == 0 else e["reduce_scatter"] * grad_bytes
+    ag = e["all_gather"] * update_bytes
+    wire = 0 if n == 1 else (n - 1) * s * ((0 if stage == 0 else grad_bytes) + update_bytes)
+    return {"reduce_scatter": rs, "all_gather": ag, "total": rs + ag, "wire": wire}
+
+
+def muon_exchange_memory_bytes(owned_numels: list[int], grad_bytes: int = 4,
+                               update_bytes: int = 2) -> dict[str, int]:
+    """Bytes a rank holds for ``ZeroOptimizer(params, torch.optim.Muon)``'s owner exchange,
+    beside the momentum (sharded like any state, in ``memory_stats()["momentum_buffer"]``):
+    the two buffers of N S elements kept between steps, ``muon_grad_buffer`` (the fp32
+    updates, whose own segment the owner orthogonalizes) and ``muon_param_buffer`` (the
+    bfloat16 results every rank applies). One rank: its one segment of each.
+
+    >>> muon_exchange_memory_bytes([96, 64, 80])
+    {'muon_grad_buffer': 1152, 'muon_param_buffer': 576}
+    """
+    _check_owned(owned_numels)
+    buf = len(owned_numels) * max(owned_numels)
+    return {"muon_grad_buffer": buf * grad_bytes, "muon_param_buffer": buf * update_bytes}
+

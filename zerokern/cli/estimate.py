@@ -149,6 +149,13 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "updated with stochastic rounding); sets K",
     )
     p.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="muon: also the owner exchange of ZeroOptimizer(..., torch.optim.Muon) on the "
+        "hidden matrices (buffers per GPU, bytes per step); needs --layers and --hidden",
+    )
+    p.add_argument(
         "--gpu-mem",
         type=_positive_float,
         metavar="GB",
@@ -225,6 +232,8 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--batch/--seq (activation memory) also need --layers and --hidden"
     if args.checkpointing and args.batch is None:
         return "--checkpointing needs --batch, --seq, --layers and --hidden"
+    if args.optimizer == "muon" and args.layers is None:
+        return "--optimizer muon needs --layers and --hidden (the matrices' shapes)"
     if args.k is not None and (args.moments, args.master) != ("fp32", "fp32"):
         return "give --k or --moments/--master, not both (the format decides K)"
     if args.nodes is None:
@@ -276,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
         intra_latency_s=None if args.intra_latency is None else args.intra_latency / 1e6,
         inter_latency_s=None if args.inter_latency is None else args.inter_latency / 1e6,
         bucket_numel=args.bucket_numel,
+        optimizer=args.optimizer,
     )
 
     # Do the plot (the only step that can fail) before printing anything.

@@ -175,6 +175,10 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append("  " + "   ".join(x.ljust(w) for x, w in zip(cells, widths, strict=True)))
     lines.extend(_wrap("  " + c["counting"], 96, "  "))
     lines.extend(_cluster_lines(r))
+    if r.get("muon"):
+        from ..estimate_muon import format_muon
+
+        lines.extend(format_muon(r["muon"]))
     return "\n".join(line.rstrip() for line in lines)
 
 

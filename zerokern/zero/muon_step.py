@@ -43,6 +43,7 @@ import torch
 from ..comm import Comm
 from ..comm.owner_exchange import OwnerExchange, batch_view, segment_view
 from ..comm.shard_exchange import ShardExchange, ShardPiece
+from ..formulas import muon_exchange_memory_bytes
 from ..optim.muon import _addmm, adjust_lr, newton_schulz
 from ..optim.muon_plan import MuonPlan, plan_muon
 from .layout import Layout
@@ -99,6 +100,17 @@ class MuonRuleState(RuleState):
                                         torch.bfloat16, device)
             self._shard_layout = layout
         return self._shard
+
+    def memory_stats(self) -> dict[str, int]:
+        """The exchange's buffers, kept between steps: their bytes as allocated, or before
+        the first step what it will allocate (zerokern.formulas
+        ``muon_exchange_memory_bytes``; nothing is allocated by asking)."""
+        plan = self.plan  # first: a plan of other shapes drops its exchange
+        ex = self._exchange
+        if ex is None:
+            return muon_exchange_memory_bytes(list(plan.owned_numel))
+        # Every tensor the exchange holds, measured: a buffer added to it shows here.
+        return {f"muon_{k}": _nbytes(t) for k, t in vars(ex).items() if torch.is_tensor(t)}
 
     def update(self, engine: Engine, runs: list[Run], groups: list[dict[str, Any]],
                grad_scale: float, active: list[bool]) -> None:
@@ -177,6 +189,10 @@ def _ns_key(g: dict[str, Any]) -> tuple[Any, ...]:
 def _ns(stack: torch.Tensor, key: tuple[Any, ...]) -> torch.Tensor:
     coeffs, steps, eps = key
     return newton_schulz(stack, coeffs, steps, eps, _addmm(None))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

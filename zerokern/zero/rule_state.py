@@ -48,6 +48,11 @@ class RuleState:
     def reset(self, index: int) -> None:
         self.scalars[index] = {}
 
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of buffers the rule keeps outside the engine's arena, by kind, for
+        ``memory_stats()`` ({}: none; Muon's owner exchange: muon_step.py)."""
+        return {}
+
     def runs(self, table: ParamTable, layout: Layout, active: list[bool],
              param_groups: list[dict[str, Any]]) -> tuple[list[Run], list[dict[str, Any]]]:
         """This step's runs and the groups they index (param_groups itself without scalars;

@@ -133,5 +133,17 @@ class StateSurface:
         for fp32 moments with an fp32 master, about 6 for ``moments="int8"`` and 2 with
         ``master="none"`` too. ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` are the int8
         blocks' scales and ``exp_avg_side`` / ``exp_avg_sq_side`` the fp32 moments of
-        parameters too small to compress (docs/compressed-state.md)."""
-        return self._slot.memory_stats()
+        parameters too small to compress (docs/compressed-state.md).
+
+        ``torch.optim.Muon`` adds its owner exchange's two buffers, kept between steps and
+        outside the arena: ``muon_grad_buffer`` (fp32 updates) and ``muon_param_buffer``
+        (their bfloat16 Newton-Schulz results), N S elements each (zerokern.formulas
+        ``muon_exchange_memory_bytes``), counted in ``total``."""
+        out = self._slot.memory_stats()
+        extra = self._rule_state.memory_stats()
+        if extra:
+            out = {**out, **extra}
+            for k in ("total", "device_total"):
+                if k in out:
+                    out[k] += sum(extra.values())
+        return out
