@@ -160,6 +160,10 @@ def train(rank: int, world: int, name: str, stage: int) -> tuple[MixNet, zeroker
                                                                         norm64)
         ref.step(base, 1.0 / min(1.0, MAX_NORM / (opt.last_grad_norm + 1e-6)))
         _check(name, model, opt, ref, f"{name} stage {stage} world {world} step {step}")
+    # The statistics and opt.state span the parts as one optimizer's.
+    assert opt.memory_stats()["total"] == sum(p.memory_stats()["total"] for p in opt._parts)
+    assert opt.comm_stats()["numel"] == sum(math.prod(s) for s in SHAPES.values())
+    assert len(opt.state) == len(SHAPES) and opt.state[model.emb]["step"] == STEPS
     return model, opt
 
 
@@ -194,7 +198,7 @@ def grid_case(rank: int, world: int, stages: list[int], ckpt: str) -> None:
     for name in CONFIGS:
         for stage in stages:
             model, opt = train(rank, world, name, stage)
-            if stage == stages[0]:
+            if world == 2 and stage == stages[0]:
                 interchange(rank, world, name, stage, model, opt)
             if world == 2 and name == "bf16-emb" and stage == 2:
                 zerokern.save_checkpoint(ckpt, model, opt)
@@ -241,5 +245,10 @@ def test_mixed_dtypes_refusals():
     with pytest.raises(ValueError, match="master='none' needs bf16"):
         zerokern.ZeroAdamW([{"params": list(MixNet(torch.float16, F32).parameters()),
                              "master": "none"}])
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=1)
+    with pytest.raises(NotImplementedError, match="add_param_group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    with pytest.raises(ValueError, match="state_dict: saved by an optimizer with the parts"):
+        opt.load_state_dict({"zerokern": {}, "state": {}, "param_groups": []})
     with pytest.raises(ValueError, match="model: all parameters must share one dtype"):
         zerokern.shard_model(MixNet(BF, F32))
