@@ -27,6 +27,7 @@ from . import interop
 from .joint_clip import clip_joint
 from .mixed_plan import NOT_PUSHED, Part
 from .mixed_state import MixedState
+from .state_format import StateFormat
 
 
 @dataclasses.dataclass
@@ -133,16 +134,21 @@ class MixedParts(MixedState):
 
     @property
     def state_format(self) -> Any:
-        """The parts' common state format (refused when they differ: the checkpoint format
-        holds one)."""
+        """The parts' common state format. Parts that differ only in ``master`` with fp32
+        moments (bf16 stepped in place beside fp32 state) give the default format: what
+        save_checkpoint writes for them (fp32 values and moments, exact for bf16 values; the
+        stochastic rounding's seed is then the optimizer's, not the checkpoint's). Other
+        differences are refused: a checkpoint holds one format."""
         fmts = {part.state_format for part in self._parts}
-        if len(fmts) > 1:
-            raise ValueError(
-                "the parts of this optimizer store their state in different formats ("
-                + ", ".join(f"{pl.dtype}: master={pl.master!r}" for pl in self._plan)
-                + "); save_checkpoint holds one format: use state_dict() / "
-                "full_state_dict() for this optimizer")
-        return fmts.pop()
+        if len(fmts) == 1:
+            return fmts.pop()
+        if all(f.moments == "fp32" for f in fmts):
+            return StateFormat()
+        raise ValueError(
+            "the parts of this optimizer store their state in different formats ("
+            + ", ".join(f"{pl.dtype}: master={pl.master!r}" for pl in self._plan)
+            + ") with compressed moments; save_checkpoint holds one format: use "
+            "state_dict() / full_state_dict() for this optimizer")
 
     @property
     def seed(self) -> int:
