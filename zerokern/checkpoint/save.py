@@ -221,7 +221,8 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
         groups.append(
             {
                 "hyper": {k: _jsonable(k, v) for k, v in grp.items()
-                          if k != "params" and _known_group_key(g, k, opt)},
+                          # "master": a group's construction option (several dtypes)
+                          if k not in ("params", "master") and _known_group_key(g, k, opt)},
                 "params": [names.param[id(p)] for p in grp["params"]],
             }
         )

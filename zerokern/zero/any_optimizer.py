@@ -56,7 +56,8 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
 
     Args:
         params: the parameters to train, or param-group dicts, as for ``optimizer_class``.
-            Only parameters that require grad at construction are trained.
+            Only parameters that require grad at construction are trained; at stages 0-2
+            they may have several dtypes (one flat layout per dtype, as ``ZeroAdamW``).
         optimizer_class: the torch optimizer class (not an instance), e.g.
             ``torch.optim.SGD``.
         stage: the ZeRO stage, an int 0-3 (3 needs a model partitioned by

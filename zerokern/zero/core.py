@@ -39,6 +39,8 @@ from .grad_edits import GradEdits, late_edit_error, param_label
 from .guard_set import GuardSet
 from .interchange import TorchFormat, strip_adamw_flags
 from .layout import Layout
+from .mixed import build_parts
+from .mixed_plan import Part, plan_parts
 from .optimizer_state import StateAccess, set_seed
 from .param_groups import check_groups, check_new_group
 from .param_table import ParamTable, broadcast_params, stage3_runtime, trained_params
@@ -79,6 +81,7 @@ class ZeroCore(torch.optim.Optimizer):
         table: ParamTable | None = None
         rule: UpdateRule | None = None
         failure: BaseException | None = None
+        parts: list[Part] | None = None
         try:
             cfg = ZeroConfig.merge(config, options, where).validate()
             rule, defaults = resolve(cfg)
@@ -95,12 +98,22 @@ class ZeroCore(torch.optim.Optimizer):
             check_offload_params(rt, cfg.offload)
             if rt is not None:
                 check_same_mesh(mesh, rt.comm)
-            table = ParamTable(managed, frozen, rt)
-            dtype, device = common_dtype_device(table.params)  # meta parameters refused
-            check_master_dtype(cfg.state_format, dtype)
-            check_gather_dtype_params(cfg.wire.gather_bits, cfg.stage, dtype)
+            # Several dtypes (or groups with their own master): one part per partition.
+            parts = plan_parts(self.param_groups, cfg, rt)
+            if parts is None:
+                table = ParamTable(managed, frozen, rt)
+                dtype, device = common_dtype_device(table.params)  # meta parameters refused
+                check_master_dtype(cfg.state_format, dtype)
+                check_gather_dtype_params(cfg.wire.gather_bits, cfg.stage, dtype)
         except (ValueError, TypeError, RuntimeError) as exc:
             failure = exc
+        if failure is None and parts is not None:
+            # Each part agrees across ranks as a whole optimizer does (a rank refused above
+            # meets the first part's agreement and every rank raises there).
+            assert cfg is not None
+            build_parts(self, parts, resolve, cfg, mesh=mesh, process_group=process_group,
+                        optimizer=optimizer)
+            return
         # The optimizer class is compared with the options: ranks given different classes
         # would lay out different buffers.
         self._agreed = None if cfg is None else {**cfg.agreed(), "optimizer": optimizer}

@@ -104,6 +104,8 @@ def clip_joint(opts: list[Any], max_norm: float, norm_type: float = 2.0,
     its ``step()``. A collective of each optimizer, in ``opts``' order: call it on every
     rank, between the last backward and the steps."""
     check_clip_args(max_norm, norm_type, "clip_grad_norm_ over several optimizers")
+    # An optimizer over several dtypes (mixed.py) is its parts, one reduction each.
+    opts = [q for o in opts for q in getattr(o, "_parts", [o])]
     check_stage3_models([getattr(o, "_rt", None) for o in opts])
     # Each reduction is global over the ranks (and over the replicas of a 2-D mesh); its
     # norm is unscaled (loss scale divided out) and taken after the clips recorded so far.

@@ -38,7 +38,10 @@ class ZeroAdamW(ZeroOptimizer):
 
     Args:
         params: the parameters to train, or param-group dicts, as for ``torch.optim.AdamW``.
-            Only parameters that require grad at construction are trained.
+            Only parameters that require grad at construction are trained. At stages 0-2
+            they may have several dtypes (a bf16 embedding beside fp32 matrices): each
+            (dtype, master) partition gets its own flat layout, and a group may carry its own
+            ``"master"`` (docs/porting.md, "Parameters of several dtypes").
         lr: learning rate (per group, and schedulers may change it).
         betas: coefficients of the running averages of the gradient and its square.
         eps: added to the denominator after the square root, as torch's AdamW adds it.

@@ -187,7 +187,9 @@ def _select_units(
                          "load_state_dict), then shard it")
     dtypes = {(p.dtype, p.device) for p in params}
     if len(dtypes) != 1:
-        raise ValueError(f"model: all parameters must share one dtype and device, found {dtypes}")
+        raise ValueError(f"model: all parameters must share one dtype and device, found "
+                         f"{dtypes}: stage 3 keeps one dtype per model (several dtypes train "
+                         f"at stages 0-2, without shard_model); cast or move the model first")
     # Owner of every parameter: the unit whose subtree registers it; shared ones go to the root.
     owner_of_module: dict[int, int] = {}
     for ui, um in enumerate(unit_modules):
