@@ -254,3 +254,24 @@ def test_mixed_dtypes_refusals():
         opt.load_state_dict({"zerokern": {}, "state": {}, "param_groups": []})
     with pytest.raises(ValueError, match="model: all parameters must share one dtype"):
         zerokern.shard_model(MixNet(BF, F32))
+
+
+def test_mixed_dtypes_load_is_all_or_nothing():
+    """A torch-format state dict whose last part is refused (a moment of the wrong shape)
+    leaves every part as it was: the first part's state was loaded, then put back."""
+    model = MixNet(BF, F32)
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=1, **HP)
+    model({k: torch.ones(s) for k, s in SHAPES.items()}).backward()
+    opt.step()
+    before = copy.deepcopy(opt.full_state_dict())
+    bad = copy.deepcopy(before)
+    for st in bad["state"].values():
+        st["exp_avg"] = st["exp_avg"] + 1.0  # what the first part would take
+    last = max(bad["state"])  # w2: the fp32 part, after the bf16 embedding's
+    bad["state"][last]["exp_avg_sq"] = torch.ones(5)
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        opt.load_state_dict(bad)
+    after = opt.full_state_dict()
+    for i, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(after["state"][i][k]), torch.as_tensor(v)), (i, k)

@@ -5,6 +5,7 @@ and the torch-format state dict keyed by parameter index across all groups, as t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -116,9 +117,23 @@ class MixedState:
                              f"(dtype, master); this one has {mine!r}. Load a torch-format "
                              "state dict (full_state_dict()) to change them")
         self._push()
-        for part, sd in zip(self._parts, state_dict["parts"]):
-            part.load_state_dict(sd)
+        self._load_parts(list(state_dict["parts"]))
         self._pull()
+
+    def _load_parts(self, sds: list[dict[str, Any]]) -> None:
+        """Load ``sds[i]`` into part i, all or nothing: each part checks its own dict before
+        changing anything, but a later part's refusal would leave the earlier ones loaded, so
+        their previous state (a copy, this rank's shard: loads are rare) is put back first."""
+        done: list[tuple[Any, dict[str, Any]]] = []
+        try:
+            for part, sd in zip(self._parts, sds):
+                before = copy.deepcopy(part.state_dict())
+                part.load_state_dict(sd)
+                done.append((part, before))
+        except BaseException:
+            for part, before in reversed(done):
+                part.load_state_dict(before)
+            raise
 
     def full_state_dict(self, *, rank0_only: bool = True,
                         cpu_offload: bool = True) -> dict[str, Any]:
@@ -157,6 +172,7 @@ class MixedState:
                                  f"parameters there and {len(g['params'])} here")
         state = sd["state"]
         self._push()
+        outs: list[dict[str, Any]] = []
         for pl, part in zip(self._plan, self._parts):
             sub_groups, sub_state, at = [], {}, 0
             for gi, sub in zip(pl.source, part.param_groups):
@@ -172,5 +188,6 @@ class MixedState:
             out = {"state": sub_state, "param_groups": sub_groups}
             if "state_format" in sd:
                 out["state_format"] = sd["state_format"]
-            part.load_state_dict(out)
+            outs.append(out)
+        self._load_parts(outs)
         self._pull(groups)
