@@ -95,6 +95,10 @@ class ZeroCore(torch.optim.Optimizer):
             check_offload_params(rt, cfg.offload)
             if rt is not None:
                 check_same_mesh(mesh, rt.comm)
+                if cfg.hpz and rt.comm.secondary is None:
+                    raise ValueError("hpz=True: the model was sharded without it; hpZ is the "
+                                     "model's layout: pass hpz=True to shard_model (or "
+                                     "parallelize)")
             table = ParamTable(managed, frozen, rt)
             dtype, device = common_dtype_device(table.params)  # meta parameters refused
             check_master_dtype(cfg.state_format, dtype)

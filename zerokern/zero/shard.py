@@ -11,9 +11,10 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import Comm
-from ..comm.mesh import mesh_comm
+from ..comm.mesh import hpz_comm, mesh_comm
 from . import gather_timeout as told
 from . import registry
+from .config import check_hpz
 from .interop import check_no_ddp
 from .stage3 import Stage3Runtime, foreign
 
@@ -63,6 +64,7 @@ def shard_model(
     offload_params: bool = False,
     gather_timeout: float | None = None,
     mesh: Any = None,
+    hpz: bool = False,
 ) -> nn.Module:
     """Partition ``model``'s parameters in place for ZeRO stage 3 and return it.
 
@@ -92,9 +94,21 @@ def shard_model(
     1-D mesh is its group. Build the optimizer with ``ZeroAdamW(..., stage=3)`` (it takes
     this mesh). A wrong mesh raises ValueError naming ``mesh`` on every rank, before
     anything changes.
+
+    ``hpz=True`` (with a 2-D ``mesh`` of R nodes of S ranks; ZeRO++'s hpZ): each unit is
+    split over all R * S ranks instead (its slices, gradients and optimizer state 1/(R S) per
+    rank, as on a flat group of every rank), and the forward's gathers cross the nodes; each
+    rank then keeps its node's share of every gathered unit (1/S of it, in the parameters'
+    dtype), and the unit's gathers until the next forward (its backward) are all-gathers of
+    those shares within the node. The result is bitwise that of a flat group of all R * S
+    ranks; the shares cost 1/S of the parameters' bytes per rank
+    (``memory_stats()["hpz_secondary"]``). Refused without a 2-D mesh and with
+    ``offload_params``.
     """
     if not isinstance(offload_params, bool):
         raise TypeError(f"offload_params must be True or False, got {offload_params!r}")
+    if not isinstance(hpz, bool):
+        raise TypeError(f"hpz must be True or False, got {hpz!r}")
     comm = mesh_comm(mesh, process_group, where="shard_model")
     # Every rank selects its units, then all compare (or learn of a rank's error) before
     # anything is modified: a check that failed on one rank alone would leave the others
@@ -103,11 +117,14 @@ def shard_model(
     try:
         timeout = told.resolve(gather_timeout)
         units, names, params = _select_units(model, unit_classes, prefetch)
+        _check_hpz(hpz, comm, offload_params)
         failure: BaseException | None = None
     except (ValueError, TypeError, RuntimeError) as exc:
         units, names, params, failure = [], {}, [], exc
     _check_units_same_on_all_ranks(comm, units, names, prefetch, reshard_after_forward,
-                                   failure, offload_params)
+                                   failure, offload_params, hpz)
+    if hpz:  # agreed on every rank: the primary partition spans the whole mesh
+        comm = hpz_comm(comm)
     rt = Stage3Runtime(
         model, units, comm, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
         offload_params=offload_params, gather_timeout=timeout,
@@ -149,6 +166,19 @@ def _refuse_pickling(model: nn.Module, params: list[nn.Parameter]) -> None:
     object.__setattr__(model, "__reduce_ex__", _RefusePickle(f"the model ({type(model).__name__})"))
     for p in params:
         p.__reduce_ex__ = _RefusePickle("a parameter")  # type: ignore[method-assign]
+
+
+def _check_hpz(hpz: bool, comm: Comm, offload_params: bool) -> None:
+    """hpZ needs nodes to keep a secondary copy in: a 2-D mesh."""
+    if not hpz:
+        return
+    check_hpz(hpz, 3, offload_params)
+    if comm.replicate is None:
+        raise ValueError(
+            "hpz=True needs a 2-D mesh (mesh=init_device_mesh(device, (nodes, ranks_per_node))): "
+            "hpZ splits the parameters over every rank and keeps a secondary copy within each "
+            "node (mesh dim 1) for the backward's gathers; a flat group has no node to keep it "
+            "in")
 
 
 def _select_units(
@@ -220,7 +250,7 @@ def _select_units(
 def _check_units_same_on_all_ranks(
     comm: Comm, units: list[tuple[str, nn.Module, list[nn.Parameter]]], names: dict[int, str],
     prefetch: int, reshard_after_forward: bool, failure: BaseException | None = None,
-    offload_params: bool = False,
+    offload_params: bool = False, hpz: bool = False,
 ) -> None:
     """Raise on every rank, before anything is modified, when a rank's arguments were
     refused (``failure``) or the ranks would partition different models: otherwise the
@@ -228,7 +258,7 @@ def _check_units_same_on_all_ranks(
     (30 minutes by default)."""
     sig = {
         "error": None if failure is None else f"{type(failure).__name__}: {failure}",
-        "options": (prefetch, reshard_after_forward, offload_params),
+        "options": (prefetch, reshard_after_forward, offload_params, hpz),
         "units": [(uname, [(names[id(p)], tuple(p.shape), str(p.dtype)) for p in ps])
                   for uname, _, ps in units],
     }
@@ -245,7 +275,8 @@ def _check_units_same_on_all_ranks(
         if other["options"] != ref["options"]:
             raise ValueError(
                 f"shard_model arguments differ across ranks: (prefetch, reshard_after_forward, "
-                f"offload_params) is {ref['options']} on rank 0 but {other['options']} on rank {r}")
+                f"offload_params, hpz) is {ref['options']} on rank 0 but {other['options']} on "
+                f"rank {r}")
         a, b = ref["units"], other["units"]
         if len(a) != len(b):
             raise ValueError(

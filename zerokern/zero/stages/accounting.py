@@ -202,6 +202,12 @@ def _gather_stats(rt: Stage3Runtime) -> dict[str, int]:
             for k, v in g.items() if not k.startswith("local")}
 
 
+def _secondary_bytes(rt: Stage3Runtime) -> int:
+    """hpZ's in-node copy of the parameters (zero/stage3/secondary.py), 0 without it."""
+    sec = rt.ctx.secondary
+    return 0 if sec is None else sec.nbytes
+
+
 def stage3_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype, state: Buffers, *,
                   arena_in_use: int) -> dict[str, int]:
     """Stage 3 with its state on the device: this rank's parameter and gradient slices
@@ -214,7 +220,9 @@ def stage3_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype, state: 
     out = {"params": held * esz, "grads": held * gsz, **kinds, "buckets": 0,
            "padding": pad + (rt.local_numel - held) * (esz + gsz)}
     out.update(_gather_stats(rt))
-    out["total"] = rt.local_numel * (esz + gsz) + arena_in_use
+    sec = _secondary_bytes(rt)
+    out["hpz_secondary"] = sec
+    out["total"] = rt.local_numel * (esz + gsz) + arena_in_use + sec
     out["device_total"] = out["total"]
     out["host_total"] = 0  # nothing offloaded
     return out
@@ -236,7 +244,9 @@ def stage3_offload_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype,
            **dict.fromkeys(state, 0), "buckets": 0,
            "padding": 0 if on_host else (rt.local_numel - held) * esz}
     out.update(_gather_stats(rt))
-    out["total"] = dev_params + arena_in_use
+    sec = _secondary_bytes(rt)
+    out["hpz_secondary"] = sec
+    out["total"] = dev_params + arena_in_use + sec
     out["device_total"] = out["total"]
     rt_host = int(rt.grad_arena.stats()["in_use"])
     rt_cap = int(rt.grad_arena.stats()["capacity"])
