@@ -116,6 +116,32 @@ def _check(comm: Comm, out: object, inp: object, inp_name: str, bits: int, block
     return o, t, bits, block
 
 
+def _with_residual(src: torch.Tensor, residual: torch.Tensor | None,
+                   name: str) -> torch.Tensor:
+    """Error feedback: what is quantized, ``src`` plus the residual of the last send (fp32);
+    ``src`` itself without one."""
+    if residual is None:
+        return src
+    r = check_flat(residual, "residual", dtypes=(torch.float32,))
+    if r.numel() != src.numel() or r.device != src.device:
+        raise ValueError(f"residual must hold {src.numel()} fp32 elements on {src.device} (as "
+                         f"{name}), got {r.numel()} on {r.device}")
+    return src.float() + r
+
+
+def _keep_residual(residual: torch.Tensor | None, x: torch.Tensor, send: torch.Tensor,
+                   segments: int, bits: int, block: int, backend: str | None) -> None:
+    """``residual`` = ``x`` - its decoding from ``send`` (what was not sent this time, added
+    to the next send). A block that held inf or NaN decodes to NaN: its residual is dropped
+    (zero), so one overflow step does not poison every later one."""
+    if residual is None:
+        return
+    dequantize_blocks_(send, residual, segments=segments, bits=bits, block=block,
+                       backend=backend)
+    torch.sub(x, residual, out=residual)
+    residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def _finish(handle: Any, finish: Any, async_op: bool) -> QuantizedHandle | None:
     h = QuantizedHandle(handle, finish)
     if async_op:
@@ -126,8 +152,8 @@ def _finish(handle: Any, finish: Any, async_op: bool) -> QuantizedHandle | None:
 
 def quantized_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, *, bits: int = 8,
                          block: int = DEFAULT_BLOCK, label: str = "shard",
-                         async_op: bool = False,
-                         backend: str | None = None) -> QuantizedHandle | None:
+                         async_op: bool = False, backend: str | None = None,
+                         residual: torch.Tensor | None = None) -> QuantizedHandle | None:
     """``out`` = every rank's ``shard``, in rank order, each decoded from its int8/int4
     codes: the same bits on every rank (qwZ).
 
@@ -144,6 +170,9 @@ def quantized_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, *, 
         label: what is moved, for error messages.
         async_op: return a :class:`QuantizedHandle` instead of waiting.
         backend: the codec's backend ("triton", "torch" or None: automatic).
+        residual: error feedback: an fp32 tensor of ``shard``'s size, added to the shard
+            before it is quantized and then set to what the codes missed (a block holding
+            inf or NaN leaves zero); None: plain. Untouched with one rank.
 
     Returns:
         A handle with ``async_op`` (None with one rank: nothing to wait for), else None.
@@ -159,7 +188,9 @@ def quantized_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, *, 
         return None
     size = payload_nbytes(n, bits, block)
     send = torch.empty(size, dtype=torch.uint8, device=out.device)
-    quantize_blocks_(shard, send, bits=bits, block=block, backend=backend)
+    x = _with_residual(shard, residual, "shard")
+    quantize_blocks_(x, send, bits=bits, block=block, backend=backend)
+    _keep_residual(residual, x, send, 1, bits, block, backend)
     recv = torch.empty(world * size, dtype=torch.uint8, device=out.device)
     handle = comm.all_gather(recv, send, label, async_op=True, count=False)
     comm.stats.add(quantized_kind("all_gather", bits), world * n, 0, ranks=world,
@@ -173,8 +204,8 @@ def quantized_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, *, 
 
 def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, *,
                              bits: int = 8, block: int = DEFAULT_BLOCK, label: str = "bucket",
-                             async_op: bool = False,
-                             backend: str | None = None) -> QuantizedHandle | None:
+                             async_op: bool = False, backend: str | None = None,
+                             residual: torch.Tensor | None = None) -> QuantizedHandle | None:
     """``out`` = the sum over ranks of chunk ``comm.rank`` of ``full``, each rank's chunk
     decoded from its int8/int4 codes and summed in fp32 in rank order (qgZ).
 
@@ -195,6 +226,10 @@ def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, 
         label: what is moved, for error messages.
         async_op: return a :class:`QuantizedHandle` instead of waiting.
         backend: the codec's backend ("triton", "torch" or None: automatic).
+        residual: error feedback (LoCo, arXiv 2407.04480): an fp32 tensor of ``full``'s
+            size, added to ``full`` before it is quantized and then set to what the codes
+            missed, so the next call sends it (a block holding inf or NaN leaves zero);
+            None: plain. Untouched with one rank.
 
     Returns:
         A handle with ``async_op`` (None with one rank), else None.
@@ -211,7 +246,9 @@ def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, 
         return None
     size = payload_nbytes(c, bits, block)
     send = torch.empty(world * size, dtype=torch.uint8, device=out.device)
-    quantize_blocks_(full, send, segments=world, bits=bits, block=block, backend=backend)
+    x = _with_residual(full, residual, "full")
+    quantize_blocks_(x, send, segments=world, bits=bits, block=block, backend=backend)
+    _keep_residual(residual, x, send, world, bits, block, backend)
     recv = torch.empty_like(send)
     handle = comm.all_to_all(recv, send, label, async_op=True, count=False)
     comm.stats.add(quantized_kind("reduce_scatter", bits), world * c, 0, ranks=world,

@@ -136,7 +136,7 @@ class UnitContext:
         grads.copy_(self.local_grads)
         self.local_grads = grads
         self.grad_dtype = dtype
-        self.grad_comm = reduce_part(self.comm, dtype, self.wire.reduce_bits)
+        self.grad_comm = reduce_part(self.comm, dtype, self.wire.reduce_bits, self.wire.feedback)
         self.gather_arena = Arena(gather_bytes, self.device, alignment=GATHER_ALIGN)
 
     def set_wire(self, wire: WireFormat) -> None:
@@ -147,7 +147,7 @@ class UnitContext:
             return
         self._check_between_steps("gather_dtype / reduce_dtype")
         self.wire = wire
-        self.grad_comm = reduce_part(self.comm, self.grad_dtype, wire.reduce_bits)
+        self.grad_comm = reduce_part(self.comm, self.grad_dtype, wire.reduce_bits, wire.feedback)
         self.param_comm = gather_part(self.comm, wire.gather_bits)
 
     @contextmanager

@@ -24,7 +24,7 @@ exactly, on the device, or under the ``host_`` names with offload.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -200,6 +200,17 @@ def _gather_stats(rt: Stage3Runtime) -> dict[str, int]:
     g = rt.memory_stats()
     return {f"gather_{k}" if not k.startswith("gather") else k: v
             for k, v in g.items() if not k.startswith("local")}
+
+
+def with_residuals(out: dict[str, int], part: Any) -> dict[str, int]:
+    """``out`` with ``ef_residual``: the error-feedback residuals of the gradient-reduce part
+    ``part`` (comm/quantized_parts.py; allocated at each slice's first send, 0 before the
+    first step and without ``error_feedback``), counted in the device total."""
+    r = int(getattr(part, "residual_bytes", 0))
+    out["ef_residual"] = r
+    out["total"] += r
+    out["device_total"] = out["total"]
+    return out
 
 
 def _secondary_bytes(rt: Stage3Runtime) -> int:

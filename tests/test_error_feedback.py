@@ -1,0 +1,141 @@
+"""Error feedback on the quantized gradient reduce (issue 38; the LoCo idea, arXiv
+2407.04480): ``error_feedback=True`` with ``reduce_dtype="int8"`` / ``"int4"``.
+
+A fixed gradient stream: each rank's loss is linear in the weights (``(lin(x) * v).sum()``
+with fixed ``x``, ``v``), so every step's gradient is the same, and SGD with lr=1 turns the
+parameters into minus the sum of the averaged gradients the reduce delivered. In float64 the
+exact result is ``p0 - K * mean_r(g_r)``. Without feedback a fixed gradient's quantization
+error is the same every step and adds up (K errors); with feedback the sum of what a rank
+sent is the sum of its gradients minus one residual, so after K steps the parameters are
+within one step's quantization error bound of the exact result (per hop on a mesh). Each run
+checks both: the bound holds with feedback and is exceeded many times over without it.
+
+Also ``memory_stats()["ef_residual"]`` equals ``formulas.error_feedback_bytes`` of the
+slices sent (buckets, units; hops 2-3 on a mesh) and is in ``total``, and the refusals.
+
+One launch of 2 ranks (stage 2 int8, stage 3 int4, flat) and one of a (2, 2) mesh (stage 2,
+int8, the three hops).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+from test_hpz import _mesh
+from torch import nn
+
+import zerokern
+from zerokern import ZeroConfig, formulas
+
+STEPS = 40
+LEVELS = {"int8": 127, "int4": 7}
+
+
+class Linear2(nn.Module):
+    """Two bias-free linear maps; the loss is linear in their weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(40, 24, bias=False)
+        self.b = nn.Linear(24, 40, bias=False)
+
+    def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (self.a(d["xa"]) * d["va"]).sum() + (self.b(d["xb"]) * d["vb"]).sum()
+
+
+def _data(rank: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return {"xa": torch.randn(4, 40, generator=g), "va": torch.randn(4, 24, generator=g),
+            "xb": torch.randn(4, 24, generator=g), "vb": torch.randn(4, 40, generator=g)}
+
+
+def _grads(rank: int) -> dict[str, torch.Tensor]:
+    d = {k: v.double() for k, v in _data(rank).items()}
+    return {"a.weight": d["va"].T @ d["xa"], "b.weight": d["vb"].T @ d["xb"]}
+
+
+def _run(stage: int, bits: str, feedback: bool, mesh=None):
+    torch.manual_seed(0)
+    m = Linear2()
+    p0 = {k: v.double().clone() for k, v in m.state_dict().items()}
+    if stage == 3:
+        zerokern.shard_model(m, unit_classes=(nn.Linear,), mesh=mesh)
+    opt = zerokern.ZeroOptimizer(m.parameters(), torch.optim.SGD, stage=stage, lr=1.0,
+                                 mesh=None if stage == 3 else mesh, reduce_dtype=bits,
+                                 error_feedback=feedback)
+    d = _data(dist.get_rank())
+    for _ in range(STEPS):
+        m(d).backward()
+        opt.step()
+        opt.zero_grad()
+    got = {k: v.double() for k, v in zerokern.full_state_dict(m, rank0_only=False).items()}
+    return got, p0, opt
+
+
+def _error(got: dict, p0: dict, world: int) -> tuple[float, float]:
+    """(max |p_K - exact|, max |g| over every rank's gradient), float64."""
+    gs = [_grads(r) for r in range(world)]
+    mean = {k: sum(g[k] for g in gs) / world for k in gs[0]}
+    err = max(float((got[k] - (p0[k] - STEPS * mean[k])).abs().max()) for k in mean)
+    return err, max(float(g[k].abs().max()) for g in gs for k in g)
+
+
+def _check(stage: int, bits: str, hops: int, mesh=None) -> None:
+    world = dist.get_world_size()
+    got, p0, opt = _run(stage, bits, True, mesh)
+    err, big = _error(got, p0, world)
+    # One residual per hop, each at most its input's block absmax / (2 L) (a hop's input
+    # is a sum of at most as many gradients as it is later divided by), plus fp32 rounding
+    # of the parameters (|p| <= K |g|) and of the sums over K steps.
+    tol = hops * 1.05 * big / (2 * LEVELS[bits]) + STEPS * STEPS * big * 2.0**-23
+    what = f"stage {stage} {bits} {'mesh' if mesh else 'flat'}"
+    assert err <= tol, f"{what}: with error feedback |p_K - exact| = {err} > {tol}"
+    plain_err, _ = _error(*_run(stage, bits, False, mesh)[:2], world)
+    assert plain_err > 5 * tol, f"{what}: without feedback only {plain_err} (tol {tol})"
+
+    # The residuals: one per slice sent, fp32, as the formula says, in the total.
+    s = opt.comm.world_size
+    r = opt.comm.replicate.world_size if opt.comm.replicate is not None else 1
+    if stage == 3:
+        slices = [u.plan.padded_numel for u in opt._rt.units if u.plan.padded_numel]
+    else:
+        slices = [bk.numel for bk in opt.layout.buckets]
+    mem = opt.memory_stats()
+    assert mem["ef_residual"] == formulas.error_feedback_bytes(slices, s, r) > 0, (mem, slices)
+    assert mem["total"] >= mem["ef_residual"]
+
+
+def _flat_case(rank: int, world: int) -> None:
+    _check(2, "int8", 1)
+    _check(3, "int4", 1)
+
+
+def _mesh_case(rank: int, world: int) -> None:
+    _check(2, "int8", 3, _mesh())
+
+
+def test_error_feedback_flat(tmp_path):
+    run_ranks(2, _flat_case, tmp_path=tmp_path)
+
+
+def test_error_feedback_mesh_2x2(tmp_path):
+    run_ranks(4, _mesh_case, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(stage=2, error_feedback=True), ValueError, r"error_feedback=True with reduce_dtype=None"),
+    (dict(stage=2, error_feedback=True, reduce_dtype=torch.float32), ValueError,
+     "this one is not quantized"),
+    (dict(stage=2, error_feedback=1, reduce_dtype="int8"), TypeError,
+     "error_feedback must be True or False"),
+])
+def test_error_feedback_refused(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        ZeroConfig(**kw).validate()
+
+
+def test_error_feedback_is_agreed():
+    cfg = ZeroConfig(stage=2, reduce_dtype="int8", error_feedback=True)
+    assert cfg.agreed()["error_feedback"] is True and cfg.wire.feedback
