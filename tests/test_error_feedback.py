@@ -12,6 +12,9 @@ checks both: the bound holds with feedback and is exceeded many times over witho
 
 Also ``memory_stats()["ef_residual"]`` equals ``formulas.error_feedback_bytes`` of the
 slices sent (buckets, units; hops 2-3 on a mesh) and is in ``total``, and the refusals.
+Checkpoints: the residuals are saved and restored (a resumed run is bitwise the one that went
+on), a checkpoint without them loads with zero residuals, and one with them loads into an
+optimizer without quantized communication at another world size (dropped).
 
 One launch of 2 ranks (stage 2 int8, stage 3 int4, flat) and one of a (2, 2) mesh (stage 2,
 int8, the three hops).
@@ -122,6 +125,68 @@ def test_error_feedback_flat(tmp_path):
 
 def test_error_feedback_mesh_2x2(tmp_path):
     run_ranks(4, _mesh_case, tmp_path=tmp_path)
+
+
+def _opt(m: nn.Module, **kw):
+    return zerokern.ZeroAdamW(m.parameters(), stage=2, lr=1e-2, **kw)
+
+
+def _steps(m: nn.Module, opt, n: int) -> None:
+    d = _data(dist.get_rank())
+    for _ in range(n):
+        m(d).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _save_case(rank: int, world: int, root: str) -> None:
+    """Saved with feedback after 3 steps, resumed: 2 more steps are bitwise those of the run
+    that went on (the residuals came back); a checkpoint saved without them loads with
+    zero residuals."""
+    ef = dict(reduce_dtype="int8", error_feedback=True)
+    torch.manual_seed(0)
+    m = Linear2()
+    opt = _opt(m, **ef)
+    _steps(m, opt, 3)
+    zerokern.save_checkpoint(f"{root}/ef", m, opt)
+    if rank == 0:
+        torch.save(m.state_dict(), f"{root}/p3.pt")
+    _steps(m, opt, 2)
+    m2 = Linear2()
+    opt2 = _opt(m2, **ef)
+    zerokern.load_checkpoint(f"{root}/ef", m2, opt2)
+    _steps(m2, opt2, 2)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, m2.state_dict()[k]), f"{k}: resumed run differs"
+    torch.manual_seed(0)
+    m3 = Linear2()
+    opt3 = _opt(m3)
+    _steps(m3, opt3, 1)
+    zerokern.save_checkpoint(f"{root}/plain", m3, opt3)
+    m4 = Linear2()
+    opt4 = _opt(m4, **ef)
+    _steps(m4, opt4, 1)  # residuals held now
+    assert opt4.memory_stats()["ef_residual"] > 0
+    zerokern.load_checkpoint(f"{root}/plain", m4, opt4)
+    assert opt4.memory_stats()["ef_residual"] == 0  # none saved: they start from zero
+
+
+def _load_plain_case(rank: int, world: int, root: str) -> None:
+    """Saved with feedback on 2 ranks, loaded without quantized communication on 3: the
+    residuals are dropped, the weights are the saved ones."""
+    m = Linear2()
+    opt = _opt(m)
+    zerokern.load_checkpoint(f"{root}/ef", m, opt)
+    want = torch.load(f"{root}/p3.pt")
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    _steps(m, opt, 1)
+
+
+def test_error_feedback_checkpoint(tmp_path):
+    root = str(tmp_path)
+    run_ranks(2, _save_case, root, tmp_path=tmp_path)
+    run_ranks(3, _load_plain_case, root, tmp_path=tmp_path)
 
 
 @pytest.mark.parametrize("kw,exc,match", [

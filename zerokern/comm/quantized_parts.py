@@ -95,22 +95,30 @@ class _QuantizedShardHop:
         # label, and the hop), allocated at its first send: the slices are the same every
         # step, so the residual of one send goes into the next send of the same slice.
         self.residuals: dict[str, torch.Tensor] = {}
+        # Residuals a checkpoint restored (checkpoint/residuals.py), taken by the slice of the
+        # same label and size at its first send.
+        self.restored: dict[str, torch.Tensor] = {}
 
     def residual(self, key: str, like: torch.Tensor, group: Any) -> torch.Tensor | None:
-        """The residual of slice ``key`` (``like``'s size; zeros at first), or None without
-        feedback or with a group of one rank (nothing is quantized)."""
+        """The residual of slice ``key`` (``like``'s size; restored or zeros at first), or
+        None without feedback or with a group of one rank (nothing is quantized)."""
         if not self.feedback or group.world_size == 1:
             return None
         r = self.residuals.get(key)
         if r is None or r.numel() != like.numel():
-            r = self.residuals[key] = torch.zeros(like.numel(), dtype=torch.float32,
-                                                  device=like.device)
+            old = self.restored.pop(key, None)
+            if old is not None and old.numel() == like.numel():
+                r = old.to(device=like.device, dtype=torch.float32).contiguous()
+            else:
+                r = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
+            self.residuals[key] = r
         return r
 
     @property
     def residual_bytes(self) -> int:
-        """Bytes of the residuals held now."""
-        return sum(r.numel() * r.element_size() for r in self.residuals.values())
+        """Bytes of the residuals held now (restored ones not yet taken included)."""
+        return sum(r.numel() * r.element_size() for d in (self.residuals, self.restored)
+                   for r in d.values())
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, label: str,
                         async_op: bool) -> Any:
