@@ -16,8 +16,9 @@ Checkpoints: the residuals are saved and restored (a resumed run is bitwise the 
 on), a checkpoint without them loads with zero residuals, and one with them loads into an
 optimizer without quantized communication at another world size (dropped).
 
-One launch of 2 ranks (stage 2 int8, stage 3 int4, flat) and one of a (2, 2) mesh (stage 2,
-int8, the three hops).
+One launch of 2 ranks (stage 2 int8, stage 3 int4, flat; and ``shard_model(gather_dtype=)``
+with the quantized collectives' scratch in ``memory_stats()["comm_scratch"]``) and one of a
+(2, 2) mesh (stage 2, int8, the three hops).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 
 import zerokern
 from zerokern import ZeroConfig, formulas
+from zerokern.zero.shard import runtime_of
 
 STEPS = 40
 LEVELS = {"int8": 127, "int4": 7}
@@ -108,11 +110,41 @@ def _check(stage: int, bits: str, hops: int, mesh=None) -> None:
     mem = opt.memory_stats()
     assert mem["ef_residual"] == formulas.error_feedback_bytes(slices, s, r) > 0, (mem, slices)
     assert mem["total"] >= mem["ef_residual"]
+    c = max(slices) // s  # a slice's chunk: its payloads sent and received at once
+    assert mem["comm_scratch"] >= 2 * s * formulas.quantized_payload_bytes(
+        c, LEVELS[bits].bit_length() + 1), mem
+
+
+def _shard_model_gather_dtype_and_scratch() -> None:
+    """shard_model(gather_dtype="int8"): the forward gathers int8 before any optimizer, and a
+    ZeroAdamW without a gather_dtype of its own keeps it; the quantized collectives' payloads
+    are in memory_stats()["comm_scratch"] (at least one collective's, send and receive)."""
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    m = Linear2()
+    zerokern.shard_model(m, unit_classes=(nn.Linear,), gather_dtype="int8")
+    rt = runtime_of(m)
+    d = _data(dist.get_rank())
+    with torch.no_grad():
+        m(d)
+    calls = dict(rt.comm.reset_stats().calls)  # no optimizer yet: the model's own wire
+    assert calls.get("all_gather_q8", 0) >= 2 and "all_gather" not in calls, calls
+    opt = zerokern.ZeroAdamW(m.parameters(), stage=3, lr=1e-2)
+    m(d).backward()
+    opt.step()
+    kinds = opt.comm_stats()["per_kind"]
+    assert "all_gather_q8" in kinds and "all_gather" not in kinds, kinds
+    biggest = max(u.plan.shard_numel for u in rt.units)
+    one = (world + 1) * formulas.quantized_payload_bytes(biggest)  # sent + received
+    assert opt.memory_stats()["comm_scratch"] >= one
+    with pytest.raises(ValueError, match="gather_dtype must be None or 'int8'"):
+        zerokern.shard_model(Linear2(), gather_dtype="int4")
 
 
 def _flat_case(rank: int, world: int) -> None:
     _check(2, "int8", 1)
     _check(3, "int4", 1)
+    _shard_model_gather_dtype_and_scratch()
 
 
 def _mesh_case(rank: int, world: int) -> None:

@@ -23,6 +23,10 @@ zerokern/zero/state_format.py).
 A block holding inf or NaN decodes to NaN, so a non-finite gradient anywhere still makes the
 reduced gradient non-finite and the overflow check trips.
 
+Scratch: the payloads sent and received (and, with error feedback, the fp32 sum of the input
+and its residual) are held from the call until the decode; they are counted in the Comm's
+``scratch_bytes`` / ``scratch_peak``, which ``memory_stats()`` reports as ``comm_scratch``.
+
 Accounting: the bytes actually moved, scales and padding included, are counted in the Comm's
 ``CommStats`` under their own kinds (:func:`quantized_kind`: ``"all_gather_q8"``,
 ``"reduce_scatter_q4"``, ...), with the elements they stand for (as the paper counts a
@@ -142,6 +146,16 @@ def _keep_residual(residual: torch.Tensor | None, x: torch.Tensor, send: torch.T
     residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def _take_scratch(comm: Comm, *bufs: torch.Tensor) -> int:
+    """Count ``bufs`` (the payloads, the error-feedback sum) in the Comm's scratch bytes, as
+    the point-to-point reduce-scatter's receive buffers are (``memory_stats()``'s
+    ``comm_scratch``: the most held at once); returns the bytes to give back at the end."""
+    n = sum(b.numel() * b.element_size() for b in bufs)
+    comm.scratch_bytes += n
+    comm.scratch_peak = max(comm.scratch_peak, comm.scratch_bytes)
+    return n
+
+
 def _finish(handle: Any, finish: Any, async_op: bool) -> QuantizedHandle | None:
     h = QuantizedHandle(handle, finish)
     if async_op:
@@ -192,12 +206,14 @@ def quantized_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, *, 
     quantize_blocks_(x, send, bits=bits, block=block, backend=backend)
     _keep_residual(residual, x, send, 1, bits, block, backend)
     recv = torch.empty(world * size, dtype=torch.uint8, device=out.device)
+    held = _take_scratch(comm, send, recv, *((x,) if x is not shard else ()))
     handle = comm.all_gather(recv, send, label, async_op=True, count=False)
     comm.stats.add(quantized_kind("all_gather", bits), world * n, 0, ranks=world,
                    nbytes=recv.numel())
 
     def finish() -> None:
         dequantize_blocks_(recv, out, segments=world, bits=bits, block=block, backend=backend)
+        comm.scratch_bytes -= held
 
     return _finish(handle, finish, async_op)
 
@@ -250,6 +266,7 @@ def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, 
     quantize_blocks_(x, send, segments=world, bits=bits, block=block, backend=backend)
     _keep_residual(residual, x, send, world, bits, block, backend)
     recv = torch.empty_like(send)
+    held = _take_scratch(comm, send, recv, *((x,) if x is not full else ()))
     handle = comm.all_to_all(recv, send, label, async_op=True, count=False)
     comm.stats.add(quantized_kind("reduce_scatter", bits), world * c, 0, ranks=world,
                    nbytes=send.numel())
@@ -257,6 +274,7 @@ def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, 
     def finish() -> None:
         dequantize_blocks_(recv, out, segments=world, bits=bits, block=block, reduce=True,
                            backend=backend)
+        comm.scratch_bytes -= held
 
     return _finish(handle, finish, async_op)
 

@@ -23,6 +23,7 @@ then the parts), what the parts hold read as attributes, the gradient hooks, and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
@@ -125,8 +126,12 @@ class ZeroCore(torch.optim.Optimizer):
         if rt is None:
             broadcast_params(self.comm, params)  # stage 3: shard_model did it
         else:
+            wire = cfg.wire
+            if wire.gather_bits is None and rt.gather_bits is not None:
+                # shard_model(gather_dtype=): the model's gathers stay quantized.
+                wire = dataclasses.replace(wire, gather_bits=rt.gather_bits)
             rt.set_comm(cfg.reduce_dtype if isinstance(cfg.reduce_dtype, torch.dtype)
-                        else dtype, cfg.wire)
+                        else dtype, wire)
         self._slot = EngineSlot(table, self.comm, stage=cfg.stage, offload=cfg.offload,
                                 runtime=rt, bucket_numel=cfg.bucket_numel,
                                 overlap=cfg.overlap_comm, backend=cfg.backend, dtype=dtype,

@@ -12,11 +12,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import Comm
 from ..comm.mesh import hpz_comm, mesh_comm
+from ..comm.quantized_parts import WireFormat
 from . import gather_timeout as told
 from . import registry
 from .config import check_hpz
 from .interop import check_no_ddp
 from .stage3 import Stage3Runtime, foreign
+from .validate import check_quantized_comm
 
 # Default unit size when no unit classes are given: a module becomes a unit when it holds at
 # least this share of the model's parameters (typically the transformer blocks).
@@ -65,6 +67,7 @@ def shard_model(
     gather_timeout: float | None = None,
     mesh: Any = None,
     hpz: bool = False,
+    gather_dtype: str | None = None,
 ) -> nn.Module:
     """Partition ``model``'s parameters in place for ZeRO stage 3 and return it.
 
@@ -104,6 +107,11 @@ def shard_model(
     ranks; the shares cost 1/S of the parameters' bytes per rank
     (``memory_stats()["hpz_secondary"]``). Refused without a 2-D mesh and with
     ``offload_params``.
+
+    ``gather_dtype="int8"`` (ZeRO++'s qwZ): the units' gathers travel as int8 codes from now
+    on, forward and backward, before any optimizer exists (inference); a ZeroAdamW built on
+    the model without a ``gather_dtype`` of its own keeps it
+    (docs/reference/quantized-comm.md). Refused with ``offload_params``.
     """
     if not isinstance(offload_params, bool):
         raise TypeError(f"offload_params must be True or False, got {offload_params!r}")
@@ -118,11 +126,12 @@ def shard_model(
         timeout = told.resolve(gather_timeout)
         units, names, params = _select_units(model, unit_classes, prefetch)
         _check_hpz(hpz, comm, offload_params)
+        _check_gather_dtype(gather_dtype, offload_params)
         failure: BaseException | None = None
     except (ValueError, TypeError, RuntimeError) as exc:
         units, names, params, failure = [], {}, [], exc
     _check_units_same_on_all_ranks(comm, units, names, prefetch, reshard_after_forward,
-                                   failure, offload_params, hpz)
+                                   failure, offload_params, hpz, gather_dtype)
     if hpz:  # agreed on every rank: the primary partition spans the whole mesh
         comm = hpz_comm(comm)
     rt = Stage3Runtime(
@@ -130,6 +139,9 @@ def shard_model(
         offload_params=offload_params, gather_timeout=timeout,
     )
     rt.param_names = {id(p): names[id(p)] for p in params}
+    if gather_dtype is not None:  # the model's own wire, until an optimizer asks otherwise
+        rt.gather_bits = WireFormat.of(None, gather_dtype).gather_bits
+        rt.ctx.set_wire(WireFormat(gather_bits=rt.gather_bits))
     rt.shard_parameters()
     rt.install_hooks()
     _refuse_pickling(model, params)
@@ -166,6 +178,16 @@ def _refuse_pickling(model: nn.Module, params: list[nn.Parameter]) -> None:
     object.__setattr__(model, "__reduce_ex__", _RefusePickle(f"the model ({type(model).__name__})"))
     for p in params:
         p.__reduce_ex__ = _RefusePickle("a parameter")  # type: ignore[method-assign]
+
+
+def _check_gather_dtype(gather_dtype: Any, offload_params: bool) -> None:
+    """The spellings ZeroAdamW takes; not with parameter slices in host memory (the offload
+    pipeline moves parameters in their own dtype)."""
+    check_quantized_comm(None, gather_dtype, 3, None, "fp32")
+    if gather_dtype is not None and offload_params:
+        raise ValueError(f"gather_dtype={gather_dtype!r} with offload_params=True is not built: "
+                         "the offload pipeline moves parameters in their own dtype; drop one "
+                         "of them")
 
 
 def _check_hpz(hpz: bool, comm: Comm, offload_params: bool) -> None:
@@ -250,7 +272,7 @@ def _select_units(
 def _check_units_same_on_all_ranks(
     comm: Comm, units: list[tuple[str, nn.Module, list[nn.Parameter]]], names: dict[int, str],
     prefetch: int, reshard_after_forward: bool, failure: BaseException | None = None,
-    offload_params: bool = False, hpz: bool = False,
+    offload_params: bool = False, hpz: bool = False, gather_dtype: str | None = None,
 ) -> None:
     """Raise on every rank, before anything is modified, when a rank's arguments were
     refused (``failure``) or the ranks would partition different models: otherwise the
@@ -258,7 +280,7 @@ def _check_units_same_on_all_ranks(
     (30 minutes by default)."""
     sig = {
         "error": None if failure is None else f"{type(failure).__name__}: {failure}",
-        "options": (prefetch, reshard_after_forward, offload_params, hpz),
+        "options": (prefetch, reshard_after_forward, offload_params, hpz, gather_dtype),
         "units": [(uname, [(names[id(p)], tuple(p.shape), str(p.dtype)) for p in ps])
                   for uname, _, ps in units],
     }
@@ -275,8 +297,8 @@ def _check_units_same_on_all_ranks(
         if other["options"] != ref["options"]:
             raise ValueError(
                 f"shard_model arguments differ across ranks: (prefetch, reshard_after_forward, "
-                f"offload_params, hpz) is {ref['options']} on rank 0 but {other['options']} on "
-                f"rank {r}")
+                f"offload_params, hpz, gather_dtype) is {ref['options']} on rank 0 but "
+                f"{other['options']} on rank {r}")
         a, b = ref["units"], other["units"]
         if len(a) != len(b):
             raise ValueError(

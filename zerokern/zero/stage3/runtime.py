@@ -57,6 +57,7 @@ class Stage3Runtime:
         self.root, self.comm = root, comm
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         self.offload_params = offload_params
+        self.gather_bits: int | None = None  # shard_model(gather_dtype=): the model's own
         p0 = next(p for _, _, ps in units for p in ps)
         self.dtype, self.device = p0.dtype, p0.device
         self.layout = ModelLayout(root, units, comm.world_size, prefetch)

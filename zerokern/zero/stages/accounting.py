@@ -202,6 +202,15 @@ def _gather_stats(rt: Stage3Runtime) -> dict[str, int]:
             for k, v in g.items() if not k.startswith("local")}
 
 
+def scratch_peak(comm: Any) -> int:
+    """The collectives' scratch, the most held at once (gloo's point-to-point receive
+    buffers, the quantized collectives' payloads): the group's, plus the replicate group's on
+    a 2-D mesh (the quantized hops 2-3) and the node group's with hpZ."""
+    return sum(int(c.scratch_peak) for c in (comm, getattr(comm, "replicate", None),
+                                             getattr(comm, "secondary", None))
+               if c is not None)
+
+
 def with_residuals(out: dict[str, int], part: Any) -> dict[str, int]:
     """``out`` with ``ef_residual``: the error-feedback residuals of the gradient-reduce part
     ``part`` (comm/quantized_parts.py; allocated at each slice's first send, 0 before the
@@ -233,6 +242,9 @@ def stage3_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype, state: 
     out.update(_gather_stats(rt))
     sec = _secondary_bytes(rt)
     out["hpz_secondary"] = sec
+    # The collectives' transient buffers, the most held at once (as gather_peak: not held
+    # between steps, so not in the total).
+    out["comm_scratch"] = scratch_peak(rt.comm)
     out["total"] = rt.local_numel * (esz + gsz) + arena_in_use + sec
     out["device_total"] = out["total"]
     out["host_total"] = 0  # nothing offloaded

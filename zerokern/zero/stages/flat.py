@@ -29,6 +29,7 @@ from ..state_format import StateFormat
 from .accounting import (
     flat_memory,
     offload_flat_memory,
+    scratch_peak,
     slot_numel,
     state_buffers,
     with_residuals,
@@ -332,7 +333,7 @@ class FlatEngine(BucketPool, Engine):
         # The state's kinds from its buffers as allocated (on the device or on the host).
         state = state_buffers(self.state)
         kw = dict(buckets=pool, overflow=self.overflow_bucket_bytes,
-                  scratch=self.comm.scratch_peak, in_use=int(a["in_use"]),
+                  scratch=scratch_peak(self.comm), in_use=int(a["in_use"]),
                   capacity=int(a["capacity"]))
         h = self.state.placement.memory()  # its own arena: none on the device
         if not h:
