@@ -365,6 +365,8 @@ def _load_state_dict_pre_hook(
            module.named_parameters(remove_duplicate=False) if (t := given.get(n)) is not None):
         _TAKEN[module] = set()
         return  # nothing copied: load_state_dict reports the size mismatch
+    if rt.ctx.secondary is not None:  # hpZ: the in-node shares no longer match the slices
+        rt.ctx.secondary.drop()
     with torch.no_grad():
         for u in rt.units:
             for sp in u.plan.rank_pieces(rt.comm.rank):

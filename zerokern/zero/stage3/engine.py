@@ -148,6 +148,8 @@ class Stage3(Engine):
     def sync_params(self, gather: bool) -> None:
         for u in self.rt.units:  # a unit gathered now would keep its old values
             self.rt.release(u)
+        if self.rt.ctx.secondary is not None:  # hpZ's in-node shares too (the slices change)
+            self.rt.ctx.secondary.drop()
         if self.master is None:
             return
         for pc in self.layout.pieces:

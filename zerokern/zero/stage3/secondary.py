@@ -12,10 +12,11 @@ backward, activation checkpointing's recompute) are all-gathers of those shares 
 node, in the parameters' dtype: the same bits the forward used, whatever ``gather_dtype``.
 
 Validity. A share is what the primary slices held at the unit's last crossing gather. It is
-dropped (every unit's) when a forward of the root begins and at the step boundary
-(``new_step``), and a unit's own when values assigned to its placeholders are adopted into
-its slice: a gather never reads a share older than the slices. Exact gathers
-(``full_state_dict``) neither read nor fill it.
+dropped (every unit's) when a forward of the root begins, at the step boundary (``new_step``)
+and when the slices are written (a state or checkpoint load, ``model.load_state_dict``), and a
+unit's own when values assigned to its placeholders are adopted into its slice: a gather
+never reads a share older than the slices. Exact gathers (``full_state_dict``) neither read
+nor fill it.
 
 Memory: sum over units of P/S elements of the parameters' dtype, held for the model's
 lifetime (``memory_stats()["hpz_secondary"]``, ``zerokern.formulas.hpz_secondary_bytes``).
