@@ -8,7 +8,7 @@ parameter, over 3 steps:
   ranks (the primary partition is the flat one; the backward's in-node gathers deliver the
   bits the forward used; a share left over from before a step would break it), and within
   fp32 roundoff of torch.optim.AdamW on the all-reduced mean gradient (the independent
-  reference);
+  reference) and of hybrid sharding (hpz=False, whose sums run in another order);
 - with ``gather_dtype="int8"``, bitwise the flat quantized run (the secondary keeps the
   forward's decoding; the backward gathers it exactly);
 - ``comm_stats()`` per dim equals ``formulas.hpz_comm_elements`` / ``hpz_comm_bytes``: the
@@ -102,9 +102,11 @@ def _hpz_case(rank: int, world: int) -> None:
     flat_m, flat_opt = _train()
     flat = _params(flat_m)
     ref = _reference()
+    hybrid = _params(_train(mesh=mesh)[0])  # hpz=False: the same mean, summed otherwise
     for k, v in got.items():
         assert torch.equal(v, flat[k]), f"{k}: hpZ differs from the flat group of 4 ranks"
         torch.testing.assert_close(v, ref[k], rtol=1e-5, atol=1e-6, msg=f"{k} vs torch AdamW")
+        torch.testing.assert_close(v, hybrid[k], rtol=1e-5, atol=1e-6, msg=f"{k} vs hybrid")
 
     # Traffic of the last step, per dim, as the formulas say.
     psi = sum(u.plan.padded_numel for u in opt._rt.units)
