@@ -68,6 +68,7 @@ from .moments import (
     values_dtype,
 )
 from .optimizer_entry import OPTIMIZER, known_hyper, optimizer_entry
+from .residuals import RESIDUALS, residual_entry, write_residuals
 from .validate import HYPER_KEYS
 
 
@@ -547,6 +548,8 @@ def save_checkpoint(
     path = os.path.normpath(os.fspath(path))
     what = f"save_checkpoint({path})"
     msg, exc, plan = attempt(lambda: plan_save(model, opt, extra))
+    if plan is not None and (entry := residual_entry(opt, team)) is not None:
+        plan.meta[RESIDUALS] = entry  # error feedback's residuals (residuals.py)
     nonce = claim = None
     if leader and msg is None:
         msg, exc, staged = attempt(lambda: _prepare(path))
@@ -565,6 +568,8 @@ def save_checkpoint(
             if team.writer:
                 msg, exc, info = attempt(
                     lambda: write_rank_file(tmp, comm.rank, opt, plan, nonce))
+            if msg is None and RESIDUALS in plan.meta:  # every rank: its own residuals
+                msg, exc, _ = attempt(lambda: write_residuals(tmp, team.rank, opt))
             infos = comm.all_gather_object(info, "checkpoint file info")
             failed = first_failure(team, team.all_gather_object(msg, "checkpoint files"), exc)
         # 3. the leader publishes, or removes what was staged (the previous checkpoint stays)

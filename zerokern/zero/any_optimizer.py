@@ -78,8 +78,9 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
             gradient reduce-scatter, stages 1-3), as ``ZeroAdamW``.
         gather_dtype: None or ``"int8"`` (quantized parameter all-gather, stages 1-3), as
             ``ZeroAdamW``.
+        error_feedback: error feedback on the quantized gradient reduce, as ``ZeroAdamW``.
         config: a ``zerokern.ZeroConfig`` holding the options ``stage`` through
-            ``gather_dtype``, instead of those keywords.
+            ``error_feedback``, instead of those keywords.
         elementwise: declare ``optimizer_class``'s update element-wise (for a class that is
             neither one of torch's element-wise optimizers, nor a subclass keeping its
             ``step``, nor marked ``zerokern_elementwise = True``).
@@ -119,6 +120,7 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
         mesh: Any = None,
         reduce_dtype: torch.dtype | str | None = None,
         gather_dtype: str | None = None,
+        error_feedback: bool = False,
         config: ZeroConfig | None = None,
         elementwise: bool = False,
         **defaults: Any,

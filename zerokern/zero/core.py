@@ -23,6 +23,7 @@ then the parts), what the parts hold read as attributes, the gradient hooks, and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
@@ -98,6 +99,10 @@ class ZeroCore(torch.optim.Optimizer):
             check_offload_params(rt, cfg.offload)
             if rt is not None:
                 check_same_mesh(mesh, rt.comm)
+                if cfg.hpz and rt.comm.secondary is None:
+                    raise ValueError("hpz=True: the model was sharded without it; hpZ is the "
+                                     "model's layout: pass hpz=True to shard_model (or "
+                                     "parallelize)")
             # Several dtypes (or groups with their own master): one part per partition.
             parts = plan_parts(self.param_groups, cfg, rt)
             if parts is None:
@@ -134,8 +139,12 @@ class ZeroCore(torch.optim.Optimizer):
         if rt is None:
             broadcast_params(self.comm, params)  # stage 3: shard_model did it
         else:
+            wire = cfg.wire
+            if wire.gather_bits is None and rt.gather_bits is not None:
+                # shard_model(gather_dtype=): the model's gathers stay quantized.
+                wire = dataclasses.replace(wire, gather_bits=rt.gather_bits)
             rt.set_comm(cfg.reduce_dtype if isinstance(cfg.reduce_dtype, torch.dtype)
-                        else dtype, cfg.wire)
+                        else dtype, wire)
         self._slot = EngineSlot(table, self.comm, stage=cfg.stage, offload=cfg.offload,
                                 runtime=rt, bucket_numel=cfg.bucket_numel,
                                 overlap=cfg.overlap_comm, backend=cfg.backend, dtype=dtype,

@@ -32,6 +32,7 @@ from .context import UnitContext
 from .order import ForwardOrder
 from .recompute import Recompute, in_backward_now, keeps_gathered, slots
 from .saved import SavedTensorHooks
+from .secondary import Secondary
 from .unit import GradPhase, Unit
 
 
@@ -56,6 +57,7 @@ class Stage3Runtime:
         self.root, self.comm = root, comm
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         self.offload_params = offload_params
+        self.gather_bits: int | None = None  # shard_model(gather_dtype=): the model's own
         p0 = next(p for _, _, ps in units for p in ps)
         self.dtype, self.device = p0.dtype, p0.device
         self.layout = ModelLayout(root, units, comm.world_size, prefetch)
@@ -65,6 +67,10 @@ class Stage3Runtime:
             gather_bytes=self.layout.gather_bytes(self.dtype, self.dtype),
             offload_params=offload_params, gather_timeout=gather_timeout)
         self.units: list[Unit] = self.layout.units(self.ctx)
+        if comm.secondary is not None:  # shard_model(hpz=True): secondary.py
+            self.ctx.secondary = Secondary(comm.secondary,
+                                           [pl.padded_numel for pl in self.layout.plans],
+                                           self.dtype, self.device)
         self.got_grad: dict[int, bool] = {}
         self.grad_events = 0  # gradients delivered by autograd hooks
         # Run at the end of every synchronised backward, after the reduction (ZeroAdamW puts
@@ -213,6 +219,8 @@ class Stage3Runtime:
             self.ctx.free_retired()
         if u.is_root and not u.in_backward:
             self.order.start()
+            if self.ctx.secondary is not None:  # hpZ: this forward gathers across nodes anew
+                self.ctx.secondary.drop()
             if torch.is_grad_enabled():
                 self._saved_hooks.enter()
         u.gather()
@@ -389,6 +397,8 @@ class Stage3Runtime:
         for u in self.units:
             u.new_step()
         self.got_grad = {}
+        if self.ctx.secondary is not None:  # hpZ: the step changed the slices
+            self.ctx.secondary.drop()
 
     def local_pieces(self) -> list[tuple[torch.nn.Parameter, int, int, torch.Tensor]]:
         """This rank's pieces of every parameter, frozen ones included (build.local_pieces)."""
