@@ -23,6 +23,9 @@ with the quantized collectives' scratch in ``memory_stats()["comm_scratch"]``) a
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,6 +35,7 @@ from torch import nn
 
 import zerokern
 from zerokern import ZeroConfig, formulas
+from zerokern.checkpoint.residuals import residual_file
 from zerokern.zero.shard import runtime_of
 
 STEPS = 40
@@ -190,6 +194,18 @@ def _save_case(rank: int, world: int, root: str) -> None:
     _steps(m2, opt2, 2)
     for k, v in m.state_dict().items():
         assert torch.equal(v, m2.state_dict()[k]), f"{k}: resumed run differs"
+    # A residual file changed on disk is refused (its sha256 is in meta.json), never added
+    # into the next sends.
+    if rank == 0:
+        shutil.copytree(f"{root}/ef", f"{root}/ef_bad")
+        with open(f"{root}/ef_bad/{residual_file(1)}", "r+b") as fh:
+            fh.seek(-9, os.SEEK_END)
+            b = fh.read(1)
+            fh.seek(-9, os.SEEK_END)
+            fh.write(bytes([b[0] ^ 1]))
+    dist.barrier()
+    with pytest.raises(zerokern.CheckpointError, match="is corrupt"):
+        zerokern.load_checkpoint(f"{root}/ef_bad", m2, _opt(m2, **ef))
     torch.manual_seed(0)
     m3 = Linear2()
     opt3 = _opt(m3)

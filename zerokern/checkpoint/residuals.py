@@ -4,7 +4,7 @@ Each rank's residuals are its own (what its quantized sends missed), on a 2-D me
 the replicas otherwise hold the same state: so every rank of the team writes them, to
 ``ef_residual.<team rank>.pt`` (``torch.save`` of {slice label: fp32 tensor}), and meta.json
 names them in its optional ``ef_residual`` entry: the team's size and mesh shape they were
-saved at, and the file names.
+saved at, the file names and each file's sha256 (meta.json's own digest covers them).
 
 A load restores them only where they mean the same thing: an optimizer with error feedback,
 the same team size and mesh shape, and, slice by slice, the same label and size. Otherwise they
@@ -19,6 +19,8 @@ import os
 from typing import Any
 
 import torch
+
+from .format import sha256_file
 
 RESIDUALS = "ef_residual"
 """meta.json's optional entry naming the residual files."""
@@ -51,22 +53,27 @@ def residual_entry(opt: Any, team: Any) -> dict[str, Any] | None:
             "files": [residual_file(r) for r in range(team.world_size)]}
 
 
-def write_residuals(tmp: str, team_rank: int, opt: Any) -> None:
-    """This rank's residuals into the staging directory ``tmp``."""
+def write_residuals(tmp: str, team_rank: int, opt: Any) -> str:
+    """This rank's residuals into the staging directory ``tmp``; returns the file's sha256."""
     part = feedback_part(opt)
     saved = {} if part is None else {k: v.detach().cpu().clone()
                                      for k, v in part.residuals.items()}
-    torch.save(saved, os.path.join(tmp, residual_file(team_rank)))
+    path = os.path.join(tmp, residual_file(team_rank))
+    torch.save(saved, path)
+    return sha256_file(path)
 
 
 def residual_entry_error(entry: Any) -> str | None:
     """What is wrong with a meta.json ``ef_residual`` entry, or None."""
-    if not isinstance(entry, dict) or set(entry) != {"ranks", "mesh", "files"}:
-        return f"must hold ranks, mesh and files, got {entry!r}"
-    n, files = entry["ranks"], entry["files"]
+    if not isinstance(entry, dict) or set(entry) != {"ranks", "mesh", "files", "sha256"}:
+        return f"must hold ranks, mesh, files and sha256, got {entry!r}"
+    n, files, sums = entry["ranks"], entry["files"], entry["sha256"]
     if isinstance(n, bool) or not isinstance(n, int) or n < 1 \
             or files != [residual_file(r) for r in range(n)]:
         return f"ranks {n!r} and files {files!r} do not match"
+    if not isinstance(sums, list) or len(sums) != n or not all(
+            isinstance(d, str) and len(d) == 64 for d in sums):
+        return f"sha256 must list {n} hex digests, got {sums!r}"
     return None
 
 
@@ -83,8 +90,12 @@ def load_residuals(ckpt: str, meta: dict[str, Any], opt: Any, team: Any) -> bool
     mesh = None if rep is None else [rep.world_size, opt.comm.world_size]
     if entry is None or entry["ranks"] != team.world_size or entry["mesh"] != mesh:
         return False
-    saved = torch.load(os.path.join(ckpt, residual_file(team.rank)), map_location="cpu",
-                       weights_only=True)
+    path = os.path.join(ckpt, residual_file(team.rank))
+    if sha256_file(path) != entry["sha256"][team.rank]:
+        # A corrupt residual would be added into every later send: refused, never guessed.
+        raise ValueError(f"{residual_file(team.rank)} is corrupt ({path}): its sha256 does "
+                         "not match meta.json's ef_residual entry")
+    saved = torch.load(path, map_location="cpu", weights_only=True)
     # Taken by the slice of the same label and size at its first send (moved to its device
     # then); a slice laid out otherwise starts from zero.
     part.restored.update(saved)

@@ -568,10 +568,15 @@ def save_checkpoint(
             if team.writer:
                 msg, exc, info = attempt(
                     lambda: write_rank_file(tmp, comm.rank, opt, plan, nonce))
+            digest = None
             if msg is None and RESIDUALS in plan.meta:  # every rank: its own residuals
-                msg, exc, _ = attempt(lambda: write_residuals(tmp, team.rank, opt))
+                msg, exc, digest = attempt(lambda: write_residuals(tmp, team.rank, opt))
             infos = comm.all_gather_object(info, "checkpoint file info")
-            failed = first_failure(team, team.all_gather_object(msg, "checkpoint files"), exc)
+            status = team.all_gather_object((msg, digest), "checkpoint files")
+            failed = first_failure(team, [m for m, _ in status], exc)
+            if failed is None and RESIDUALS in plan.meta:
+                # Their sha256 in meta.json (itself digested): a load checks its file's.
+                plan.meta[RESIDUALS] = {**plan.meta[RESIDUALS], "sha256": [d for _, d in status]}
         # 3. the leader publishes, or removes what was staged (the previous checkpoint stays)
         msg = exc = None
         if leader:
