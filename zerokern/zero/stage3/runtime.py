@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 from ...comm import Comm
 from ...comm.quantized_parts import WireFormat
 from .. import gather_timeout as told
+from ..grad_guard import GradGuard
 from ..interop import active_ddp_module
 from ..offload import OffloadPipeline
 from .adopt import adopt
@@ -66,6 +67,9 @@ class Stage3Runtime:
             offload_params=offload_params, gather_timeout=gather_timeout)
         self.units: list[Unit] = self.layout.units(self.ctx)
         self.got_grad: dict[int, bool] = {}
+        # Parameters whose optimizer ended this step already, while another's are pending
+        # (several optimizers on one model: owners.py).
+        self.consumed: set[int] = set()
         self.grad_events = 0  # gradients delivered by autograd hooks
         # Run at the end of every synchronised backward, after the reduction (ZeroAdamW puts
         # its GradGuards on the parameters' .grad).
@@ -322,7 +326,7 @@ class Stage3Runtime:
         if not u.in_backward:  # its output hook did not fire (output not seen by autograd)
             self.pre_backward(u, None)
         if u.grad_arrived(j):
-            u.reduce(self._reduces, keep=keeps_gathered(u, self._reduces))
+            u.reduce(self._left_on, keep=keeps_gathered(u, self._reduces))
 
     def _end_of_backward(self) -> None:
         """Units whose gradients did not all arrive (unused parameters) are reduced with zeros
@@ -331,7 +335,7 @@ class Stage3Runtime:
         pending = [u for u in self.units if u.in_backward]
         for u in sorted(pending, key=lambda x: -self.order.last_pos(x.index)):
             if self.sync:
-                u.reduce(self._reduces)
+                u.reduce(self._left_on)
             else:
                 u.end_backward(reduced=False)
         self.finish_reduce()
@@ -346,15 +350,22 @@ class Stage3Runtime:
         """After a no_sync accumulation finished with a synced backward, nothing is left;
         if the user steps right after no_sync backwards, reduce what the params hold."""
         for u in self.units:
-            if any(p.grad is not None and self._reduces(p) for p in u.params):
+            if any(self._left_on(p) for p in u.params):
                 for p in u.params:  # set by hand, or left by no_sync: used as torch does
-                    if p.grad is not None and self._reduces(p):
+                    if self._left_on(p):
                         self.got_grad[id(p)] = True
                 if not u.in_backward:  # else a backward that raised left it there
                     u.begin_backward(self._reduces)
                 u.gather()
-                u.reduce(self._reduces)
+                u.reduce(self._left_on)
         self.finish_reduce()
+
+    def _left_on(self, p: torch.nn.Parameter) -> bool:
+        # The gradients a unit's reduce takes. A GradGuard stands for one reduced already:
+        # another optimizer's, still on while this one steps or through a backward that gives
+        # its parameters nothing (several optimizers on one model: owners.py), or a stale
+        # one (guard_set.py); its values are in the slice.
+        return p.grad is not None and not isinstance(p.grad, GradGuard) and self._reduces(p)
 
     # -- p.data = t ----------------------------------------------------------------------------
     def adopt_assigned(self) -> None:
