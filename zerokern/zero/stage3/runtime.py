@@ -309,6 +309,7 @@ class Stage3Runtime:
         if task != self._callback_task:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_task = task
+            self.consumed.clear()  # new gradients, for every optimizer's parameters
             for cb in self.backward_begin_callbacks:
                 cb()
 
