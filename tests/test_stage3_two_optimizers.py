@@ -3,15 +3,18 @@
 torch.optim.Muon, stage=3)`` next to ``ZeroOptimizer(rest, torch.optim.AdamW, stage=3)``.
 
 One 2-rank launch checks: a parameter in two optimizers is refused at construction (and in
-add_param_group) naming it; Muon + AdamW with ``torch.nn.utils.clip_grad_norm_`` over both
-(one global norm) and a step in which only Muon steps and zero_grads (AdamW's gradients
-accumulate over two backwards, as torch's do) against DDP-style averaging + torch.optim.Muon +
-torch.optim.AdamW, parameters, momentum and moments; each optimizer's state_dict() and the
-project's checkpoints round trip (training on bit for bit as the original); a replaced
-optimizer (a new one over all of its parameters) cannot step; bf16 parameters (an fp32
-master each) train bit for bit as one ZeroAdamW with one param group per optimizer (the other
-optimizer's step is no outside write of the weights). test_zero_muon.py runs the plain recipe
-at stage 3 on 2 and 3 ranks and on a 2x2 mesh; test_clip_two_optimizers.py the clip's forms.
+add_param_group) naming it, and so is ``offload="cpu"`` next to another optimizer; Muon +
+AdamW with ``torch.nn.utils.clip_grad_norm_`` over both (one global norm) and a step in which
+only Muon steps and zero_grads (AdamW's gradients accumulate over two backwards, as torch's
+do) against DDP-style averaging + torch.optim.Muon + torch.optim.AdamW, parameters, momentum
+and moments; each optimizer's state_dict() and the project's checkpoints round trip
+(training on bit for bit as the original); a replaced optimizer (a new one over all of its
+parameters) cannot step; bf16 parameters (an fp32 master each) train bit for bit as one
+ZeroAdamW with one param group per optimizer, with each optimizer's step and zero_grad
+interleaved (the other optimizer's step is no outside write of the weights, and a zero_grad
+before a backward does not drop the next step's gradients). test_zero_muon.py runs the
+plain recipe at stage 3 on 2 and 3 ranks and on a 2x2 mesh; test_clip_two_optimizers.py the
+clip's forms.
 
 Tolerance: that of test_zero_muon.py (derived there): AdamW's side within ``TOL`` of torch's,
 Muon's within ``MUON_TOL``. The clip adds one coefficient, max_norm / (norm + 1e-6), whose
@@ -106,6 +109,10 @@ def overlap_refused(rank, world):
                                          r"live ZeroOptimizer"):
         zerokern.ZeroOptimizer(rest + [model.l1.weight], torch.optim.AdamW, stage=3)
     assert optimizer_of(model.l1.weight) is om and optimizer_of(model.l1.bias) is None
+    # The host gradient slices of offload="cpu" go through one optimizer's staging.
+    with pytest.raises(ValueError, match="offload: another zerokern optimizer trains"):
+        zerokern.ZeroAdamW(rest, stage=3, offload="cpu")
+    assert optimizer_of(model.l1.bias) is None
     oa = zerokern.ZeroOptimizer(rest[1:], torch.optim.AdamW, stage=3, **ADAMW)
     with pytest.raises(ValueError, match=r"parameter l2\.weight is already trained"):
         oa.add_param_group({"params": [rest[0], model.l2.weight]})

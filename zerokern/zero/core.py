@@ -100,6 +100,8 @@ class ZeroCore(torch.optim.Optimizer):
             # Stage 3: a parameter another live optimizer trains is refused (several
             # optimizers take disjoint parameters), unless this one replaces it whole.
             replaced = [] if rt is None else owners.check_disjoint(table.params, rt, where)
+            if rt is not None:
+                owners.check_offload_alone(rt, cfg.offload, replaced)
             dtype, device = common_dtype_device(table.params)  # meta parameters refused
             check_master_dtype(cfg.state_format, dtype)
             check_gather_dtype_params(cfg.wire.gather_bits, cfg.stage, dtype)

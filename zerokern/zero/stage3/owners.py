@@ -63,6 +63,20 @@ def check_disjoint(params: list[torch.nn.Parameter], rt: Any, where: str, *,
     return list(replaced.values())
 
 
+def check_offload_alone(rt: Any, offload: Any, replaced: list[Any]) -> None:
+    """``offload="cpu"`` moves the model's gradient slices to the host and lands them through
+    that optimizer's own staging (context.py): refused next to another live optimizer of the
+    model (either one offloading), before anything is built."""
+    others = {id(o): o for u in rt.units for p in u.params
+              if (o := optimizer_of(p)) is not None and not is_superseded(o)
+              and all(o is not r for r in replaced)}
+    if others and (offload or any(o.offload for o in others.values())):
+        raise ValueError(
+            "offload: another zerokern optimizer trains parameters of this sharded model; "
+            "offload='cpu' works with one optimizer per shard_model'ed model only (it moves "
+            "the model's gradient slices to the host through that optimizer's staging)")
+
+
 def supersede(old: list[Any], new: Any) -> None:
     """``new`` trains every parameter of each of ``old`` from now on."""
     for o in old:
