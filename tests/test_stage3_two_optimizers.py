@@ -11,10 +11,10 @@ and moments; each optimizer's state_dict() and the project's checkpoints round t
 (training on bit for bit as the original); a replaced optimizer (a new one over all of its
 parameters) cannot step; bf16 parameters (an fp32 master each) train bit for bit as one
 ZeroAdamW with one param group per optimizer, with each optimizer's step and zero_grad
-interleaved (the other optimizer's step is no outside write of the weights, and a zero_grad
-before a backward does not drop the next step's gradients). test_zero_muon.py runs the
-plain recipe at stage 3 on 2 and 3 ranks and on a 2x2 mesh; test_clip_two_optimizers.py the
-clip's forms.
+interleaved and a no_sync micro-batch (the other optimizer's step is no outside write of
+the weights, and a zero_grad before a backward does not drop the next step's gradients).
+test_zero_muon.py runs the plain recipe at stage 3 on 2 and 3 ranks and on a 2x2 mesh;
+test_clip_two_optimizers.py the clip's forms.
 
 Tolerance: that of test_zero_muon.py (derived there): AdamW's side within ``TOL`` of torch's,
 Muon's within ``MUON_TOL``. The clip adds one coefficient, max_norm / (norm + 1e-6), whose
@@ -203,6 +203,10 @@ def bf16_as_one_optimizer(rank, world):
     single = zerokern.ZeroAdamW([dict(params=a_one), dict(params=b_one, lr=0.003)],
                                 stage=3, **ADAMW)
     for step in range(STEPS):
+        if step == 1:  # a micro-batch under no_sync (either optimizer's: one model)
+            with opts[1].no_sync(), single.no_sync():
+                for m in (two, one):
+                    m(10 + step, rank).float().backward()
         for m in (two, one):
             m(step, rank).float().backward()
         for o in opts + [single]:
