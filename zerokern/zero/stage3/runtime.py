@@ -11,6 +11,8 @@ registry.py, rebind.py, the checkpoint functions and engine.py (the optimizer si
 
 How the units and their slices are laid out is build.py's. Its hooks share one per-step
 state (forward order, sync, the optimizers' parameters, the queued callback): one class.
+Several optimizers on one model share it too: one backward reduces all of their gradients,
+and the step closes (``new_step``) once each ended its own (owners.py).
 """
 
 from __future__ import annotations
