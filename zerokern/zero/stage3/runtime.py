@@ -69,9 +69,7 @@ class Stage3Runtime:
             offload_params=offload_params, gather_timeout=gather_timeout)
         self.units: list[Unit] = self.layout.units(self.ctx)
         self.got_grad: dict[int, bool] = {}
-        # Parameters whose optimizer ended this step already, while another's are pending
-        # (several optimizers on one model: owners.py).
-        self.consumed: set[int] = set()
+        self.consumed: set[int] = set()  # whose optimizer ended its step (owners.py)
         self.grad_events = 0  # gradients delivered by autograd hooks
         # Run at the end of every synchronised backward, after the reduction (ZeroAdamW puts
         # its GradGuards on the parameters' .grad).
@@ -364,10 +362,8 @@ class Stage3Runtime:
         self.finish_reduce()
 
     def _left_on(self, p: torch.nn.Parameter) -> bool:
-        # The gradients a unit's reduce takes. A GradGuard stands for one reduced already:
-        # another optimizer's, still on while this one steps or through a backward that gives
-        # its parameters nothing (several optimizers on one model: owners.py), or a stale
-        # one (guard_set.py); its values are in the slice.
+        # What a unit's reduce takes: a GradGuard stands for a gradient in the slice already
+        # (another optimizer's, owners.py, or a stale one, guard_set.py).
         return p.grad is not None and not isinstance(p.grad, GradGuard) and self._reduces(p)
 
     # -- p.data = t ----------------------------------------------------------------------------
