@@ -33,6 +33,7 @@ from ..stages.accounting import (
 )
 from ..stages.base import Engine, Run
 from ..state_format import StateFormat
+from .owners import end_own_step
 
 if TYPE_CHECKING:
     from .runtime import Stage3Runtime
@@ -99,7 +100,7 @@ class Stage3(Engine):
         return [self.rt.local_grads.narrow(0, start, numel)]
 
     def end_step(self) -> None:
-        self.rt.new_step()
+        end_own_step(self)  # the runtime's step: once every optimizer on it ended its own
         super().end_step()
 
     def has_grad(self, index: int) -> bool:
@@ -115,7 +116,7 @@ class Stage3(Engine):
     def zero_grad(self, set_to_none: bool, keep: list[bool] | None = None) -> None:
         for p in self.params:
             p.grad = None
-        self.rt.new_step()
+        end_own_step(self)
 
     def set_sync(self, value: bool) -> None:
         self.rt.sync = value
