@@ -197,7 +197,32 @@ def quantized_plan(psi: float, nodes: int, gpus_per_node: int, hybrid: bool,
     """The estimate's quantized-communication section: for each layout (flat; hybrid with
     ``hybrid``), stage and wire format (:func:`wire_variants`), the bytes per step and GPU on
     each kind of link and the communication seconds per step with an inter-node link of each
-    speed in ``inter_gbits`` (Gb/s per GPU and direction; 8 Gb = 1 GB) and ``intra``."""
+    speed in ``inter_gbits`` (Gb/s per GPU and direction; 8 Gb = 1 GB) and ``intra``.
+
+    Args:
+        psi: parameters (rounded to an integer).
+        nodes: nodes R.
+        gpus_per_node: GPUs S per node (the hybrid shard group).
+        hybrid: also the hybrid layout (sharded within a node, replicated across).
+        gather_dtype: None or "int8": the gather option compared with 16-bit.
+        reduce_dtype: None, "int8" or "int4": the reduce option compared with 16-bit.
+        intra: the intra-node link (bandwidth GB/s, latency s).
+        inter_latency_s: latency of one inter-node ring step, seconds.
+        inter_gbits: inter-node speeds, Gb/s per GPU, one time column each.
+        bucket_numel: elements per collective call.
+        stages: the stages to tabulate (1-3).
+
+    Returns:
+        ``{"params", "nodes", "gpus_per_node", "inter_gbits", "intra_bw_gb_s",
+        "bucket_numel", "layouts": {layout: [row, ...]}}``, each row with ``stage``,
+        ``gather_dtype``, ``reduce_dtype``, ``intra_bytes`` / ``inter_bytes`` (one GPU's
+        sends per step, exact), ``inter_vs_psi`` (those in 16-bit elements over psi),
+        ``seconds_by_inter_gbits`` and its ``collectives``.
+
+    Raises:
+        ValueError: a wire format the engine does not build, a speed that is not a positive
+            number, or a stage, size or count out of range; naming the argument.
+    """
     check_wire(gather_dtype, reduce_dtype)
     for g in inter_gbits:
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not (
