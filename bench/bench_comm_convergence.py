@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # what the ranks use (and what the header reports)
     if args.steps is not None and args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
     steps = args.steps or (8 if args.quick else 2000)
@@ -216,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['train_s']:.0f} s", flush=True)
     rows = [json.loads(p.read_text()) for c in CONFIGS
             if (p := out / f"{name}_{c}.json").exists()]
+    if not rows:
+        print(f"# no results in {out} ({name}_<config>.json)", file=sys.stderr)
+        return 1
     command = "python bench/bench_comm_convergence.py " + " ".join(
         argv if argv is not None else sys.argv[1:])
     header = (f"{meta['device']}, torch {meta['torch']}, {meta['date']}: {model}, micro-batch "
