@@ -188,7 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)  # what the ranks use (and what the header reports)
     if args.steps is not None and args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
     steps = args.steps or (8 if args.quick else 2000)
@@ -196,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     over = {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "seq")
             if getattr(args, k) is not None}
     gcfg = replace(gcfg, **over)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the header reports the ranks' thread count
     meta = H.machine(torch.device("cpu"))
+    torch.set_num_threads(threads)
     name = f"bench_comm_convergence_cpu_{meta['date']}" + (f"_{args.tag}" if args.tag else "") \
         + ("_quick" if args.quick else "")
     out = Path(args.out)
