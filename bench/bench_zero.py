@@ -9,6 +9,7 @@ DeepSpeed, side by side in one run on the same GPT, data, global batch, precisio
     python bench/bench_zero.py --precision bf16 --policies ddp zk_stage2 zk_stage3 \
         zk_stage2_int8 zk_stage3_int8 --repeats 3        # 8-bit moments beside fp32 ones
     python bench/bench_zero.py --mesh 2x2 --precision bf16 --repeats 2   # flat vs hybrid
+    python bench/bench_zero.py --mesh 2x2 --quantized --quick --precision bf16 --repeats 3
 
 bench/README.md describes the workload, each policy and what each column measures. This file
 is the command line and the output; the policies are in zero_policies.py, the ranks that run
@@ -44,6 +45,7 @@ from zero_policies import (  # noqa: E402
     MESH_POLICIES,
     OFFLOAD_POLICIES,
     POLICIES,
+    QUANT_MESH_POLICIES,
     Job,
     unavailable,
 )
@@ -155,7 +157,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
     ap.add_argument("--policies", nargs="+", default=POLICIES,
                     choices=list(dict.fromkeys(POLICIES + COMPRESSED_POLICIES + OFFLOAD_POLICIES
-                                               + MESH_POLICIES)))
+                                               + MESH_POLICIES + QUANT_MESH_POLICIES)))
     ap.add_argument("--offload", action="store_true",
                     help="add the ZeRO-Offload rows (zerokern and DeepSpeed offload, stages 2-3; "
                     "model-state columns are device bytes; bench_offload.py adds host bytes)")
@@ -175,6 +177,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", help="folder for the CSV (default bench/results)")
     ap.add_argument("--bucket-numel", type=int,
                     help="zerokern stages 0-2: bucket_numel (default: ZeroAdamW's own)")
+    ap.add_argument("--quantized", action="store_true",
+                    help="with --mesh: zerokern stage 3 flat and hybrid with each quantized "
+                    "communication option (gather int8, reduce int8, reduce int4, gather int8 + "
+                    "reduce int8) beside the 16-bit rows and ddp")
     ap.add_argument("--mesh", metavar="RxS",
                     help="flat vs hybrid sharding on a 2-D mesh of R replicas x S ranks "
                     "(world size R*S; default policies: ddp, fsdp2 / fsdp2_hsdp, zk_stageN / "
@@ -189,11 +195,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--world-size {args.world_size} differs from --mesh's R*S")
         args.world_size = args.mesh[0] * args.mesh[1]
         if args.policies is POLICIES:  # not given: the mesh's own list
-            args.policies = MESH_POLICIES
-        bad = [p for p in args.policies if p not in MESH_POLICIES]
+            args.policies = QUANT_MESH_POLICIES if args.quantized else MESH_POLICIES
+        bad = [p for p in args.policies if p not in MESH_POLICIES + QUANT_MESH_POLICIES]
         if bad or args.tree or args.offload or args.compressed:
             ap.error(f"--mesh runs only {' '.join(MESH_POLICIES)}, without --tree, --offload "
                      f"and --compressed (got policies {bad})")
+    elif args.quantized:
+        ap.error("--quantized needs --mesh RxS")
     elif any(p in HYBRID_OF for p in args.policies):
         ap.error(f"policies {sorted(HYBRID_OF)} need --mesh RxS")
     for flag, extra in ((args.compressed, COMPRESSED_POLICIES), (args.offload, OFFLOAD_POLICIES)):

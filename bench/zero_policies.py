@@ -62,6 +62,17 @@ HYBRID_OF = {
     "zk_stage3_hybrid": "zk_stage3",
 }
 MESH_POLICIES = ["ddp"] + [p for h, f in HYBRID_OF.items() for p in (f, h)]
+# Quantized communication (issue 38, bench_zero.py --mesh RxS --quantized): zerokern stage 3
+# with ZeroAdamW(gather_dtype=, reduce_dtype=), flat and hybrid, beside its 16-bit rows.
+QUANT_OPTIONS = {
+    "g8": {"gather_dtype": "int8"},
+    "r8": {"reduce_dtype": "int8"},
+    "r4": {"reduce_dtype": "int4"},
+    "g8r8": {"gather_dtype": "int8", "reduce_dtype": "int8"},
+}
+HYBRID_OF.update({f"zk_stage3_{q}_hybrid": f"zk_stage3_{q}" for q in QUANT_OPTIONS})
+QUANT_MESH_POLICIES = ["ddp", "zk_stage3", "zk_stage3_hybrid"] + [
+    p for q in QUANT_OPTIONS for p in (f"zk_stage3_{q}", f"zk_stage3_{q}_hybrid")]
 
 
 class Skip(Exception):
@@ -247,7 +258,8 @@ def setup_zerokern(job: Job, model: nn.Module, stage: int, offload: bool = False
 
     name = f"ZeroAdamW(stage={stage}{', offload=cpu' if offload else ''}"
     name += "".join(f", {k}={v}" for k, v in (fmt or {}).items()) + ")"
-    if fmt:  # the kernels of the compressed step (the fastest here, or $ZEROKERN_BACKEND)
+    if fmt and ("moments" in fmt or "master" in fmt):
+        # the kernels of the compressed step (the fastest here, or $ZEROKERN_BACKEND)
         from zerokern.ops._backend import resolve_backend
 
         name += f", {resolve_backend(None, next(model.parameters()).device)} kernels"
@@ -269,15 +281,19 @@ def comm_per_dim(opt: Any) -> dict[str, float]:
     per_dim = opt.comm_stats().get("per_dim")
     if per_dim is None:
         return {}
+
+    def counted(kind: str) -> bool:  # the paper's kinds, quantized ones ("all_gather_q8") too
+        return kind.rsplit("_q", 1)[0] in PAPER_KINDS
+
     out: dict[str, float] = {}
     for dim, d in per_dim.items():
-        out[f"{dim}_bytes"] = d["bytes"]
+        kinds = {k: v for k, v in d["per_kind"].items() if counted(k)}
+        out[f"{dim}_bytes"] = sum(v["bytes"] for v in kinds.values())
         out[f"{dim}_elements"] = d["elements"]
-        out[f"{dim}_calls"] = sum(v["calls"] for k, v in d["per_kind"].items()
-                                  if k in PAPER_KINDS)
+        out[f"{dim}_calls"] = sum(v["calls"] for v in kinds.values())
         out[f"{dim}_wire_bytes"] = sum(
             v["wire_elements"] * v["bytes"] / v["elements"]
-            for k, v in d["per_kind"].items() if k in PAPER_KINDS and v["elements"])
+            for v in kinds.values() if v["elements"])
     return out
 
 
@@ -381,6 +397,7 @@ def build(job: Job, device: torch.device, mesh: Any = None) -> Setup:
     offload, offload_params = "_offload" in pol, pol.endswith("_offload_params")
     if pol.startswith("zk_stage"):
         fmt = {"moments": "int8"} if "_int8" in pol else {}
+        fmt.update(QUANT_OPTIONS.get(pol.split("_")[2] if pol.count("_") >= 2 else "", {}))
         if pol.endswith("_nomaster"):
             if not lowp:
                 raise Skip("master='none' needs 16-bit parameters (bf16 precision only)")

@@ -245,3 +245,31 @@ def test_bench_zero_mesh_refusals(capsys: pytest.CaptureFixture[str]) -> None:
         assert "mesh" in capsys.readouterr().err, argv
     args = parse_args(["--mesh", "2x3"])
     assert args.mesh == (2, 3) and args.world_size == 6 and "fsdp2_hsdp" in args.policies
+
+
+def test_bench_zero_quantized_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    """--mesh RxS --quantized (issue 38): stage 3 flat and hybrid with each quantized option
+    beside the 16-bit rows; --quantized alone is refused naming --mesh. The traffic columns
+    count the quantized kinds (comm_stats' "all_gather_q8", ...), 16-bit ones as before."""
+    from bench_zero import parse_args
+    from zero_policies import HYBRID_OF, QUANT_MESH_POLICIES, comm_per_dim
+
+    with pytest.raises(SystemExit):
+        parse_args(["--quantized"])
+    assert "--quantized needs --mesh" in capsys.readouterr().err
+    args = parse_args(["--mesh", "2x2", "--quantized"])
+    assert args.policies == QUANT_MESH_POLICIES
+    assert {"zk_stage3_g8r8", "zk_stage3_r4_hybrid"} <= set(args.policies)
+    assert HYBRID_OF["zk_stage3_r4_hybrid"] == "zk_stage3_r4"
+
+    class Opt:
+        def comm_stats(self) -> dict:
+            kinds = {"all_gather_q8": dict(elements=8, bytes=12, calls=2, wire_elements=4),
+                     "reduce_scatter": dict(elements=8, bytes=16, calls=1, wire_elements=6),
+                     "scalar_all_reduce": dict(elements=1, bytes=4, calls=1, wire_elements=0)}
+            return {"per_dim": {"shard": {"bytes": 16, "elements": 8, "per_kind": kinds},
+                                "replicate": {"bytes": 0, "elements": 0, "per_kind": {}}}}
+
+    d = comm_per_dim(Opt())
+    assert (d["shard_bytes"], d["shard_calls"], d["shard_wire_bytes"]) == (28, 3, 6 + 12)
+    assert d["replicate_bytes"] == 0

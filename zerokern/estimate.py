@@ -59,6 +59,7 @@ from .formulas import (
     optimizer_bytes_per_param,
     optimizer_state_parts,
 )
+from .quantized_plan import quantized_section
 
 DEFAULT_GPUS = (1, 4, 16, 64, 256, 1024)  # the N_d rows of the paper's Table 1
 
@@ -306,6 +307,9 @@ def estimate(
     inter_latency_s: float | None = None,
     bucket_numel: int | None = None,
     optimizer: str = "adamw",
+    gather_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+    inter_gbits: Iterable[float] | None = None,
 ) -> dict[str, Any]:
     """Compute everything the command reports. Bytes are exact; ``*_gb`` are bytes / 1e9.
 
@@ -332,6 +336,12 @@ def estimate(
     ``optimizer="muon"`` adds ``report["muon"]`` (else None): the owner exchange of
     ``torch.optim.Muon`` on the GPT-like model's hidden matrices (needs ``layers`` and
     ``hidden``; zerokern.estimate_muon).
+
+    ``gather_dtype`` ("int8") / ``reduce_dtype`` ("int8", "int4") / ``inter_gbits`` (inter-node
+    link speeds in Gb/s, default 25, 100, 400) add ``report["quantized"]``
+    (:func:`zerokern.quantized_plan.quantized_plan`, else None): bytes per step and GPU per
+    kind of link and seconds per step at each speed, 16-bit beside each option; they need
+    ``nodes`` too.
     """
     from .estimate_muon import OPTIMIZERS, muon_section  # imports the owners' plan
 
@@ -346,6 +356,8 @@ def estimate(
                     "inter_bw_gb_s": inter_bw_gb_s, "intra_latency_s": intra_latency_s,
                     "inter_latency_s": inter_latency_s, "bucket_numel": bucket_numel}
     cluster = _check_cluster(nodes, hybrid, cluster_opts)
+    quant = quantized_section(psi, cluster, hybrid, gather_dtype, reduce_dtype, inter_gbits,
+                       DEFAULT_BUCKET_NUMEL if bucket_numel is None else bucket_numel)
     state = _state(k, moments, master)
     k = state["k"]
 
@@ -390,6 +402,7 @@ def estimate(
         "cluster": None if cluster is None else _cluster(
             psi, k, cluster, hybrid,
             DEFAULT_BUCKET_NUMEL if bucket_numel is None else bucket_numel, capacity),
+        "quantized": quant,
     }
     # master="none": the offloaded step needs a host copy of the values (bf16), K + 2 there.
     host_k = state["offload_k"]["stage2_offload"]

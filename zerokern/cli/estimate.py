@@ -27,6 +27,7 @@ from ..estimate import CLUSTER_DEFAULTS, DEFAULT_GPUS, estimate
 from ..formulas import DEFAULT_K, MASTER_MODES, MOMENT_FORMATS, gpt_params
 from . import estimate_report as _report
 from .estimate_report import PlotUnavailable, format_report, import_pyplot, plot_memory
+from .quantized_report import format_quantized
 
 # This module used to hold the formulas, the report dict and the text output too, and callers
 # wrote ``from zerokern.cli import estimate as est; est.mem_os(...)``. Forward those public
@@ -192,6 +193,18 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         nodes.add_argument(f"--{link}-latency", type=_nonneg_float, metavar="US",
                            help=f"{link}-node latency per ring step in microseconds (default "
                            f"{d[f'{link}_latency_s'] * 1e6:g})")
+    quant = p.add_argument_group(
+        "quantized communication (optional; need --nodes)",
+        "bytes per step and GPU on each kind of link and communication time per step at "
+        "several inter-node speeds, 16-bit beside each option (ZeroAdamW(gather_dtype=, "
+        "reduce_dtype=)); stages 1-2 and 3")
+    quant.add_argument("--gather-dtype", choices=("int8",),
+                       help="ZeroAdamW(gather_dtype=): the parameter all-gathers in int8 codes")
+    quant.add_argument("--reduce-dtype", choices=("int8", "int4"),
+                       help="ZeroAdamW(reduce_dtype=): the gradient reduce in int8 or int4 codes")
+    quant.add_argument("--inter-gbits", type=_positive_float, nargs="+", metavar="GBIT/S",
+                       help="inter-node link speeds per GPU in Gb/s, one time column each "
+                       "(default: 25 100 400)")
     nodes.add_argument("--bucket-numel", type=_positive_int, metavar="N",
                        help="elements per collective call, for the latency term (default "
                        f"{d['bucket_numel']}, ZeroAdamW's bucket_numel)")
@@ -238,7 +251,8 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "give --k or --moments/--master, not both (the format decides K)"
     if args.nodes is None:
         for flag in ("gpus_per_node", "hybrid", "intra_bw", "inter_bw", "intra_latency",
-                     "inter_latency", "bucket_numel"):
+                     "inter_latency", "bucket_numel", "gather_dtype", "reduce_dtype",
+                     "inter_gbits"):
             if getattr(args, flag) not in (None, False):
                 return f"--{flag.replace('_', '-')} needs --nodes (the across-nodes section)"
     return None
@@ -286,6 +300,9 @@ def run(args: argparse.Namespace) -> int:
         inter_latency_s=None if args.inter_latency is None else args.inter_latency / 1e6,
         bucket_numel=args.bucket_numel,
         optimizer=args.optimizer,
+        gather_dtype=args.gather_dtype,
+        reduce_dtype=args.reduce_dtype,
+        inter_gbits=args.inter_gbits,
     )
 
     # Do the plot (the only step that can fail) before printing anything.
@@ -308,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_report(report))
+        if report["quantized"] is not None:
+            print("\n" + format_quantized(report["quantized"]))
         if args.plot:
             print(f"\nplot written to {args.plot}")
     return 0
