@@ -30,7 +30,8 @@ the result is torch.optim.Muon's on the averaged gradient, bit for bit where tha
 (2 ranks: one addition). The exchange's collectives go through the Comm, so ``comm_stats()``
 counts them (stages 1-3: ``all_to_all``, the elements this rank sends, zerokern.formulas
 ``muon_shard_exchange_elements``; stage 0: an all-gather of ``world_size * segment_numel``
-elements, ``muon_exchange_elements``).
+elements, ``muon_exchange_elements``; in bytes ``muon_exchange_bytes``), and
+``memory_stats()`` reports the buffers of the exchange in use (``muon_exchange_memory_bytes``).
 """
 
 from __future__ import annotations
