@@ -2,7 +2,8 @@
 item 8): ``clip_grad_norm_(model.parameters(), c)`` clips by the norm over all of them, as DDP
 + two torch optimizers does, in every form torch offers (patched, imported before zerokern,
 filtered lists, ``get_total_norm`` + ``clip_grads_with_norm_``). A list that covers only part
-of one optimizer's parameters is refused (torch would clip those gradients alone)."""
+of one optimizer's parameters is refused (torch would clip those gradients alone). Stages
+0-3: at stage 3 both optimizers train one model sharded by shard_model."""
 
 from __future__ import annotations
 
@@ -76,34 +77,12 @@ def _one_stage(rank, stage, form, steps=3):
     _same_params(ours, ref, f"two optimizers, {form}, stage {stage}")
 
 
-def _stage3_refused(rank, form):
-    """Stage 3: the sharded model's runtime holds one step's gradients for all of its
-    optimizers (stepping two is refused, stage3/foreign.py), so their norm is refused too,
-    in every form, before any reduction: nothing changes."""
-    ours, opts, _, _, _ = _build(3)
-    x, y = batch(0, rank)
-    F.cross_entropy(ours(x), y).backward()
-    before = zerokern.full_state_dict(ours, rank0_only=False)
-    with pytest.raises(RuntimeError, match="several zerokern optimizers train"):
-        FORMS[form](list(ours.parameters()), ours)
-    if form == "patched":  # one whole optimizer's parameters, or its own method: the same
-        with pytest.raises(RuntimeError, match="several zerokern optimizers train"):
-            torch.nn.utils.clip_grad_norm_(_split(ours)[0], MAX_NORM)
-        with pytest.raises(RuntimeError, match="several zerokern optimizers train"):
-            opts[1].clip_grad_norm_(MAX_NORM)
-    after = zerokern.full_state_dict(ours, rank0_only=False)
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    for o in opts:
-        o.zero_grad()
-
-
 def two_opts_case(rank, world, stages, forms):
+    # Stage 3 too: one sharded model, both optimizers' gradients reduced by its backward,
+    # each norm over its own pieces (stage3/owners.py).
     for stage in stages:
         for form in forms:
-            if stage == 3:
-                _stage3_refused(rank, form)
-            else:
-                _one_stage(rank, stage, form)
+            _one_stage(rank, stage, form)
 
 
 def test_clip_over_two_optimizers_matches_ddp(tmp_path):

@@ -80,26 +80,19 @@ def _split(model, matrices):
     return muon, rest
 
 
-def _build(base, stage, matrices, nesterov=True, rest_cls=torch.optim.AdamW, offload=None):
+def _build(base, stage, matrices, nesterov=True, rest_cls=torch.optim.AdamW, mesh=None,
+           offload=None):
+    # Stage 3: both optimizers over one sharded model (stage3/owners.py).
     model = copy.deepcopy(base)
     if stage == 3:
-        _freeze_rest(model, matrices)
-        model = zerokern.shard_model(model)
+        model = zerokern.shard_model(model, mesh=mesh)
     muon, rest = _split(model, matrices)
+    kw = {} if mesh is None else {"mesh": mesh}
     om = zerokern.ZeroOptimizer(muon, torch.optim.Muon, stage=stage, bucket_numel=BUCKET,
-                                nesterov=nesterov, offload=offload, **MUON)
-    if stage == 3:
-        return model, om, None
-    oa = zerokern.ZeroOptimizer(rest, rest_cls, stage=stage, bucket_numel=BUCKET, **ADAMW)
+                                nesterov=nesterov, offload=offload, **kw, **MUON)
+    oa = zerokern.ZeroOptimizer(rest, rest_cls, stage=stage, bucket_numel=BUCKET, **kw,
+                                offload=offload, **ADAMW)
     return model, om, oa
-
-
-def _freeze_rest(model, matrices):
-    # Stage 3 holds one optimizer per sharded model (two are refused at step(), by
-    # zero/stage3/foreign.py): Muon alone, the other parameters frozen on both sides.
-    for n, p in model.named_parameters():
-        if n not in matrices:
-            p.requires_grad_(False)
 
 
 def _train(model, opts, world, rank, start, steps, ref=False):
@@ -148,13 +141,10 @@ def _compare_momentum(om, rom, what, exact):
                                        msg=f"{what}: momentum {i}")
 
 
-def _reference(base, matrices, nesterov=True, rest_cls=torch.optim.AdamW, stage=0):
+def _reference(base, matrices, nesterov=True, rest_cls=torch.optim.AdamW):
     ref = copy.deepcopy(base)
     muon, rest = _split(ref, matrices)
     rom = torch.optim.Muon(muon, nesterov=nesterov, **MUON)
-    if stage == 3:
-        _freeze_rest(ref, matrices)
-        return ref, rom, None
     return ref, rom, rest_cls(rest, **ADAMW)
 
 
@@ -173,16 +163,17 @@ def parity_case(rank, world, *, stages, matrices, path):
         # same bits.
         variants = [(True, torch.optim.AdamW, False, None)]
         if stage in (1, 3) and world == 2:
-            variants.append((False, torch.optim.Adam, True, None))
-        if stage in (2, 3) and world == 2:
+            variants.append((False, torch.optim.Adam, world == 2, None))
+        if stage == 2 and world == 2:
+            # Offload next to another optimizer of one stage-3 model is refused (owners.py).
             variants.append((True, torch.optim.Adam, True, "cpu"))
         for nesterov, rest_cls, exact, offload in variants:
             what = (f"world {world} stage {stage} nesterov {nesterov} {rest_cls.__name__} "
                     f"offload {offload}")
-            model, om, oa = _build(base, stage, matrices, nesterov, rest_cls, offload)
+            model, om, oa = _build(base, stage, matrices, nesterov, rest_cls, offload=offload)
             if offload:
                 assert om.memory_stats()["host_momentum_buffer"] > 0, what
-            ref, rom, roa = _reference(base, matrices, nesterov, rest_cls, stage)
+            ref, rom, roa = _reference(base, matrices, nesterov, rest_cls)
             _train(model, (om, oa), world, rank, 0, STEPS)
             _train(ref, (rom, roa), world, rank, 0, STEPS, ref=True)
             _compare(model, ref, matrices, what, exact)
@@ -284,13 +275,8 @@ def mesh_case(rank, world):
 
     torch.manual_seed(0)
     base = MuonNet()
-    for stage in (0, 2):
-        model = copy.deepcopy(base)
-        muon, rest = _split(model, MATRICES)
-        om = zerokern.ZeroOptimizer(muon, torch.optim.Muon, stage=stage, bucket_numel=BUCKET,
-                                    mesh=_mesh(), **MUON)
-        oa = zerokern.ZeroOptimizer(rest, torch.optim.AdamW, stage=stage, bucket_numel=BUCKET,
-                                    mesh=_mesh(), **ADAMW)
+    for stage in (0, 2, 3):
+        model, om, oa = _build(base, stage, MATRICES, mesh=_mesh())
         assert om._rule_state.plan.world_size == 2  # the shard group's
         ref, rom, roa = _reference(base, MATRICES)
         _train(model, (om, oa), world, rank, 0, STEPS)

@@ -100,6 +100,7 @@ def shard_for(
     gather_timeout: float | None = None,
     process_group: Any = None,
     mesh: Any = None,
+    hpz: bool = False,
 ) -> nn.Module:
     """Prepare ``model`` for a ZeroAdamW of ``stage``: the first half of ``parallelize``.
 
@@ -122,6 +123,7 @@ def shard_for(
         process_group: the group whose ranks share the work; default the world.
         mesh: instead of ``process_group``, a 1-D or 2-D DeviceMesh (stage 3: the model is
             sharded over its shard dim; docs/hybrid.md).
+        hpz: stage 3, 2-D ``mesh``: ZeRO++'s hpZ (``shard_model(hpz=True)``).
 
     Returns:
         ``model`` itself (partitioned in place at stage 3).
@@ -142,7 +144,7 @@ def shard_for(
     return shard_model(
         model, process_group=process_group, unit_classes=units, prefetch=prefetch,
         reshard_after_forward=reshard_after_forward, offload_params=offload_params,
-        gather_timeout=gather_timeout, mesh=mesh)
+        gather_timeout=gather_timeout, mesh=mesh, hpz=hpz)
 
 
 # ZeroAdamW's signature, for checking parallelize's keywords before the model is modified.
@@ -163,6 +165,7 @@ def parallelize(
     gather_timeout: float | None = None,
     process_group: Any = None,
     mesh: Any = None,
+    hpz: bool = False,
     **adamw_kwargs: Any,
 ) -> ZeroAdamW:
     """Put ``model`` and its ZeroAdamW together for ``stage``; returns the optimizer.
@@ -199,6 +202,9 @@ def parallelize(
         mesh: instead of ``process_group``, a 1-D or 2-D DeviceMesh: hybrid sharding (dim 0
             replicate, dim 1 shard), given to ``shard_model`` at stage 3 and to ZeroAdamW
             at stages 0-2 (docs/hybrid.md).
+        hpz: stage 3 with a 2-D ``mesh``: ZeRO++'s hpZ, the model sharded over every rank
+            with an in-node copy of the parameters for the backward's gathers
+            (``shard_model(hpz=True)``).
         **adamw_kwargs: the rest of ZeroAdamW's arguments (``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``bucket_numel``, ``max_grad_norm``, ``loss_scale``,
             ``overlap_comm``, ``backend``, ``moments``, ``master``, ``seed``, ...), or every
@@ -241,7 +247,7 @@ def parallelize(
         given = {n: a[n] for n in ZeroConfig.adamw_names()}
         given.update(unit_classes=unit_classes, prefetch=prefetch,
                      reshard_after_forward=reshard_after_forward,
-                     offload_params=offload_params, gather_timeout=gather_timeout)
+                     offload_params=offload_params, gather_timeout=gather_timeout, hpz=hpz)
         cfg = ZeroConfig.merge(a["config"], given, "parallelize")
         check_adamw_flags(dict(amsgrad=a["amsgrad"], maximize=a["maximize"],
                                differentiable=a["differentiable"]), "")
@@ -344,7 +350,7 @@ def _prepare(model: nn.Module, options: Callable[[], tuple[ZeroConfig, Any, Any]
     shard_for(model, stage=cfg.stage, unit_classes=units, prefetch=cfg.prefetch,
               reshard_after_forward=cfg.reshard_after_forward,
               offload_params=cfg.offload_params, gather_timeout=cfg.gather_timeout,
-              process_group=process_group, mesh=mesh)
+              process_group=process_group, mesh=mesh, hpz=cfg.hpz)
     return cfg
 
 

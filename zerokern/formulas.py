@@ -670,6 +670,104 @@ def quantized_2hop_bytes(chunk_numel: int, shard: int, replicate: int, bits: int
             + quantized_all_gather_bytes(part, replicate, gather_bits, block)}
 
 
+def error_feedback_bytes(slice_numels: list[int], shard: int, replicate: int = 1) -> int:
+    """Bytes of the error-feedback residuals per rank (``ZeroAdamW(error_feedback=True)``
+    with a quantized ``reduce_dtype``): fp32, one per element a rank sends quantized. Hop 1
+    sends each slice whole (``slice_numels``: each bucket's or unit's padded reduce-scatter
+    input, S = ``shard`` chunks); on a mesh of R = ``replicate`` > 1 replicas hop 2 sends the
+    rank's chunk, zero-padded to a multiple of R, and hop 3 1/R of that. A group of one rank
+    quantizes nothing and keeps none. ``memory_stats()["ef_residual"]`` after the first step.
+
+    >>> error_feedback_bytes([1024, 512], 2), error_feedback_bytes([1024], 2, 3)
+    (6144, 6832)
+    """
+    for name, v in (("shard", shard), ("replicate", replicate)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 or n % shard
+           for n in slice_numels):
+        raise ValueError(f"slice_numels must be ints >= 0, each a multiple of shard "
+                         f"({shard}), got {slice_numels!r}")
+    total = 0
+    for n in slice_numels:
+        if shard > 1:
+            total += n
+        if replicate > 1:
+            padded = -(-(n // shard) // replicate) * replicate
+            total += padded + padded // replicate
+    return 4 * total
+
+
+# ------------------------------------------------------------------------------------------
+# hpZ (ZeRO++ hierarchical partitioning: shard_model(hpz=True), zero/stage3/secondary.py)
+# ------------------------------------------------------------------------------------------
+
+
+def _check_hpz(psi: int, shard: int, replicate: int) -> None:
+    for name, v in (("shard", shard), ("replicate", replicate)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if isinstance(psi, bool) or not isinstance(psi, int) or psi < 0 or psi % (shard * replicate):
+        raise ValueError(f"psi must be an int >= 0 and a multiple of shard * replicate "
+                         f"(the units' padded spaces), got {psi!r}")
+
+
+def hpz_secondary_bytes(psi: int, shard: int, replicate: int = 1,
+                        param_bytes: int = PARAM_BYTES) -> int:
+    """Bytes of hpZ's secondary copy per rank: 1/S of every unit's padded flat space (``psi``
+    elements in all, padding included) in the parameters' dtype, S = ``shard`` ranks per node,
+    held for the model's lifetime (``memory_stats()["hpz_secondary"]``).
+
+    >>> hpz_secondary_bytes(1024, 2, 2, 2)
+    1024
+    """
+    _check_hpz(psi, shard, replicate)
+    return psi // shard * param_bytes
+
+
+def mem_hpz(psi: float, shard: int, replicate: int, k: float = DEFAULT_K) -> float:
+    """Stage 3 with hpZ: (2 + 2 + K) Psi / (R S) + 2 Psi / S bytes per GPU (the primary
+    partition over all R S ranks, the secondary copy of 16-bit parameters over the S of
+    the node); hybrid sharding (hpz=False) holds (2 + 2 + K) Psi / S.
+
+    >>> mem_hpz(1024, 2, 2)
+    5120.0
+    """
+    check_psi_n(psi, shard * replicate)
+    return (4 + k) * psi / (shard * replicate) + 2 * psi / shard
+
+
+def hpz_comm_elements(psi: int, shard: int, replicate: int) -> dict[str, int]:
+    """Elements per step and rank, counted as the paper counts (§7), of a stage-3 model
+    sharded with hpZ over R = ``replicate`` nodes of S = ``shard`` ranks, each unit run
+    forward and backward once (``psi``: the units' padded elements): ``"world"`` (every
+    rank: the forward's all-gathers and the gradient reduce-scatters, 2 Psi), ``"shard"``
+    (the node, mesh dim 1: the backward's all-gathers of the secondary shares, Psi) and
+    ``"replicate"`` (nothing). A group of one rank moves nothing.
+
+    >>> hpz_comm_elements(1024, 2, 2)
+    {'world': 2048, 'shard': 1024, 'replicate': 0}
+    """
+    _check_hpz(psi, shard, replicate)
+    return {"world": 0 if shard * replicate == 1 else 2 * psi,
+            "shard": 0 if shard == 1 else psi, "replicate": 0}
+
+
+def hpz_comm_bytes(psi: int, shard: int, replicate: int, param_bytes: int = PARAM_BYTES,
+                   reduce_bytes: int | None = None) -> dict[str, int]:
+    """Bytes of :func:`hpz_comm_elements` (unquantized): gradients in ``reduce_bytes``
+    (default ``param_bytes``), parameters in ``param_bytes``.
+
+    >>> hpz_comm_bytes(1024, 2, 2, 2, reduce_bytes=4)
+    {'world': 6144, 'shard': 2048, 'replicate': 0}
+    """
+    e = hpz_comm_elements(psi, shard, replicate)
+    g = param_bytes if reduce_bytes is None else reduce_bytes
+    return {"world": e["world"] // 2 * (g + param_bytes), "shard": e["shard"] * param_bytes,
+            "replicate": 0}
+
+
+# ------------------------------------------------------------------------------------------
 # Muon with whole-matrix owners (zerokern.optim.owner_muon, zerokern.comm.owner_exchange)
 # ------------------------------------------------------------------------------------------
 

@@ -66,6 +66,7 @@ from .moments import (
     read_fp32_into,
 )
 from .optimizer_entry import apply_scalars, match_rule
+from .residuals import load_residuals
 from .save import ModelNames, Team, agree, attempt, model_names, stage3_runtime
 from .validate import check_meta, check_rank_file
 
@@ -468,4 +469,7 @@ def load_checkpoint(
         msg, exc, _ = attempt(lambda: apply(ck, m, model, opt))
         agree(team, what + " failed part-way; the model and optimizer are partially loaded",
               msg, exc)
+        if opt is not None:  # error feedback's residuals, where they apply (residuals.py)
+            msg, exc, _ = attempt(lambda: load_residuals(ck.dir, ck.meta, opt, team))
+            agree(team, what + ": the error-feedback residuals", msg, exc)
     return ck.meta.get("extra")

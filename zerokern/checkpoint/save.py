@@ -68,6 +68,7 @@ from .moments import (
     values_dtype,
 )
 from .optimizer_entry import OPTIMIZER, known_hyper, optimizer_entry
+from .residuals import RESIDUALS, residual_entry, write_residuals
 from .validate import HYPER_KEYS
 
 
@@ -221,7 +222,8 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
         groups.append(
             {
                 "hyper": {k: _jsonable(k, v) for k, v in grp.items()
-                          if k != "params" and _known_group_key(g, k, opt)},
+                          # "master": a group's construction option (several dtypes)
+                          if k not in ("params", "master") and _known_group_key(g, k, opt)},
                 "params": [names.param[id(p)] for p in grp["params"]],
             }
         )
@@ -546,6 +548,8 @@ def save_checkpoint(
     path = os.path.normpath(os.fspath(path))
     what = f"save_checkpoint({path})"
     msg, exc, plan = attempt(lambda: plan_save(model, opt, extra))
+    if plan is not None and (entry := residual_entry(opt, team)) is not None:
+        plan.meta[RESIDUALS] = entry  # error feedback's residuals (residuals.py)
     nonce = claim = None
     if leader and msg is None:
         msg, exc, staged = attempt(lambda: _prepare(path))
@@ -564,8 +568,15 @@ def save_checkpoint(
             if team.writer:
                 msg, exc, info = attempt(
                     lambda: write_rank_file(tmp, comm.rank, opt, plan, nonce))
+            digest = None
+            if msg is None and RESIDUALS in plan.meta:  # every rank: its own residuals
+                msg, exc, digest = attempt(lambda: write_residuals(tmp, team.rank, opt))
             infos = comm.all_gather_object(info, "checkpoint file info")
-            failed = first_failure(team, team.all_gather_object(msg, "checkpoint files"), exc)
+            status = team.all_gather_object((msg, digest), "checkpoint files")
+            failed = first_failure(team, [m for m, _ in status], exc)
+            if failed is None and RESIDUALS in plan.meta:
+                # Their sha256 in meta.json (itself digested): a load checks its file's.
+                plan.meta[RESIDUALS] = {**plan.meta[RESIDUALS], "sha256": [d for _, d in status]}
         # 3. the leader publishes, or removes what was staged (the previous checkpoint stays)
         msg = exc = None
         if leader:

@@ -61,6 +61,7 @@ from .moments import (
     values_dtype,
 )
 from .optimizer_entry import OPTIMIZER, check_entry, check_hyper, state_tensors
+from .residuals import RESIDUALS, residual_entry_error
 
 # meta.json's top-level keys (plan_save, then _finish: save_id, files; META_DIGEST from format
 # version 2 on, where it is required).
@@ -169,7 +170,8 @@ def check_meta(meta: Any, d: str) -> PieceIndex:
             f"reads up to {FORMAT_VERSION})"
         )
     _check_digest(c, meta, version)
-    c.keys(meta, "the top level", KEYS | {META_DIGEST, STATE_FORMAT, MESH, OPTIMIZER},
+    c.keys(meta, "the top level",
+           KEYS | {META_DIGEST, STATE_FORMAT, MESH, OPTIMIZER, RESIDUALS},
            KEYS | ({META_DIGEST} if version >= 2 else frozenset()))
     for key in ("zerokern_version", "torch_version", "save_id"):
         c.require(isinstance(meta[key], str) and meta[key] != "", key, "a string", meta[key])
@@ -194,6 +196,8 @@ def check_meta(meta: Any, d: str) -> PieceIndex:
     if STATE_FORMAT in meta:
         check_state_format(meta[STATE_FORMAT], meta["param_dtype"], c.error)
     _check_files(c, meta)
+    if RESIDUALS in meta and (why := residual_entry_error(meta[RESIDUALS])) is not None:
+        raise c.error(RESIDUALS, why)
     if has_table(meta):
         MomentIndex(meta, c.at).check(meta["params"], meta[STATE_FORMAT]["moments"])
     index = PieceIndex(meta, c.at)

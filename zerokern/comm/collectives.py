@@ -118,6 +118,7 @@ class CommStats:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     wire: dict[str, Fraction] = field(default_factory=lambda: defaultdict(Fraction))
     replicate: CommStats | None = None
+    secondary: CommStats | None = None  # hpZ: the node group's (these are every rank's)
 
     def add(self, kind: str, numel: int, element_size: int, factor: int = 1,
             ranks: int = 1, *, nbytes: int | None = None) -> None:
@@ -158,6 +159,11 @@ def comm_summary(stats: CommStats, numel: int) -> dict[str, Any]:
     ``elements``, ``bytes`` of the paper's kinds, ``wire_elements``) and ``per_dim``."""
     rep = stats.replicate if stats.replicate is not None else CommStats()
     dims = {"shard": _dim_summary(stats), "replicate": _dim_summary(rep)}
+    if stats.secondary is not None:
+        # hpZ: the primary collectives span both mesh dims ("world"); the in-node gathers
+        # are the shard dim's.
+        dims = {"world": dims["shard"], "shard": _dim_summary(stats.secondary),
+                "replicate": dims["replicate"]}
     kinds: dict[str, dict[str, Any]] = {}
     for dim in dims.values():
         for k, v in dim["per_kind"].items():
@@ -167,7 +173,8 @@ def comm_summary(stats: CommStats, numel: int) -> dict[str, Any]:
     return {"per_kind": kinds,
             "elements": sum(d["elements"] for d in dims.values()),
             "bytes": sum(d["bytes"] for d in dims.values()),
-            "wire_elements": _exact(sum((st.wire[k] for st in (stats, rep)
+            "wire_elements": _exact(sum((st.wire[k] for st in (stats, rep, stats.secondary)
+                                         if st is not None
                                          for k in PAPER_KINDS if k in st.calls), Fraction())),
             "numel": numel, "per_dim": dims}
 
@@ -280,6 +287,9 @@ class Comm:
         # summed across it, and the average divides by both sizes (``dp_size``).
         self.replicate: Comm | None = None
         self.mesh_ranks: list[list[int]] | None = None  # the mesh, in global ranks
+        # hpZ (shard_model(hpz=True)): this Comm is every rank of the mesh and ``secondary``
+        # the node's (mesh dim 1) group, where the backward's gathers stay.
+        self.secondary: Comm | None = None
         self.mesh_dim_names: tuple[str, ...] | None = None
 
     @property
@@ -317,6 +327,8 @@ class Comm:
         old, self.stats = self.stats, CommStats()
         if self.replicate is not None:
             old.replicate = self.replicate.reset_stats()
+        if self.secondary is not None:
+            old.secondary = self.secondary.reset_stats()
         return old
 
     @contextmanager

@@ -116,6 +116,17 @@ def comm_of_mesh(mesh: Any) -> Comm:
     return comm
 
 
+def hpz_comm(comm: Comm) -> Comm:
+    """hpZ's Comm (``shard_model(hpz=True)``) of a checked 2-D mesh whose shard group is
+    ``comm``: every rank of the mesh (the default group, which the mesh holds whole: the
+    primary partition, flat), with ``comm``'s group, the node, as ``secondary`` (where the
+    backward's gathers stay: zero/stage3/secondary.py). No collective."""
+    world = Comm(None)
+    world.mesh_ranks, world.mesh_dim_names = comm.mesh_ranks, comm.mesh_dim_names
+    world.secondary = Comm(comm.group)
+    return world
+
+
 @dataclass(frozen=True)
 class MeshInfo:
     """Where a rank's data-parallel peers are, typed (as FSDP2's ``FSDPMeshInfo`` /

@@ -217,14 +217,14 @@ class HybridGather(FlatGather):
 
 
 def reduce_part(comm: Comm, dtype: torch.dtype | None = None,
-                bits: int | None = None) -> FlatReduce:
+                bits: int | None = None, feedback: bool = False) -> FlatReduce:
     """The gradient-reduce part of ``comm``'s layout (``dtype``: the reduce dtype; ``bits``:
-    8 or 4 for a quantized reduce, quantized_parts.py)."""
+    8 or 4 for a quantized reduce, quantized_parts.py; ``feedback``: its error feedback)."""
     mesh = MeshInfo.of(comm)
     if bits is not None:
         from .quantized_parts import quantized_reduce_part
 
-        return quantized_reduce_part(mesh, dtype, bits)
+        return quantized_reduce_part(mesh, dtype, bits, feedback)
     return HybridReduce(mesh, dtype) if mesh.hybrid else FlatReduce(mesh, dtype)
 
 

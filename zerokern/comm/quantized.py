@@ -23,6 +23,10 @@ zerokern/zero/state_format.py).
 A block holding inf or NaN decodes to NaN, so a non-finite gradient anywhere still makes the
 reduced gradient non-finite and the overflow check trips.
 
+Scratch: the payloads sent and received (and, with error feedback, the fp32 sum of the input
+and its residual) are held from the call until the decode; they are counted in the Comm's
+``scratch_bytes`` / ``scratch_peak``, which ``memory_stats()`` reports as ``comm_scratch``.
+
 Accounting: the bytes actually moved, scales and padding included, are counted in the Comm's
 ``CommStats`` under their own kinds (:func:`quantized_kind`: ``"all_gather_q8"``,
 ``"reduce_scatter_q4"``, ...), with the elements they stand for (as the paper counts a
@@ -116,6 +120,42 @@ def _check(comm: Comm, out: object, inp: object, inp_name: str, bits: int, block
     return o, t, bits, block
 
 
+def _with_residual(src: torch.Tensor, residual: torch.Tensor | None,
+                   name: str) -> torch.Tensor:
+    """Error feedback: what is quantized, ``src`` plus the residual of the last send (fp32);
+    ``src`` itself without one."""
+    if residual is None:
+        return src
+    r = check_flat(residual, "residual", dtypes=(torch.float32,))
+    if r.numel() != src.numel() or r.device != src.device:
+        raise ValueError(f"residual must hold {src.numel()} fp32 elements on {src.device} (as "
+                         f"{name}), got {r.numel()} on {r.device}")
+    return src.float() + r
+
+
+def _keep_residual(residual: torch.Tensor | None, x: torch.Tensor, send: torch.Tensor,
+                   segments: int, bits: int, block: int, backend: str | None) -> None:
+    """``residual`` = ``x`` - its decoding from ``send`` (what was not sent this time, added
+    to the next send). A block that held inf or NaN decodes to NaN: its residual is dropped
+    (zero), so one overflow step does not poison every later one."""
+    if residual is None:
+        return
+    dequantize_blocks_(send, residual, segments=segments, bits=bits, block=block,
+                       backend=backend)
+    torch.sub(x, residual, out=residual)
+    residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _take_scratch(comm: Comm, *bufs: torch.Tensor) -> int:
+    """Count ``bufs`` (the payloads, the error-feedback sum) in the Comm's scratch bytes, as
+    the point-to-point reduce-scatter's receive buffers are (``memory_stats()``'s
+    ``comm_scratch``: the most held at once); returns the bytes to give back at the end."""
+    n = sum(b.numel() * b.element_size() for b in bufs)
+    comm.scratch_bytes += n
+    comm.scratch_peak = max(comm.scratch_peak, comm.scratch_bytes)
+    return n
+
+
 def _finish(handle: Any, finish: Any, async_op: bool) -> QuantizedHandle | None:
     h = QuantizedHandle(handle, finish)
     if async_op:
@@ -126,8 +166,8 @@ def _finish(handle: Any, finish: Any, async_op: bool) -> QuantizedHandle | None:
 
 def quantized_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, *, bits: int = 8,
                          block: int = DEFAULT_BLOCK, label: str = "shard",
-                         async_op: bool = False,
-                         backend: str | None = None) -> QuantizedHandle | None:
+                         async_op: bool = False, backend: str | None = None,
+                         residual: torch.Tensor | None = None) -> QuantizedHandle | None:
     """``out`` = every rank's ``shard``, in rank order, each decoded from its int8/int4
     codes: the same bits on every rank (qwZ).
 
@@ -144,6 +184,9 @@ def quantized_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, *, 
         label: what is moved, for error messages.
         async_op: return a :class:`QuantizedHandle` instead of waiting.
         backend: the codec's backend ("triton", "torch" or None: automatic).
+        residual: error feedback: an fp32 tensor of ``shard``'s size, added to the shard
+            before it is quantized and then set to what the codes missed (a block holding
+            inf or NaN leaves zero); None: plain. Untouched with one rank.
 
     Returns:
         A handle with ``async_op`` (None with one rank: nothing to wait for), else None.
@@ -159,22 +202,26 @@ def quantized_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, *, 
         return None
     size = payload_nbytes(n, bits, block)
     send = torch.empty(size, dtype=torch.uint8, device=out.device)
-    quantize_blocks_(shard, send, bits=bits, block=block, backend=backend)
+    x = _with_residual(shard, residual, "shard")
+    quantize_blocks_(x, send, bits=bits, block=block, backend=backend)
+    _keep_residual(residual, x, send, 1, bits, block, backend)
     recv = torch.empty(world * size, dtype=torch.uint8, device=out.device)
+    held = _take_scratch(comm, send, recv, *((x,) if x is not shard else ()))
     handle = comm.all_gather(recv, send, label, async_op=True, count=False)
     comm.stats.add(quantized_kind("all_gather", bits), world * n, 0, ranks=world,
                    nbytes=recv.numel())
 
     def finish() -> None:
         dequantize_blocks_(recv, out, segments=world, bits=bits, block=block, backend=backend)
+        comm.scratch_bytes -= held
 
     return _finish(handle, finish, async_op)
 
 
 def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, *,
                              bits: int = 8, block: int = DEFAULT_BLOCK, label: str = "bucket",
-                             async_op: bool = False,
-                             backend: str | None = None) -> QuantizedHandle | None:
+                             async_op: bool = False, backend: str | None = None,
+                             residual: torch.Tensor | None = None) -> QuantizedHandle | None:
     """``out`` = the sum over ranks of chunk ``comm.rank`` of ``full``, each rank's chunk
     decoded from its int8/int4 codes and summed in fp32 in rank order (qgZ).
 
@@ -195,6 +242,10 @@ def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, 
         label: what is moved, for error messages.
         async_op: return a :class:`QuantizedHandle` instead of waiting.
         backend: the codec's backend ("triton", "torch" or None: automatic).
+        residual: error feedback (LoCo, arXiv 2407.04480): an fp32 tensor of ``full``'s
+            size, added to ``full`` before it is quantized and then set to what the codes
+            missed, so the next call sends it (a block holding inf or NaN leaves zero);
+            None: plain. Untouched with one rank.
 
     Returns:
         A handle with ``async_op`` (None with one rank), else None.
@@ -211,8 +262,11 @@ def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, 
         return None
     size = payload_nbytes(c, bits, block)
     send = torch.empty(world * size, dtype=torch.uint8, device=out.device)
-    quantize_blocks_(full, send, segments=world, bits=bits, block=block, backend=backend)
+    x = _with_residual(full, residual, "full")
+    quantize_blocks_(x, send, segments=world, bits=bits, block=block, backend=backend)
+    _keep_residual(residual, x, send, world, bits, block, backend)
     recv = torch.empty_like(send)
+    held = _take_scratch(comm, send, recv, *((x,) if x is not full else ()))
     handle = comm.all_to_all(recv, send, label, async_op=True, count=False)
     comm.stats.add(quantized_kind("reduce_scatter", bits), world * c, 0, ranks=world,
                    nbytes=send.numel())
@@ -220,6 +274,7 @@ def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, 
     def finish() -> None:
         dequantize_blocks_(recv, out, segments=world, bits=bits, block=block, reduce=True,
                            backend=backend)
+        comm.scratch_bytes -= held
 
     return _finish(handle, finish, async_op)
 

@@ -56,7 +56,8 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
 
     Args:
         params: the parameters to train, or param-group dicts, as for ``optimizer_class``.
-            Only parameters that require grad at construction are trained.
+            Only parameters that require grad at construction are trained; at stages 0-2
+            they may have several dtypes (one flat layout per dtype, as ``ZeroAdamW``).
         optimizer_class: the torch optimizer class (not an instance), e.g.
             ``torch.optim.SGD``.
         stage: the ZeRO stage, an int 0-3 (3 needs a model partitioned by
@@ -77,8 +78,9 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
             gradient reduce-scatter, stages 1-3), as ``ZeroAdamW``.
         gather_dtype: None or ``"int8"`` (quantized parameter all-gather, stages 1-3), as
             ``ZeroAdamW``.
+        error_feedback: error feedback on the quantized gradient reduce, as ``ZeroAdamW``.
         config: a ``zerokern.ZeroConfig`` holding the options ``stage`` through
-            ``gather_dtype``, instead of those keywords.
+            ``error_feedback``, instead of those keywords.
         elementwise: declare ``optimizer_class``'s update element-wise (for a class that is
             neither one of torch's element-wise optimizers, nor a subclass keeping its
             ``step``, nor marked ``zerokern_elementwise = True``).
@@ -118,6 +120,7 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
         mesh: Any = None,
         reduce_dtype: torch.dtype | str | None = None,
         gather_dtype: str | None = None,
+        error_feedback: bool = False,
         config: ZeroConfig | None = None,
         elementwise: bool = False,
         **defaults: Any,

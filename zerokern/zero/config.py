@@ -70,6 +70,8 @@ class ZeroConfig:
             reduce-scatter quantized on the wire (stages 1-3; docs/reference/quantized-comm.md).
         gather_dtype: None or ``"int8"``: the parameter all-gather quantized on the wire
             (stages 1-3).
+        error_feedback: with a quantized ``reduce_dtype``: each rank keeps the residual of
+            what it sent (fp32) and adds it to the next send of the same slice.
         unit_classes: stage 3: the module classes (or class names) that become units;
             None: the model's ``_no_split_modules``, else ``shard_model``'s choice.
         prefetch: stage 3: how many units are gathered ahead.
@@ -78,6 +80,9 @@ class ZeroConfig:
             memory too.
         gather_timeout: stage 3: the longest wait, in seconds, in one unit's collective
             (None: ``$ZEROKERN_GATHER_TIMEOUT``, else the default).
+        hpz: stage 3 on a 2-D mesh: ZeRO++'s hpZ, the model sharded over every rank of the
+            mesh with a secondary in-node copy of the parameters for the backward's gathers
+            (``shard_model(hpz=True)``; docs/reference/quantized-comm.md).
     """
 
     stage: int = 2
@@ -92,19 +97,22 @@ class ZeroConfig:
     seed: int = 0
     reduce_dtype: torch.dtype | str | None = None
     gather_dtype: str | None = None
+    error_feedback: bool = False
     unit_classes: tuple[type | str, ...] | None = None
     prefetch: int = 1
     reshard_after_forward: bool = True
     offload_params: bool = False
     gather_timeout: float | None = None
+    hpz: bool = False
 
     MODEL: ClassVar[tuple[str, ...]] = (
-        "unit_classes", "prefetch", "reshard_after_forward", "offload_params", "gather_timeout")
+        "unit_classes", "prefetch", "reshard_after_forward", "offload_params", "gather_timeout",
+        "hpz")
     """The stage-3 model options (``shard_model``'s); ZeroAdamW has no keywords for them."""
 
     AGREED: ClassVar[tuple[str, ...]] = (
         "stage", "bucket_numel", "offload", "moments", "master", "seed", "reduce_dtype",
-        "gather_dtype", "loss_scale", "max_grad_norm")
+        "gather_dtype", "error_feedback", "loss_scale", "max_grad_norm", "hpz")
     """The options every rank must give alike (compared by ``agree``)."""
 
     def __post_init__(self) -> None:
@@ -171,13 +179,14 @@ class ZeroConfig:
                 ``gather_dtype`` other than None or ``"int8"``; a quantized
                 ``reduce_dtype`` / ``gather_dtype`` at stage 0 or with ``offload``, and
                 ``gather_dtype`` with ``master="none"`` at stages 1-2 (not built);
+                ``error_feedback`` without a quantized ``reduce_dtype``;
                 ``backend="cuda"`` or ``"triton"`` with ``offload`` (the step runs on the
                 host); ``prefetch`` that is not an int >= 0, ``gather_timeout`` that is not a
                 number of seconds > 0, ``offload_params`` at stages 0-2 or without
-                ``offload="cpu"``).
-            TypeError: ``overlap_comm``, ``reshard_after_forward`` or ``offload_params``
-                that is not a bool; ``unit_classes`` that is not a sequence of classes and
-                class names.
+                ``offload="cpu"``, ``hpz`` at stages 0-2 or with ``offload_params``).
+            TypeError: ``overlap_comm``, ``error_feedback``, ``reshard_after_forward``,
+                ``offload_params`` or ``hpz`` that is not a bool; ``unit_classes`` that is
+                not a sequence of classes and class names.
         """
         check_zero_args(self.stage, self.offload, self.bucket_numel, self.max_grad_norm)
         LossScaler.from_arg(self.loss_scale)  # ValueError naming loss_scale
@@ -186,9 +195,11 @@ class ZeroConfig:
         check_reduce_dtype(self.reduce_dtype, self.offload)
         check_quantized_comm(self.reduce_dtype, self.gather_dtype, self.stage, self.offload,
                              self.master)
+        check_error_feedback(self.error_feedback, self.reduce_dtype)
         check_offload_backend(self.backend, self.offload)
-        if not isinstance(self.overlap_comm, bool):
-            raise TypeError(f"overlap_comm must be True or False, got {self.overlap_comm!r}")
+        for name in ("overlap_comm", "error_feedback"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got "
                              f"{self.backend!r}")
@@ -206,10 +217,11 @@ class ZeroConfig:
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
                 or self.prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
-        for name in ("reshard_after_forward", "offload_params"):
+        for name in ("reshard_after_forward", "offload_params", "hpz"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_offload_params_stage(self.offload_params, self.stage)
+        check_hpz(self.hpz, self.stage, self.offload_params)
         # The optimizer's own rule (ZeroAdamW checks it against the partitioned model).
         check_offload_params(SimpleNamespace(offload_params=self.offload_params), self.offload)
         if self.gather_timeout is not None:
@@ -218,7 +230,7 @@ class ZeroConfig:
     @property
     def wire(self) -> WireFormat:
         """What the communication parts quantize (``reduce_dtype`` / ``gather_dtype``)."""
-        return WireFormat.of(self.reduce_dtype, self.gather_dtype)
+        return WireFormat.of(self.reduce_dtype, self.gather_dtype, self.error_feedback)
 
     @property
     def state_format(self) -> StateFormat:
@@ -267,6 +279,29 @@ def check_offload_params_stage(offload_params: Any, stage: int) -> None:
             f"offload_params={offload_params!r}: parameter shards in host memory are stage 3's "
             f"(shard_model partitions the parameters); pass stage=3, or leave offload_params "
             f"False (got stage={stage})")
+
+
+def check_error_feedback(error_feedback: Any, reduce_dtype: Any) -> None:
+    """Error feedback keeps what the quantized reduce's codes missed: there must be one."""
+    if error_feedback is True and not isinstance(reduce_dtype, str):
+        raise ValueError(
+            f"error_feedback=True with reduce_dtype={reduce_dtype!r}: error feedback keeps the "
+            f"residual of the quantized gradient reduce, and this one is not quantized; pass "
+            f"reduce_dtype='int8' or 'int4' (or leave error_feedback False)")
+
+
+def check_hpz(hpz: Any, stage: int, offload_params: bool = False) -> None:
+    """``hpz`` is stage 3's (a secondary copy of the partitioned parameters) and not built
+    with ``offload_params`` (the slices' host copy feeds the crossing gather only)."""
+    if hpz and stage != 3:
+        raise ValueError(
+            f"hpz=True at stage={stage}: hpZ keeps an in-node copy of the parameters that "
+            f"stage 3 partitions (stages 0-2 keep every parameter on every rank, so no gather "
+            f"crosses the nodes to save); pass stage=3")
+    if hpz and offload_params:
+        raise ValueError("hpz=True with offload_params=True is not built: the parameter "
+                         "slices in host memory feed each gather through a copy that the "
+                         "in-node gathers would skip; drop one of them")
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -23,6 +23,7 @@ then the parts), what the parts hold read as attributes, the gradient hooks, and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
@@ -39,6 +40,8 @@ from .grad_edits import GradEdits, late_edit_error, param_label
 from .guard_set import GuardSet
 from .interchange import TorchFormat, strip_adamw_flags
 from .layout import Layout
+from .mixed import build_parts
+from .mixed_plan import Part, plan_parts
 from .optimizer_state import StateAccess, set_seed
 from .param_groups import check_groups, check_new_group
 from .param_table import ParamTable, broadcast_params, stage3_runtime, trained_params
@@ -46,7 +49,7 @@ from .reduction import GradReduction
 from .rule_state import make_rule_state
 from .rules import TorchClassRule, UpdateRule
 from .scaler import LossScaler
-from .stage3 import foreign
+from .stage3 import owners
 from .stages import Engine
 from .state_format import StateFormat
 from .validate import (
@@ -76,9 +79,11 @@ class ZeroCore(torch.optim.Optimizer):
         # no other collective runs before it.
         cfg: ZeroConfig | None = None
         rt: Any = None
+        replaced: list[Any] = []
         table: ParamTable | None = None
         rule: UpdateRule | None = None
         failure: BaseException | None = None
+        parts: list[Part] | None = None
         try:
             cfg = ZeroConfig.merge(config, options, where).validate()
             rule, defaults = resolve(cfg)
@@ -95,12 +100,32 @@ class ZeroCore(torch.optim.Optimizer):
             check_offload_params(rt, cfg.offload)
             if rt is not None:
                 check_same_mesh(mesh, rt.comm)
-            table = ParamTable(managed, frozen, rt)
-            dtype, device = common_dtype_device(table.params)  # meta parameters refused
-            check_master_dtype(cfg.state_format, dtype)
-            check_gather_dtype_params(cfg.wire.gather_bits, cfg.stage, dtype)
+                if cfg.hpz and rt.comm.secondary is None:
+                    raise ValueError("hpz=True: the model was sharded without it; hpZ is the "
+                                     "model's layout: pass hpz=True to shard_model (or "
+                                     "parallelize)")
+            # Several dtypes (or groups with their own master): one part per partition (each
+            # part, an optimizer of its own, runs the checks below when it is built).
+            parts = plan_parts(self.param_groups, cfg, rt)
+            if parts is None:
+                table = ParamTable(managed, frozen, rt)
+                # Stage 3: a parameter another live optimizer trains is refused (several
+                # optimizers take disjoint parameters), unless this one replaces it whole.
+                replaced = [] if rt is None else owners.check_disjoint(table.params, rt, where)
+                if rt is not None:
+                    owners.check_offload_alone(rt, cfg.offload, replaced)
+                dtype, device = common_dtype_device(table.params)  # meta parameters refused
+                check_master_dtype(cfg.state_format, dtype)
+                check_gather_dtype_params(cfg.wire.gather_bits, cfg.stage, dtype)
         except (ValueError, TypeError, RuntimeError) as exc:
             failure = exc
+        if failure is None and parts is not None:
+            # Each part agrees across ranks as a whole optimizer does (a rank refused above
+            # meets the first part's agreement and every rank raises there).
+            assert cfg is not None
+            build_parts(self, parts, resolve, cfg, mesh=mesh, process_group=process_group,
+                        optimizer=optimizer)
+            return
         # The optimizer class is compared with the options: ranks given different classes
         # would lay out different buffers.
         self._agreed = None if cfg is None else {**cfg.agreed(), "optimizer": optimizer}
@@ -121,8 +146,12 @@ class ZeroCore(torch.optim.Optimizer):
         if rt is None:
             broadcast_params(self.comm, params)  # stage 3: shard_model did it
         else:
+            wire = cfg.wire
+            if wire.gather_bits is None and rt.gather_bits is not None:
+                # shard_model(gather_dtype=): the model's gathers stay quantized.
+                wire = dataclasses.replace(wire, gather_bits=rt.gather_bits)
             rt.set_comm(cfg.reduce_dtype if isinstance(cfg.reduce_dtype, torch.dtype)
-                        else dtype, cfg.wire)
+                        else dtype, wire)
         self._slot = EngineSlot(table, self.comm, stage=cfg.stage, offload=cfg.offload,
                                 runtime=rt, bucket_numel=cfg.bucket_numel,
                                 overlap=cfg.overlap_comm, backend=cfg.backend, dtype=dtype,
@@ -141,6 +170,7 @@ class ZeroCore(torch.optim.Optimizer):
                                         self._rule_state)
         self._grad_hooks: list[Any] = []
         interop.register_params(params, self)
+        owners.supersede(replaced, self)
         self._watch_grads(params, 0)
         if self._rt is not None:
             # Stage 3: gradients of the model's parameters outside this optimizer stay on
@@ -149,7 +179,6 @@ class ZeroCore(torch.optim.Optimizer):
             self._slot.build(self.param_groups)  # stage 3: the units fix the layout already
             self._rt.backward_end_callbacks.append(
                 functools.partial(_end_backward, weakref.ref(self)))
-            foreign.track(self, self._rt)  # one live optimizer per sharded model, at step()
             # The last step's stale guards come off before any unit reads p.grad.
             self._rt.backward_begin_callbacks.append(
                 functools.partial(_begin_backward, weakref.ref(self)))
@@ -303,6 +332,8 @@ class ZeroCore(torch.optim.Optimizer):
                                       gi=len(self.param_groups) - 1, rule=self.rule)
         if self._rt is None and new:
             broadcast_params(self.comm, new)
+        if self._rt is not None:
+            owners.check_disjoint(new, self._rt, "param group", replace=False, me=self)
         first = self._table.append(new, shapes,
                                    frozen=[p for p in group["params"] if not p.requires_grad])
         self._edits.grow(len(self._table.params))
@@ -324,14 +355,14 @@ def _delivered(ref: weakref.ref, index: int, _p: torch.Tensor) -> None:
 def _end_backward(ref: weakref.ref) -> None:
     """Stage 3: the shard_model runtime's end of a synchronised backward."""
     opt = ref()
-    if opt is not None:
+    if opt is not None and not owners.is_superseded(opt):
         opt._install_guards()
 
 
 def _begin_backward(ref: weakref.ref) -> None:
     """Stage 3: the shard_model runtime's start of a backward."""
     opt = ref()
-    if opt is not None:
+    if opt is not None and not owners.is_superseded(opt):
         opt._guards.settle_stale()
 
 

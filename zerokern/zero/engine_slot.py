@@ -29,6 +29,7 @@ from .layout import ALIGN_ELEMS, Layout, build_layout, build_stage3_layout
 from .param_table import ParamTable
 from .rules import ADAMW, UpdateRule
 from .shard_state import ShardState
+from .stage3 import owners
 from .stages import Engine
 from .state_format import StateFormat
 from .stored import STORED_PARTS
@@ -66,6 +67,8 @@ class EngineSlot:
         self._observed: list[int] = []  # gradient order of the first backward (stages 0-2)
         self._seen: set[int] = set()
         self._versions: tuple[int, ...] | None = None  # parameters as the engine left them
+        if self.rt is not None:
+            owners.register_slot(self.rt, self)
 
     # -- the layout and the engine ----------------------------------------------------------
     def build(self, param_groups: list[dict[str, Any]],
@@ -209,10 +212,14 @@ class EngineSlot:
             return (self.rt.local_params._version,)
         return tuple(p._version for p in self.table.params)
 
-    def mark_params(self) -> None:
+    def mark_params(self, wrote: bool = False) -> None:
         """Remember the parameters' versions: the engine has just written them (or its master
-        agrees with them)."""
+        agrees with them). ``wrote``: this optimizer wrote them, up to date before: at stage
+        3 the other optimizers of the model that were so are still (stage3/owners.py)."""
+        before = self._versions
         self._versions = self._param_versions() if self.engine is not None else None
+        if wrote and self.rt is not None and before is not None:
+            owners.advance_peers(self.rt, self, before, self._versions)
 
     def adopt_param_writes(self) -> None:
         """torch's AdamW reads its parameters at every step, so weights written into the

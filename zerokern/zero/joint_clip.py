@@ -9,12 +9,14 @@ squares, with no collective of its own. Every optimizer then records the same cl
 coefficient, applied by its ``step()``. The reductions run in the order the optimizers first
 appear in the list, which is the same on every rank (the same model's parameters).
 
+Over one stage-3 model the same holds: its backward reduced every optimizer's gradients into
+the model's slices, and each reduction reads its own optimizer's pieces of them
+(stage3/owners.py).
+
 What cannot be exact is refused before anything is reduced: a list holding part of one
 optimizer's parameters (torch would clip those gradients alone, by their norm; an optimizer's
-sharded gradients take one coefficient), gradients no zerokern optimizer reduced (local to
-the rank: DDP would have averaged them), and two optimizers over one stage-3 model: its
-runtime holds one step's gradients for all of them, so the second reduction would read the
-first one's (their ``step()`` is refused for the same reason, stage3/foreign.py).
+sharded gradients take one coefficient), and gradients no zerokern optimizer reduced (local
+to the rank: DDP would have averaged them).
 """
 
 from __future__ import annotations
@@ -64,38 +66,6 @@ def check_covered(params: list[Any], opts: list[Any], optimizer_of: Any) -> None
             "list")
 
 
-def check_stage3_models(runtimes: list[Any]) -> None:
-    """Refuse, before any reduction, several optimizers over one stage-3 model (``runtimes``:
-    each optimizer's shard_model runtime, None below stage 3)."""
-    seen: set[int] = set()
-    for rt in runtimes:
-        if rt is not None and id(rt) in seen:
-            raise RuntimeError(
-                "gradient norms (clip_grad_norm_, a norm of p.grad) of a model sharded by "
-                "zerokern.shard_model (ZeRO stage 3) that several zerokern optimizers train: "
-                "not supported at stage 3 yet, nor is stepping them: the model's "
-                "runtime holds one step's gradients for all of its optimizers. Use one "
-                "optimizer with a param group per set of hyperparameters, or stage 0-2 for "
-                "two optimizers. Nothing was changed")
-        if rt is not None:
-            seen.add(id(rt))
-
-
-def check_alone_on_model(opt: Any) -> None:
-    """Stage 3: refuse ``opt``'s gradient reduction (a clip, a norm read through ``p.grad``)
-    while another zerokern optimizer trains parameters of the same sharded model (see
-    ``check_stage3_models``), before it reads the other's gradients. Walks the model's
-    parameters: once per step, at its first reduction."""
-    rt = getattr(opt, "_rt", None)
-    if rt is None:
-        return
-    from .interop import optimizer_of  # here: interop imports this module
-
-    opts = {id(o) for o in map(optimizer_of, rt.root.parameters()) if o is not None}
-    if len(opts - {id(opt)}) > 0:
-        check_stage3_models([rt, rt])
-
-
 def clip_joint(opts: list[Any], max_norm: float, norm_type: float = 2.0,
                error_if_nonfinite: bool = False) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over all the parameters of ``opts`` (zerokern
@@ -104,7 +74,8 @@ def clip_joint(opts: list[Any], max_norm: float, norm_type: float = 2.0,
     its ``step()``. A collective of each optimizer, in ``opts``' order: call it on every
     rank, between the last backward and the steps."""
     check_clip_args(max_norm, norm_type, "clip_grad_norm_ over several optimizers")
-    check_stage3_models([getattr(o, "_rt", None) for o in opts])
+    # An optimizer over several dtypes (mixed.py) is its parts, one reduction each.
+    opts = [q for o in opts for q in getattr(o, "_parts", [o])]
     # Each reduction is global over the ranks (and over the replicas of a 2-D mesh); its
     # norm is unscaled (loss scale divided out) and taken after the clips recorded so far.
     reds = [o._reduce_grads(need_norm=True) for o in opts]

@@ -38,7 +38,10 @@ class ZeroAdamW(ZeroOptimizer):
 
     Args:
         params: the parameters to train, or param-group dicts, as for ``torch.optim.AdamW``.
-            Only parameters that require grad at construction are trained.
+            Only parameters that require grad at construction are trained. At stages 0-2
+            they may have several dtypes (a bf16 embedding beside fp32 matrices): each
+            (dtype, master) partition gets its own flat layout, and a group may carry its own
+            ``"master"`` (docs/porting.md, "Parameters of several dtypes").
         lr: learning rate (per group, and schedulers may change it).
         betas: coefficients of the running averages of the gradient and its square.
         eps: added to the denominator after the square root, as torch's AdamW adds it.
@@ -106,13 +109,18 @@ class ZeroAdamW(ZeroOptimizer):
             shards, are never quantized. Refused at stage 0, with ``offload``, with
             ``master="none"`` at stages 1-2 and with fp32 parameters at stages 1-2 (there
             the gathered buffer is the only copy of the weights).
+        error_feedback: with ``reduce_dtype="int8"`` / ``"int4"``: error feedback (the
+            LoCo idea, arXiv 2407.04480): each rank keeps the fp32 residual of every
+            gradient slice it sends quantized and adds it to the next send of that slice, so
+            the quantization errors do not add up over the steps
+            (docs/reference/quantized-comm.md). Refused without a quantized reduce.
         config: a ``zerokern.ZeroConfig`` holding ZeroAdamW's own options (``stage``
-            through ``gather_dtype`` above, except ``process_group`` and ``mesh``), instead
+            through ``error_feedback`` above, except ``process_group`` and ``mesh``), instead
             of those keywords; giving one of them as well, at another value than its
             default, is refused.
 
     Every rank must give the same ``stage``, ``bucket_numel``, ``offload``, ``moments``,
-    ``master``, ``seed``, ``reduce_dtype``, ``gather_dtype``, ``loss_scale``,
+    ``master``, ``seed``, ``reduce_dtype``, ``gather_dtype``, ``error_feedback``, ``loss_scale``,
     ``max_grad_norm``, mesh, per-group ``lr``, ``betas``, ``eps`` and ``weight_decay``, and
     the same parameters (shapes and dtypes): the constructor compares them across ranks in
     one gather, before any other collective, and raises ValueError on every rank naming each
@@ -165,6 +173,7 @@ class ZeroAdamW(ZeroOptimizer):
         mesh: Any = None,
         reduce_dtype: torch.dtype | str | None = None,
         gather_dtype: str | None = None,
+        error_feedback: bool = False,
         config: ZeroConfig | None = None,
     ) -> None:
         hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,

@@ -117,7 +117,7 @@ class StateAccess:
                 for r in sh.ranges:
                     r.store_written()
             self.slot.engine.sync_params(gather)
-        self.slot.mark_params()
+        self.slot.mark_params(wrote=True)  # edited shards written: our own write
         for sh in shards:
             self.table.steps[sh.index] = sh.step
         self.view.refresh_steps()

@@ -11,11 +11,14 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import Comm
-from ..comm.mesh import mesh_comm
+from ..comm.mesh import hpz_comm, mesh_comm
+from ..comm.quantized_parts import WireFormat
 from . import gather_timeout as told
 from . import registry
+from .config import check_hpz
 from .interop import check_no_ddp
 from .stage3 import Stage3Runtime, foreign
+from .validate import check_quantized_comm
 
 # Default unit size when no unit classes are given: a module becomes a unit when it holds at
 # least this share of the model's parameters (typically the transformer blocks).
@@ -63,6 +66,8 @@ def shard_model(
     offload_params: bool = False,
     gather_timeout: float | None = None,
     mesh: Any = None,
+    hpz: bool = False,
+    gather_dtype: str | None = None,
 ) -> nn.Module:
     """Partition ``model``'s parameters in place for ZeRO stage 3 and return it.
 
@@ -92,9 +97,26 @@ def shard_model(
     1-D mesh is its group. Build the optimizer with ``ZeroAdamW(..., stage=3)`` (it takes
     this mesh). A wrong mesh raises ValueError naming ``mesh`` on every rank, before
     anything changes.
+
+    ``hpz=True`` (with a 2-D ``mesh`` of R nodes of S ranks; ZeRO++'s hpZ): each unit is
+    split over all R * S ranks instead (its slices, gradients and optimizer state 1/(R S) per
+    rank, as on a flat group of every rank), and the forward's gathers cross the nodes; each
+    rank then keeps its node's share of every gathered unit (1/S of it, in the parameters'
+    dtype), and the unit's gathers until the next forward (its backward) are all-gathers of
+    those shares within the node. The result is bitwise that of a flat group of all R * S
+    ranks; the shares cost 1/S of the parameters' bytes per rank
+    (``memory_stats()["hpz_secondary"]``). Refused without a 2-D mesh and with
+    ``offload_params``.
+
+    ``gather_dtype="int8"`` (ZeRO++'s qwZ): the units' gathers travel as int8 codes from now
+    on, forward and backward, before any optimizer exists (inference); a ZeroAdamW built on
+    the model without a ``gather_dtype`` of its own keeps it
+    (docs/reference/quantized-comm.md). Refused with ``offload_params``.
     """
     if not isinstance(offload_params, bool):
         raise TypeError(f"offload_params must be True or False, got {offload_params!r}")
+    if not isinstance(hpz, bool):
+        raise TypeError(f"hpz must be True or False, got {hpz!r}")
     comm = mesh_comm(mesh, process_group, where="shard_model")
     # Every rank selects its units, then all compare (or learn of a rank's error) before
     # anything is modified: a check that failed on one rank alone would leave the others
@@ -103,16 +125,23 @@ def shard_model(
     try:
         timeout = told.resolve(gather_timeout)
         units, names, params = _select_units(model, unit_classes, prefetch)
+        _check_hpz(hpz, comm, offload_params)
+        _check_gather_dtype(gather_dtype, offload_params)
         failure: BaseException | None = None
     except (ValueError, TypeError, RuntimeError) as exc:
         units, names, params, failure = [], {}, [], exc
     _check_units_same_on_all_ranks(comm, units, names, prefetch, reshard_after_forward,
-                                   failure, offload_params)
+                                   failure, offload_params, hpz, gather_dtype)
+    if hpz:  # agreed on every rank: the primary partition spans the whole mesh
+        comm = hpz_comm(comm)
     rt = Stage3Runtime(
         model, units, comm, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
         offload_params=offload_params, gather_timeout=timeout,
     )
     rt.param_names = {id(p): names[id(p)] for p in params}
+    if gather_dtype is not None:  # the model's own wire, until an optimizer asks otherwise
+        rt.gather_bits = WireFormat.of(None, gather_dtype).gather_bits
+        rt.ctx.set_wire(WireFormat(gather_bits=rt.gather_bits))
     rt.shard_parameters()
     rt.install_hooks()
     _refuse_pickling(model, params)
@@ -151,6 +180,29 @@ def _refuse_pickling(model: nn.Module, params: list[nn.Parameter]) -> None:
         p.__reduce_ex__ = _RefusePickle("a parameter")  # type: ignore[method-assign]
 
 
+def _check_gather_dtype(gather_dtype: Any, offload_params: bool) -> None:
+    """The spellings ZeroAdamW takes; not with parameter slices in host memory (the offload
+    pipeline moves parameters in their own dtype)."""
+    check_quantized_comm(None, gather_dtype, 3, None, "fp32")
+    if gather_dtype is not None and offload_params:
+        raise ValueError(f"gather_dtype={gather_dtype!r} with offload_params=True is not built: "
+                         "the offload pipeline moves parameters in their own dtype; drop one "
+                         "of them")
+
+
+def _check_hpz(hpz: bool, comm: Comm, offload_params: bool) -> None:
+    """hpZ needs nodes to keep a secondary copy in: a 2-D mesh."""
+    if not hpz:
+        return
+    check_hpz(hpz, 3, offload_params)
+    if comm.replicate is None:
+        raise ValueError(
+            "hpz=True needs a 2-D mesh (mesh=init_device_mesh(device, (nodes, ranks_per_node))): "
+            "hpZ splits the parameters over every rank and keeps a secondary copy within each "
+            "node (mesh dim 1) for the backward's gathers; a flat group has no node to keep it "
+            "in")
+
+
 def _select_units(
     model: nn.Module, unit_classes: tuple[type, ...] | list[type] | None, prefetch: int,
 ) -> tuple[list[tuple[str, nn.Module, list[nn.Parameter]]], dict[int, str], list[nn.Parameter]]:
@@ -187,7 +239,9 @@ def _select_units(
                          "load_state_dict), then shard it")
     dtypes = {(p.dtype, p.device) for p in params}
     if len(dtypes) != 1:
-        raise ValueError(f"model: all parameters must share one dtype and device, found {dtypes}")
+        raise ValueError(f"model: all parameters must share one dtype and device, found "
+                         f"{dtypes}: stage 3 keeps one dtype per model (several dtypes train "
+                         f"at stages 0-2, without shard_model); cast or move the model first")
     # Owner of every parameter: the unit whose subtree registers it; shared ones go to the root.
     owner_of_module: dict[int, int] = {}
     for ui, um in enumerate(unit_modules):
@@ -220,7 +274,7 @@ def _select_units(
 def _check_units_same_on_all_ranks(
     comm: Comm, units: list[tuple[str, nn.Module, list[nn.Parameter]]], names: dict[int, str],
     prefetch: int, reshard_after_forward: bool, failure: BaseException | None = None,
-    offload_params: bool = False,
+    offload_params: bool = False, hpz: bool = False, gather_dtype: str | None = None,
 ) -> None:
     """Raise on every rank, before anything is modified, when a rank's arguments were
     refused (``failure``) or the ranks would partition different models: otherwise the
@@ -228,7 +282,7 @@ def _check_units_same_on_all_ranks(
     (30 minutes by default)."""
     sig = {
         "error": None if failure is None else f"{type(failure).__name__}: {failure}",
-        "options": (prefetch, reshard_after_forward, offload_params),
+        "options": (prefetch, reshard_after_forward, offload_params, hpz, gather_dtype),
         "units": [(uname, [(names[id(p)], tuple(p.shape), str(p.dtype)) for p in ps])
                   for uname, _, ps in units],
     }
@@ -245,7 +299,8 @@ def _check_units_same_on_all_ranks(
         if other["options"] != ref["options"]:
             raise ValueError(
                 f"shard_model arguments differ across ranks: (prefetch, reshard_after_forward, "
-                f"offload_params) is {ref['options']} on rank 0 but {other['options']} on rank {r}")
+                f"offload_params, hpz, gather_dtype) is {ref['options']} on rank 0 but "
+                f"{other['options']} on rank {r}")
         a, b = ref["units"], other["units"]
         if len(a) != len(b):
             raise ValueError(
@@ -312,6 +367,8 @@ def _load_state_dict_pre_hook(
            module.named_parameters(remove_duplicate=False) if (t := given.get(n)) is not None):
         _TAKEN[module] = set()
         return  # nothing copied: load_state_dict reports the size mismatch
+    if rt.ctx.secondary is not None:  # hpZ: the in-node shares no longer match the slices
+        rt.ctx.secondary.drop()
     with torch.no_grad():
         for u in rt.units:
             for sp in u.plan.rank_pieces(rt.comm.rank):

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .joint_clip import check_alone_on_model
 from .param_groups import check_groups
 from .reduction import Reduced, grad_scale
+from .stage3.owners import is_superseded
 from .validate import finite_ge0
 
 
@@ -27,6 +27,7 @@ class TrainingLoop:
     _edits: Any
     _reduction: Any
     _rule_state: Any
+    _rt: Any
     _access: Any
     param_groups: list[dict[str, Any]]
 
@@ -56,6 +57,8 @@ class TrainingLoop:
         gradient on every parameter that has one (under DDP: that the last step updated, or
         that got one since), so the next steps update those (decay, moments) with or without
         a new gradient, as torch's AdamW does. Call it after every ``step()``."""
+        if self._rt is not None and is_superseded(self):
+            return  # a newer optimizer trains all of its parameters: their gradients are its
         found = self._guards.discard()
         red = self._reduction.current
         # torch zeroes the gradients that exist and leaves the others None: AdamW then updates
@@ -155,7 +158,6 @@ class TrainingLoop:
             red = self._reduction.reuse(events, need_norm, self.loss_scale)
         else:
             self._reduction.check_backward_since_step(events)
-            check_alone_on_model(self)  # stage 3: one optimizer per sharded model, for now
             # Nothing below changes anything until every group and parameter is checked.
             check_groups(self.param_groups, flags=True, moments=self.state_format.moments,
                          rule=self.rule)
@@ -196,7 +198,7 @@ class TrainingLoop:
         self._slot.engine.keep_set_grads(self._edits.values)
         self._edits.end_step(active)
         self._slot.engine.end_step()
-        self._slot.mark_params()
+        self._slot.mark_params(wrote=True)
         self._access.view.refresh_steps()  # opt.state[p]["step"] counts, as torch's does
         self._reduction.finish()
         self._last_comm = self.comm.reset_stats()

@@ -140,7 +140,9 @@ def common_dtype_device(params: list[torch.nn.Parameter]) -> tuple[torch.dtype, 
             raise ValueError(
                 f"params: all trainable parameters must share one dtype and device; "
                 f"parameter 0 is {p0.dtype} on {p0.device}, parameter {i} is {p.dtype} "
-                f"on {p.device}"
+                f"on {p.device} (several dtypes are trained at stages 0-2 when given at "
+                f"construction; cast or move before building the optimizer, and before "
+                f"add_param_group)"
             )
     return p0.dtype, p0.device
 

@@ -48,3 +48,5 @@ def adopt(u: Unit) -> None:
                     flat[sp.param_offset : sp.param_offset + sp.numel])
         p.data = ctx.nan.expand(u.shapes[j])
         ctx.adopted.append(p)
+        if ctx.secondary is not None:  # hpZ: its in-node share is older than the slice now
+            ctx.secondary.drop(u.index)

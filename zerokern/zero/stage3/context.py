@@ -26,6 +26,7 @@ from ..offload import HOST, Copier, pin_host_memory
 from ..placement import GradSink
 
 if TYPE_CHECKING:
+    from .secondary import Secondary
     from .unit import Unit
 
 GATHER_ALIGN = 256  # bytes: every gather buffer starts aligned for vector loads and NCCL
@@ -74,6 +75,8 @@ class UnitContext:
         self.grad_comm = reduce_part(comm, dtype)
         self.param_comm = gather_part(comm)
         self.local_numel = local_numel
+        # hpZ's in-node shares of the units (secondary.py; shard_model(hpz=True)), or None.
+        self.secondary: Secondary | None = None
         # Prefetched gathers (and gradient reduce-scatters) run asynchronously on every
         # backend (NCCL stream, gloo threads).
         self.overlap = comm.world_size > 1
@@ -133,7 +136,7 @@ class UnitContext:
         grads.copy_(self.local_grads)
         self.local_grads = grads
         self.grad_dtype = dtype
-        self.grad_comm = reduce_part(self.comm, dtype, self.wire.reduce_bits)
+        self.grad_comm = reduce_part(self.comm, dtype, self.wire.reduce_bits, self.wire.feedback)
         self.gather_arena = Arena(gather_bytes, self.device, alignment=GATHER_ALIGN)
 
     def set_wire(self, wire: WireFormat) -> None:
@@ -144,19 +147,20 @@ class UnitContext:
             return
         self._check_between_steps("gather_dtype / reduce_dtype")
         self.wire = wire
-        self.grad_comm = reduce_part(self.comm, self.grad_dtype, wire.reduce_bits)
+        self.grad_comm = reduce_part(self.comm, self.grad_dtype, wire.reduce_bits, wire.feedback)
         self.param_comm = gather_part(self.comm, wire.gather_bits)
 
     @contextmanager
     def exact_gathers(self) -> Iterator[None]:
         """Gathers in the parameters' own dtype within (full_state_dict: what is saved or
         exported are the parameters' values, never their int8 decoding)."""
-        part = self.param_comm
-        self.param_comm = gather_part(self.comm)
+        part, sec = self.param_comm, self.secondary
+        # hpZ's shares may hold an int8 decoding: neither read nor filled here.
+        self.param_comm, self.secondary = gather_part(self.comm), None
         try:
             yield
         finally:
-            self.param_comm = part
+            self.param_comm, self.secondary = part, sec
 
     def offload_grads(self, sink: GradSink) -> None:
         """ZeRO-Offload: the gradient slices move to host memory (a fresh, zeroed buffer: no

@@ -25,9 +25,15 @@ from ..layout import Layout
 from ..placement import BufferSpec
 from ..rules import UpdateRule
 from ..shard_state import ShardState
-from ..stages.accounting import stage3_memory, stage3_offload_memory, state_buffers
+from ..stages.accounting import (
+    stage3_memory,
+    stage3_offload_memory,
+    state_buffers,
+    with_residuals,
+)
 from ..stages.base import Engine, Run
 from ..state_format import StateFormat
+from .owners import end_own_step
 
 if TYPE_CHECKING:
     from .runtime import Stage3Runtime
@@ -94,7 +100,7 @@ class Stage3(Engine):
         return [self.rt.local_grads.narrow(0, start, numel)]
 
     def end_step(self) -> None:
-        self.rt.new_step()
+        end_own_step(self)  # the runtime's step: once every optimizer on it ended its own
         super().end_step()
 
     def has_grad(self, index: int) -> bool:
@@ -110,7 +116,7 @@ class Stage3(Engine):
     def zero_grad(self, set_to_none: bool, keep: list[bool] | None = None) -> None:
         for p in self.params:
             p.grad = None
-        self.rt.new_step()
+        end_own_step(self)
 
     def set_sync(self, value: bool) -> None:
         self.rt.sync = value
@@ -143,6 +149,8 @@ class Stage3(Engine):
     def sync_params(self, gather: bool) -> None:
         for u in self.rt.units:  # a unit gathered now would keep its old values
             self.rt.release(u)
+        if self.rt.ctx.secondary is not None:  # hpZ's in-node shares too (the slices change)
+            self.rt.ctx.secondary.drop()
         if self.master is None:
             return
         for pc in self.layout.pieces:
@@ -159,7 +167,8 @@ class Stage3(Engine):
         state = state_buffers(self.state)  # the state's kinds from its buffers as allocated
         h = self.state.placement.memory()  # its own arena: none on the device
         if not h:
-            return stage3_memory(self.layout, self.rt, self.dtype, state, arena_in_use=in_use)
+            return with_residuals(stage3_memory(self.layout, self.rt, self.dtype, state,
+                                                arena_in_use=in_use), self.rt.ctx.grad_comm)
         return stage3_offload_memory(self.layout, self.rt, self.dtype, state,
                                      arena_in_use=in_use, slot=self.slot,
                                      host_in_use=h["in_use"], host_capacity=h["capacity"])

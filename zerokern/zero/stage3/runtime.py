@@ -11,6 +11,8 @@ registry.py, rebind.py, the checkpoint functions and engine.py (the optimizer si
 
 How the units and their slices are laid out is build.py's. Its hooks share one per-step
 state (forward order, sync, the optimizers' parameters, the queued callback): one class.
+Several optimizers on one model share it too: one backward reduces all of their gradients,
+and the step closes (``new_step``) once each ended its own (owners.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 from ...comm import Comm
 from ...comm.quantized_parts import WireFormat
 from .. import gather_timeout as told
+from ..grad_guard import GradGuard
 from ..interop import active_ddp_module
 from ..offload import OffloadPipeline
 from .adopt import adopt
@@ -32,6 +35,7 @@ from .context import UnitContext
 from .order import ForwardOrder
 from .recompute import Recompute, in_backward_now, keeps_gathered, slots
 from .saved import SavedTensorHooks
+from .secondary import Secondary
 from .unit import GradPhase, Unit
 
 
@@ -56,6 +60,7 @@ class Stage3Runtime:
         self.root, self.comm = root, comm
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         self.offload_params = offload_params
+        self.gather_bits: int | None = None  # shard_model(gather_dtype=): the model's own
         p0 = next(p for _, _, ps in units for p in ps)
         self.dtype, self.device = p0.dtype, p0.device
         self.layout = ModelLayout(root, units, comm.world_size, prefetch)
@@ -65,7 +70,12 @@ class Stage3Runtime:
             gather_bytes=self.layout.gather_bytes(self.dtype, self.dtype),
             offload_params=offload_params, gather_timeout=gather_timeout)
         self.units: list[Unit] = self.layout.units(self.ctx)
+        if comm.secondary is not None:  # shard_model(hpz=True): secondary.py
+            self.ctx.secondary = Secondary(comm.secondary,
+                                           [pl.padded_numel for pl in self.layout.plans],
+                                           self.dtype, self.device)
         self.got_grad: dict[int, bool] = {}
+        self.consumed: set[int] = set()  # whose optimizer ended its step (owners.py)
         self.grad_events = 0  # gradients delivered by autograd hooks
         # Run at the end of every synchronised backward, after the reduction (ZeroAdamW puts
         # its GradGuards on the parameters' .grad).
@@ -213,6 +223,8 @@ class Stage3Runtime:
             self.ctx.free_retired()
         if u.is_root and not u.in_backward:
             self.order.start()
+            if self.ctx.secondary is not None:  # hpZ: this forward gathers across nodes anew
+                self.ctx.secondary.drop()
             if torch.is_grad_enabled():
                 self._saved_hooks.enter()
         u.gather()
@@ -305,6 +317,7 @@ class Stage3Runtime:
         if task != self._callback_task:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_task = task
+            self.consumed.clear()  # new gradients, for every optimizer's parameters
             for cb in self.backward_begin_callbacks:
                 cb()
 
@@ -322,7 +335,7 @@ class Stage3Runtime:
         if not u.in_backward:  # its output hook did not fire (output not seen by autograd)
             self.pre_backward(u, None)
         if u.grad_arrived(j):
-            u.reduce(self._reduces, keep=keeps_gathered(u, self._reduces))
+            u.reduce(self._left_on, keep=keeps_gathered(u, self._reduces))
 
     def _end_of_backward(self) -> None:
         """Units whose gradients did not all arrive (unused parameters) are reduced with zeros
@@ -331,7 +344,7 @@ class Stage3Runtime:
         pending = [u for u in self.units if u.in_backward]
         for u in sorted(pending, key=lambda x: -self.order.last_pos(x.index)):
             if self.sync:
-                u.reduce(self._reduces)
+                u.reduce(self._left_on)
             else:
                 u.end_backward(reduced=False)
         self.finish_reduce()
@@ -346,15 +359,20 @@ class Stage3Runtime:
         """After a no_sync accumulation finished with a synced backward, nothing is left;
         if the user steps right after no_sync backwards, reduce what the params hold."""
         for u in self.units:
-            if any(p.grad is not None and self._reduces(p) for p in u.params):
+            if any(self._left_on(p) for p in u.params):
                 for p in u.params:  # set by hand, or left by no_sync: used as torch does
-                    if p.grad is not None and self._reduces(p):
+                    if self._left_on(p):
                         self.got_grad[id(p)] = True
                 if not u.in_backward:  # else a backward that raised left it there
                     u.begin_backward(self._reduces)
                 u.gather()
-                u.reduce(self._reduces)
+                u.reduce(self._left_on)
         self.finish_reduce()
+
+    def _left_on(self, p: torch.nn.Parameter) -> bool:
+        # What a unit's reduce takes: a GradGuard stands for a gradient in the slice already
+        # (another optimizer's, owners.py, or a stale one, guard_set.py).
+        return p.grad is not None and not isinstance(p.grad, GradGuard) and self._reduces(p)
 
     # -- p.data = t ----------------------------------------------------------------------------
     def adopt_assigned(self) -> None:
@@ -389,6 +407,8 @@ class Stage3Runtime:
         for u in self.units:
             u.new_step()
         self.got_grad = {}
+        if self.ctx.secondary is not None:  # hpZ: the step changed the slices
+            self.ctx.secondary.drop()
 
     def local_pieces(self) -> list[tuple[torch.nn.Parameter, int, int, torch.Tensor]]:
         """This rank's pieces of every parameter, frozen ones included (build.local_pieces)."""

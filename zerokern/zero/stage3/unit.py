@@ -196,9 +196,14 @@ class Unit:
                 self.h2d = ctx.copier.to_device(mine, src)
                 self.h2d.fence()
                 src = mine
-            self.work = ctx.param_comm.gather(buf, src,
-                                              f"parameters of unit {self.name}{_COLLECTIVE_HINT}",
-                                              async_op=ctx.overlap)
+            label = f"parameters of unit {self.name}{_COLLECTIVE_HINT}"
+            sec = ctx.secondary  # hpZ: after the forward's gather, within the node (secondary.py)
+            if sec is not None and sec.holds(self):
+                self.work = sec.gather(self, buf, label, async_op=ctx.overlap)
+            else:
+                if sec is not None:
+                    sec.will_fill(self)
+                self.work = ctx.param_comm.gather(buf, src, label, async_op=ctx.overlap)
             bind(self, buf)
             if own:
                 alias_frozen(self)
@@ -358,6 +363,8 @@ class Unit:
         check_move(self.name, self.state, state)
         was = self.gathered
         self.state = state
+        if state is UnitState.GATHERED and self.ctx.secondary is not None:
+            self.ctx.secondary.gathered(self)
         if self.is_root or was == self.gathered:
             return
         ctx = self.ctx

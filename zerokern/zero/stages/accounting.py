@@ -24,7 +24,7 @@ exactly, on the device, or under the ``host_`` names with offload.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -202,6 +202,32 @@ def _gather_stats(rt: Stage3Runtime) -> dict[str, int]:
             for k, v in g.items() if not k.startswith("local")}
 
 
+def scratch_peak(comm: Any) -> int:
+    """The collectives' scratch, the most held at once (gloo's point-to-point receive
+    buffers, the quantized collectives' payloads): the group's, plus the replicate group's on
+    a 2-D mesh (the quantized hops 2-3) and the node group's with hpZ."""
+    return sum(int(c.scratch_peak) for c in (comm, getattr(comm, "replicate", None),
+                                             getattr(comm, "secondary", None))
+               if c is not None)
+
+
+def with_residuals(out: dict[str, int], part: Any) -> dict[str, int]:
+    """``out`` with ``ef_residual``: the error-feedback residuals of the gradient-reduce part
+    ``part`` (comm/quantized_parts.py; allocated at each slice's first send, 0 before the
+    first step and without ``error_feedback``), counted in the device total."""
+    r = int(getattr(part, "residual_bytes", 0))
+    out["ef_residual"] = r
+    out["total"] += r
+    out["device_total"] = out["total"]
+    return out
+
+
+def _secondary_bytes(rt: Stage3Runtime) -> int:
+    """hpZ's in-node copy of the parameters (zero/stage3/secondary.py), 0 without it."""
+    sec = rt.ctx.secondary
+    return 0 if sec is None else sec.nbytes
+
+
 def stage3_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype, state: Buffers, *,
                   arena_in_use: int) -> dict[str, int]:
     """Stage 3 with its state on the device: this rank's parameter and gradient slices
@@ -214,7 +240,12 @@ def stage3_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype, state: 
     out = {"params": held * esz, "grads": held * gsz, **kinds, "buckets": 0,
            "padding": pad + (rt.local_numel - held) * (esz + gsz)}
     out.update(_gather_stats(rt))
-    out["total"] = rt.local_numel * (esz + gsz) + arena_in_use
+    sec = _secondary_bytes(rt)
+    out["hpz_secondary"] = sec
+    # The collectives' transient buffers, the most held at once (as gather_peak: not held
+    # between steps, so not in the total).
+    out["comm_scratch"] = scratch_peak(rt.comm)
+    out["total"] = rt.local_numel * (esz + gsz) + arena_in_use + sec
     out["device_total"] = out["total"]
     out["host_total"] = 0  # nothing offloaded
     return out
@@ -236,7 +267,9 @@ def stage3_offload_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype,
            **dict.fromkeys(state, 0), "buckets": 0,
            "padding": 0 if on_host else (rt.local_numel - held) * esz}
     out.update(_gather_stats(rt))
-    out["total"] = dev_params + arena_in_use
+    sec = _secondary_bytes(rt)
+    out["hpz_secondary"] = sec
+    out["total"] = dev_params + arena_in_use + sec
     out["device_total"] = out["total"]
     rt_host = int(rt.grad_arena.stats()["in_use"])
     rt_cap = int(rt.grad_arena.stats()["capacity"])

@@ -26,7 +26,14 @@ from ..placement import BufferSpec
 from ..rules import UpdateRule
 from ..shard_state import ShardState
 from ..state_format import StateFormat
-from .accounting import flat_memory, offload_flat_memory, slot_numel, state_buffers
+from .accounting import (
+    flat_memory,
+    offload_flat_memory,
+    scratch_peak,
+    slot_numel,
+    state_buffers,
+    with_residuals,
+)
 from .base import Engine, Run
 from .pool import BucketPool
 
@@ -52,7 +59,7 @@ class FlatEngine(BucketPool, Engine):
         # the stage calls their verbs, never a collective. ``wire``: quantized on the wire
         # (reduce_dtype / gather_dtype "int8", "int4": comm/quantized_parts.py).
         wire = wire or WireFormat()
-        self.grad_comm = reduce_part(comm, self.grad_dtype, wire.reduce_bits)
+        self.grad_comm = reduce_part(comm, self.grad_dtype, wire.reduce_bits, wire.feedback)
         self.param_comm = gather_part(comm, wire.gather_bits)
         self.hybrid = self.grad_comm.mesh.hybrid
         with torch.no_grad():
@@ -326,10 +333,11 @@ class FlatEngine(BucketPool, Engine):
         # The state's kinds from its buffers as allocated (on the device or on the host).
         state = state_buffers(self.state)
         kw = dict(buckets=pool, overflow=self.overflow_bucket_bytes,
-                  scratch=self.comm.scratch_peak, in_use=int(a["in_use"]),
+                  scratch=scratch_peak(self.comm), in_use=int(a["in_use"]),
                   capacity=int(a["capacity"]))
         h = self.state.placement.memory()  # its own arena: none on the device
         if not h:
-            return flat_memory(self.layout, self.dtype, specs, state, **kw)
+            return with_residuals(flat_memory(self.layout, self.dtype, specs, state, **kw),
+                                  self.grad_comm)
         return offload_flat_memory(self.layout, self.dtype, specs, state, **kw,
                                    host_in_use=h["in_use"], host_capacity=h["capacity"])
