@@ -41,8 +41,11 @@ def muon_held(shapes: list[tuple[int, int]], n: int,
     by :func:`~zerokern.optim.muon_plan.plan_muon`: the table of zerokern.formulas
     ``muon_exchange_bytes`` and ``muon_exchange_memory_bytes``.
 
+    Shards start on 32-element boundaries, so two small matrices both lie in rank 0's shard
+    (rank 1 owns the first, rank 0 the second):
+
     >>> muon_held([(6, 2), (2, 8)], 2)
-    [[12, 0], [0, 16]]
+    [[16, 12], [0, 0]]
     """
     plan = plan_muon(shapes, n)
     held = [[0] * n for _ in range(n)]
