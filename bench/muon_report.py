@@ -56,11 +56,14 @@ def muon_numel(cfg: Any) -> tuple[int, int]:
 
 
 def formula(name: str, row: dict[str, Any], ctx: Context) -> dict[str, Any]:
-    """The exchange's bytes per step by zerokern.formulas (the paper's count)."""
+    """The exchange's bytes per step by zerokern.formulas (the paper's count; the owner
+    rows: of the rank whose bytes were measured, rank 0, from every rank's held table)."""
     m, _ = muon_numel(ctx.cfg)
     if name.startswith("owner-s"):
         owned = [int(x) for x in str(row["owned_numel"]).split()]
-        return {"exchange_formula_bytes": muon_exchange_bytes(owned, int(name[-1]))["total"]}
+        held = [[int(x) for x in r.split()] for r in str(row["held"]).split(";")]
+        got = muon_exchange_bytes(owned, int(name[-1]), held, int(row["rank"]))
+        return {"exchange_formula_bytes": got["total"]}
     if name == "redundant":
         return {"exchange_formula_bytes": 2 * m * 4}  # an all-reduce of the fp32 gradients
     if name == "single":

@@ -145,24 +145,42 @@ class Owner(Schedule):
         self.ex_ms = self.ex_cpu = 0.0
         self.ex_bytes: dict[str, int] = {}
         comm = self.om.comm
+        # Stage 0's exchange is an all-gather; stages 1-3's two uneven all-to-alls
+        # (zerokern.comm.shard_exchange), whose label comes after the split sizes.
         for kind in ("reduce_scatter", "all_gather", "all_to_all"):
             if hasattr(comm, kind):
                 setattr(comm, kind, self._timed(kind, getattr(comm, kind)))
+        comm.all_to_all_uneven = self._timed_uneven(comm.all_to_all_uneven, comm.rank)
+
+    def _clock(self, kind: str, nbytes: int, call: Callable[[], Any]) -> Any:
+        t, c = time.perf_counter(), time.thread_time()
+        try:
+            return call()
+        finally:
+            self.ex_ms += _ms(t)
+            self.ex_cpu += (time.thread_time() - c) * 1e3
+            self.ex_bytes[kind] = self.ex_bytes.get(kind, 0) + nbytes
 
     def _timed(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(out: torch.Tensor, inp: torch.Tensor, label: str = "", *a: Any,
                 **k: Any) -> Any:
             if not str(label).startswith("Muon"):
                 return fn(out, inp, label, *a, **k)
-            t, c = time.perf_counter(), time.thread_time()
-            try:
-                return fn(out, inp, label, *a, **k)
-            finally:
-                self.ex_ms += _ms(t)
-                self.ex_cpu += (time.thread_time() - c) * 1e3
-                moved = out if kind == "all_gather" else inp  # the paper's count
-                self.ex_bytes[kind] = (self.ex_bytes.get(kind, 0)
-                                       + moved.numel() * moved.element_size())
+            moved = out if kind == "all_gather" else inp  # the paper's count
+            return self._clock(kind, moved.numel() * moved.element_size(),
+                               lambda: fn(out, inp, label, *a, **k))
+
+        return run
+
+    def _timed_uneven(self, fn: Callable[..., Any], rank: int) -> Callable[..., Any]:
+        def run(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                in_splits: list[int], label: str = "") -> Any:
+            if not str(label).startswith("Muon"):
+                return fn(out, inp, out_splits, in_splits, label)
+            # What comm_stats() counts: the elements sent to the other ranks.
+            sent = (sum(in_splits) - in_splits[rank]) * inp.element_size()
+            return self._clock("all_to_all", sent,
+                               lambda: fn(out, inp, out_splits, in_splits, label))
 
         return run
 
@@ -178,8 +196,18 @@ class Owner(Schedule):
         return out
 
     def bytes(self) -> dict[str, Any]:
+        # A collective (every rank calls bytes() for the same schedules in the same order):
+        # every rank's shard of every owner's matrices, for zerokern.formulas.
         plan = self.om._rule_state.plan
-        return {"muon_opt_bytes": self.om.comm_stats()["bytes"],
+        mine = [0] * plan.world_size
+        for pc in self.om.layout.pieces:
+            if pc.param >= 0:
+                mine[plan.units[pc.param].owner] += pc.numel
+        held: list[Any] = [None] * plan.world_size
+        dist.all_gather_object(held, mine)
+        return {"held": ";".join(" ".join(map(str, row)) for row in held),
+                "rank": self.om.comm.rank,
+                "muon_opt_bytes": self.om.comm_stats()["bytes"],
                 "adamw_opt_bytes": self.oa.comm_stats()["bytes"],
                 "exchange_bytes": sum(self.ex_bytes.values()),
                 "exchange_kinds": " ".join(f"{k}={v}" for k, v in sorted(self.ex_bytes.items())),

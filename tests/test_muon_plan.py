@@ -121,6 +121,20 @@ def test_examples():
     plan = plan_muon([(12, 4)], 3, row_splits={0: (4, 4, 4)})
     assert [(u.row_start, u.owner) for u in plan.units] == [(0, 0), (4, 1), (8, 2)]
     assert ns_cost(4, 8) == formulas.muon_ns_cost(4, 8) == 4 * 8 * 4
+
+
+def test_equal_cost_shapes_spread():
+    """A GPT block's MLP matrices (4H x H) and (H x 4H) cost the same, but a tall and a wide
+    matrix need not take the same time (on a CPU they do not): equally loaded ranks take the
+    one with less of the unit's own shape, so each shape is split over the ranks, not one
+    shape per rank (before: every 512 x 128 on rank 0, every 128 x 512 on rank 1)."""
+    shapes = [(384, 128), (128, 128), (512, 128), (128, 512)] * 6
+    for world in (2, 3):
+        plan = plan_muon(shapes, world)
+        for shape in set(shapes):
+            per_rank = [sum(u.shape == shape for u in plan.owned(r)) for r in range(world)]
+            assert per_rank == [6 // world] * world, (world, shape, per_rank)
+        assert plan.balance()["ratio"] == 1.0 and plan == plan_muon(shapes, world)
     assert plan_muon([], 3).segment_numel == 0
 
 

@@ -860,40 +860,114 @@ def muon_shard_exchange_elements(held: list[list[int]], rank: int) -> dict[str, 
     return {"to_owners": to, "from_owners": back, "all_to_all": to + back, "wire": to + back,
             "padding": 0}
 
-def muon_exchange_bytes(owned_numels: list[int], stage: int, grad_bytes: int = 4,
-                        update_bytes: int = 2) -> dict[str, int]:
-    """Bytes one ``ZeroOptimizer(params, torch.optim.Muon)`` step's owner exchange moves
-    (zerokern/zero/muon_step.py), as ``comm_stats()`` counts them, beside the stage's own
-    collectives of the flat space: the fp32 updates to their owners (``reduce_scatter``, N S
-    elements; none at stage 0, where every rank holds every element) and the owners'
-    bfloat16 Newton-Schulz results back (``all_gather``, N S). ``wire``: bytes each rank
-    sends under bandwidth-optimal collectives, (N - 1) S of each. All 0 on one rank.
+def _check_held(held: list[list[int]] | None, owned_numels: list[int], rank: int) -> None:
+    n = len(owned_numels)
+    if held is None:
+        raise ValueError("held is needed at stages 1-3 (every rank's shard of every owner's "
+                         "elements)")
+    if len(held) != n or any(len(row) != n for row in held):
+        raise ValueError(f"held must be an N x N table for N = {n} ranks, got {held!r}")
+    cols = [sum(row[o] for row in held) for o in range(n)]
+    if cols != list(owned_numels):
+        raise ValueError(f"held's columns sum to {cols}, owned_numels is {owned_numels}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
+        raise ValueError(f"rank must be in [0, {n}), got {rank!r}")
 
-    >>> muon_exchange_bytes([96, 64, 80], stage=1)
-    {'reduce_scatter': 1152, 'all_gather': 576, 'total': 1728, 'wire': 1152}
+
+def muon_exchange_bytes(owned_numels: list[int], stage: int,
+                        held: list[list[int]] | None = None, rank: int = 0,
+                        grad_bytes: int = 4, update_bytes: int = 2) -> dict[str, int]:
+    """Bytes rank ``rank`` moves in one ``ZeroOptimizer(params, torch.optim.Muon)`` step's
+    owner exchange (zerokern/zero/muon_step.py), as ``comm_stats()`` counts them, beside the
+    stage's own collectives of the flat space.
+
+    Stage 0 (every rank holds every element): the owners read their matrices locally and one
+    all-gather of the N padded segments hands every rank the bfloat16 results
+    (``all_gather``, N S elements as the paper counts it; ``wire``: (N - 1) S sent).
+    Stages 1-3 (every element on one rank): two uneven all-to-alls
+    (:func:`muon_shard_exchange_elements` of ``held``), the fp32 updates this rank holds of
+    other owners' matrices to them, and as owner the bfloat16 results back to the ranks
+    holding its matrices (``all_to_all``; ``wire`` the same: nothing padded). All 0 on one
+    rank.
+
+    Args:
+        owned_numels: elements each rank owns (``MuonPlan.owned_numel``).
+        stage: the ZeRO stage, 0-3.
+        held: stages 1-3: ``held[r][o]``, the elements of owner o's matrices in rank r's
+            shard (the layout's pieces; each column o sums to ``owned_numels[o]``); unused
+            at stage 0.
+        rank: whose bytes (stages 1-3; at stage 0 every rank moves the same).
+        grad_bytes: bytes per element of the updates sent to their owners.
+        update_bytes: bytes per element of the Newton-Schulz results sent back.
+
+    Returns:
+        ``all_gather``, ``all_to_all``, ``total`` (their sum) and ``wire``, in bytes.
+
+    >>> muon_exchange_bytes([96, 64, 80], stage=0)
+    {'all_gather': 576, 'all_to_all': 0, 'total': 576, 'wire': 384}
+    >>> muon_exchange_bytes([14, 16], stage=1, held=[[10, 6], [4, 10]], rank=0)
+    {'all_gather': 0, 'all_to_all': 32, 'total': 32, 'wire': 32}
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    e = muon_exchange_elements(owned_numels)
-    n, s = len(owned_numels), max(owned_numels)
-    rs = 0 if stage == 0 else e["reduce_scatter"] * grad_bytes
-    ag = e["all_gather"] * update_bytes
-    wire = 0 if n == 1 else (n - 1) * s * ((0 if stage == 0 else grad_bytes) + update_bytes)
-    return {"reduce_scatter": rs, "all_gather": ag, "total": rs + ag, "wire": wire}
-
-
-def muon_exchange_memory_bytes(owned_numels: list[int], grad_bytes: int = 4,
-                               update_bytes: int = 2) -> dict[str, int]:
-    """Bytes a rank holds for ``ZeroOptimizer(params, torch.optim.Muon)``'s owner exchange,
-    beside the momentum (sharded like any state, in ``memory_stats()["momentum_buffer"]``):
-    the two buffers of N S elements kept between steps, ``muon_grad_buffer`` (the fp32
-    updates, whose own segment the owner orthogonalizes) and ``muon_param_buffer`` (the
-    bfloat16 results every rank applies). One rank: its one segment of each.
-
-    >>> muon_exchange_memory_bytes([96, 64, 80])
-    {'muon_grad_buffer': 1152, 'muon_param_buffer': 576}
-    """
     _check_owned(owned_numels)
-    buf = len(owned_numels) * max(owned_numels)
-    return {"muon_grad_buffer": buf * grad_bytes, "muon_param_buffer": buf * update_bytes}
+    n, s = len(owned_numels), max(owned_numels)
+    if n == 1:
+        return {"all_gather": 0, "all_to_all": 0, "total": 0, "wire": 0}
+    if stage == 0:
+        ag = n * s * update_bytes
+        return {"all_gather": ag, "all_to_all": 0, "total": ag,
+                "wire": (n - 1) * s * update_bytes}
+    _check_held(held, owned_numels, rank)
+    e = muon_shard_exchange_elements(held, rank)  # type: ignore[arg-type]
+    a2a = e["to_owners"] * grad_bytes + e["from_owners"] * update_bytes
+    return {"all_gather": 0, "all_to_all": a2a, "total": a2a, "wire": a2a}
 
+
+def muon_exchange_memory_bytes(owned_numels: list[int], stage: int,
+                               held: list[list[int]] | None = None, rank: int = 0,
+                               grad_bytes: int = 4, update_bytes: int = 2) -> dict[str, int]:
+    """Bytes rank ``rank`` holds for ``ZeroOptimizer(params, torch.optim.Muon)``'s owner
+    exchange, kept between steps, beside the momentum (sharded like any state, in
+    ``memory_stats()["momentum_buffer"]``), under the names ``memory_stats()`` gives them.
+
+    Stage 0 (zerokern.comm.owner_exchange): two buffers of N S elements,
+    ``muon_grad_buffer`` (the fp32 updates, whose own segment the owner orthogonalizes) and
+    ``muon_param_buffer`` (the bfloat16 results every rank applies, all-gathered into it).
+    Stages 1-3 (zerokern.comm.shard_exchange): this rank's segment twice,
+    ``muon_grad_segment`` (fp32) and ``muon_param_segment`` (bfloat16), ``owned_numels[rank]``
+    elements each, and the all-to-alls' buffers: ``muon_send`` / ``muon_back_recv`` for
+    what it holds of other owners' matrices (fp32 out, bfloat16 back), ``muon_recv`` /
+    ``muon_back_send`` for what other ranks hold of its own (fp32 in, bfloat16 out).
+
+    Args:
+        owned_numels: elements each rank owns (``MuonPlan.owned_numel``).
+        stage: the ZeRO stage, 0-3.
+        held: stages 1-3: ``held[r][o]``, the elements of owner o's matrices in rank r's
+            shard (each column o sums to ``owned_numels[o]``); unused at stage 0.
+        rank: whose bytes.
+        grad_bytes: bytes per element of the updates (fp32: 4).
+        update_bytes: bytes per element of the Newton-Schulz results (bfloat16: 2).
+
+    Returns:
+        Bytes per buffer name.
+
+    >>> muon_exchange_memory_bytes([96, 64, 80], stage=0)
+    {'muon_grad_buffer': 1152, 'muon_param_buffer': 576}
+    >>> muon_exchange_memory_bytes([14, 16], stage=1, held=[[10, 6], [4, 10]], rank=0)
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'muon_grad_segment': 56, 'muon_param_segment': 28, 'muon_send': 24, 'muon_recv': 16,
+     'muon_back_send': 8, 'muon_back_recv': 12}
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    _check_owned(owned_numels)
+    if stage == 0:
+        buf = len(owned_numels) * max(owned_numels)
+        return {"muon_grad_buffer": buf * grad_bytes, "muon_param_buffer": buf * update_bytes}
+    _check_held(held, owned_numels, rank)
+    e = muon_shard_exchange_elements(held, rank)  # type: ignore[arg-type]
+    own, away, home = owned_numels[rank], e["to_owners"], e["from_owners"]
+    return {"muon_grad_segment": own * grad_bytes, "muon_param_segment": own * update_bytes,
+            "muon_send": away * grad_bytes, "muon_recv": home * grad_bytes,
+            "muon_back_send": home * update_bytes, "muon_back_recv": away * update_bytes}

@@ -56,7 +56,8 @@ class ShardExchange:
     Holds this rank's segment twice (``grad_segment`` in ``grad_dtype``: the owned matrices'
     inputs; ``param_segment`` in ``param_dtype``: their orthogonalized updates), each
     ``plan.owned_numel[rank]`` elements, and send/receive buffers no larger than this rank's
-    runs (to the owners) or its owned elements (back).
+    runs (to the owners) or its owned elements (back); ``ZeroOptimizer.memory_stats()``
+    reports every tensor it holds (zerokern.formulas ``muon_exchange_memory_bytes``).
 
     Args:
         plan: the owners and segments; its ``world_size`` must be ``comm``'s.
@@ -121,14 +122,6 @@ class ShardExchange:
     def rank(self) -> int:
         """This rank, in ``comm``."""
         return self.comm.rank
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes held: the two segments and the four send/receive buffers."""
-        def nbytes(*ts: torch.Tensor) -> int:
-            return sum(t.numel() * t.element_size() for t in ts)
-
-        return {"segments": nbytes(self.grad_segment, self.param_segment),
-                "buffers": nbytes(self._send, self._recv, self._back_send, self._back_recv)}
 
     def _owner(self, p: ShardPiece) -> int:
         return self.plan.units[p.unit].owner

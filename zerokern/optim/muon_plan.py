@@ -9,9 +9,11 @@ sends the new values back (torchtitan's DistMuon assigns whole matrices the same
 Owners are balanced by Newton-Schulz cost, ``rows * cols * min(rows, cols)`` (the gram matrix
 and the two products of every iteration are that many multiply-adds, up to a constant), with
 greedy LPT: units in decreasing cost, each to the rank with the least cost so far. Every tie
-is broken by index (unit index, then rank), so every rank computes the same plan from the
-same shapes. LPT's makespan is at most (4/3 - 1/(3N)) of the optimum, and at most the mean
-load plus the largest single cost.
+is broken deterministically (units by index; equally loaded ranks by their cost of the unit's
+own shape, then by rank: equal-cost shapes like a tall and a wide matrix need not take equal
+time, so each shape is spread over the ranks rather than each given to one), so every rank
+computes the same plan from the same shapes. LPT's makespan is at most (4/3 - 1/(3N)) of
+the optimum, and at most the mean load plus the largest single cost.
 
 Each owner's units are laid out in one contiguous segment, grouped by shape so that a group
 of same-shape units (a :class:`Batch`) is one ``(k, rows, cols)`` view of the segment, ready
@@ -198,13 +200,18 @@ def plan_muon(shapes: Sequence[Sequence[int]], world_size: int, *,
             units.append(Unit(len(units), m, b, start, r, cols))
             start += r
     # LPT: largest cost first (ties: lower unit index), each to the least-loaded rank (ties:
-    # lower rank). Plain integers throughout, so every rank reaches the same plan.
+    # the rank with the least cost of this very shape, then the lower rank: equal-cost
+    # shapes such as (4H, H) and (H, 4H) do not take equal time everywhere, so each shape is
+    # spread rather than one per rank). Plain integers, so every rank reaches the same plan.
     loads = [0] * world_size
+    by_shape: dict[tuple[int, int], list[int]] = {}
     owner = [0] * len(units)
     for u in sorted(units, key=lambda u: (-u.cost, u.index)):
-        r = min(range(world_size), key=lambda k: (loads[k], k))
+        same = by_shape.setdefault(u.shape, [0] * world_size)
+        r = min(range(world_size), key=lambda k: (loads[k], same[k], k))
         owner[u.index] = r
         loads[r] += u.cost
+        same[r] += u.cost
     # Each owner's segment: its units grouped by shape (groups in order of their first unit,
     # units by index within a group), so a group is one contiguous (k, rows, cols) view.
     batches: list[tuple[Batch, ...]] = []

@@ -134,6 +134,15 @@ class EngineSlot:
         return planned_memory(self.stage, self.offload, L, self.dtype, self.fmt,
                               self.param_numels, self.grad_dtype, self.rule)
 
+    def planned_layout(self, param_groups: list[dict[str, Any]]) -> Layout:
+        """The layout, or before it is fixed the one the first step would fix without an
+        observed order (reverse registration; nothing is fixed by asking)."""
+        if self.layout is not None:
+            return self.layout
+        if self.rt is not None:
+            return build_stage3_layout(self.rt, self.table.params, param_groups)
+        return self._flat_layout(None)
+
     @property
     def grad_dtype(self) -> torch.dtype:
         """The dtype gradients are reduced in: ``reduce_dtype``, else the parameters'."""

@@ -30,7 +30,8 @@ the result is torch.optim.Muon's on the averaged gradient, bit for bit where tha
 (2 ranks: one addition). The exchange's collectives go through the Comm, so ``comm_stats()``
 counts them (stages 1-3: ``all_to_all``, the elements this rank sends, zerokern.formulas
 ``muon_shard_exchange_elements``; stage 0: an all-gather of ``world_size * segment_numel``
-elements, ``muon_exchange_elements``).
+elements, ``muon_exchange_elements``; in bytes ``muon_exchange_bytes``), and
+``memory_stats()`` reports the buffers of the exchange in use (``muon_exchange_memory_bytes``).
 """
 
 from __future__ import annotations
@@ -101,16 +102,27 @@ class MuonRuleState(RuleState):
             self._shard_layout = layout
         return self._shard
 
-    def memory_stats(self) -> dict[str, int]:
-        """The exchange's buffers, kept between steps: their bytes as allocated, or before
-        the first step what it will allocate (zerokern.formulas
-        ``muon_exchange_memory_bytes``; nothing is allocated by asking)."""
+    def memory_stats(self, layout: Layout) -> dict[str, int]:
+        """The exchange's buffers, kept between steps, for the parameters laid out as
+        ``layout``: their bytes as allocated (stage 0: OwnerExchange's, stages 1-3:
+        ShardExchange's), or before the step that allocates them what it will allocate
+        (zerokern.formulas ``muon_exchange_memory_bytes``, from this rank's pieces alone:
+        no collective, nothing allocated by asking)."""
         plan = self.plan  # first: a plan of other shapes drops its exchange
-        ex = self._exchange
+        ex: OwnerExchange | ShardExchange | None
+        if layout.stage == 0:
+            ex = self._exchange
+        else:
+            ex = self._shard
+            if ex is not None and (self._shard_layout is not layout or ex.plan is not plan):
+                ex = None  # the next step rebuilds it for this layout
         if ex is None:
-            return muon_exchange_memory_bytes(list(plan.owned_numel))
+            owned = list(plan.owned_numel)
+            return muon_exchange_memory_bytes(owned, layout.stage,
+                                              _held(plan, layout, self.comm.rank), self.comm.rank)
         # Every tensor the exchange holds, measured: a buffer added to it shows here.
-        return {f"muon_{k}": _nbytes(t) for k, t in vars(ex).items() if torch.is_tensor(t)}
+        return {f"muon_{k.lstrip('_')}": _nbytes(t) for k, t in vars(ex).items()
+                if torch.is_tensor(t)}
 
     def update(self, engine: Engine, runs: list[Run], groups: list[dict[str, Any]],
                grad_scale: float, active: list[bool]) -> None:
@@ -189,6 +201,23 @@ def _ns_key(g: dict[str, Any]) -> tuple[Any, ...]:
 def _ns(stack: torch.Tensor, key: tuple[Any, ...]) -> torch.Tensor:
     coeffs, steps, eps = key
     return newton_schulz(stack, coeffs, steps, eps, _addmm(None))
+
+
+def _held(plan: MuonPlan, layout: Layout, rank: int) -> list[list[int]]:
+    """The ``held`` table of zerokern.formulas ``muon_exchange_memory_bytes`` as far as this
+    rank's bytes depend on it: its own row from its pieces; the rest of each column (what
+    other ranks hold of an owner's matrices) lumped into one other rank's row, so each
+    column still sums to the owner's elements."""
+    n = plan.world_size
+    held = [[0] * n for _ in range(n)]
+    for pc in layout.pieces:
+        if pc.param >= 0:
+            held[rank][plan.units[pc.param].owner] += pc.numel
+    if n > 1:
+        other = (rank + 1) % n
+        for o in range(n):
+            held[other][o] = plan.owned_numel[o] - held[rank][o]
+    return held
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -48,9 +48,11 @@ class RuleState:
     def reset(self, index: int) -> None:
         self.scalars[index] = {}
 
-    def memory_stats(self) -> dict[str, int]:
+    def memory_stats(self, layout: Layout) -> dict[str, int]:
         """Bytes of buffers the rule keeps outside the engine's arena, by kind, for
-        ``memory_stats()`` ({}: none; Muon's owner exchange: muon_step.py)."""
+        ``memory_stats()`` ({}: none; Muon's owner exchange: muon_step.py), with the
+        parameters laid out as ``layout`` (the engine's, or the one it will fix)."""
+        del layout
         return {}
 
     def runs(self, table: ParamTable, layout: Layout, active: list[bool],

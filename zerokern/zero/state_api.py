@@ -135,12 +135,16 @@ class StateSurface:
         blocks' scales and ``exp_avg_side`` / ``exp_avg_sq_side`` the fp32 moments of
         parameters too small to compress (docs/compressed-state.md).
 
-        ``torch.optim.Muon`` adds its owner exchange's two buffers, kept between steps and
-        outside the arena: ``muon_grad_buffer`` (fp32 updates) and ``muon_param_buffer``
-        (their bfloat16 Newton-Schulz results), N S elements each (zerokern.formulas
-        ``muon_exchange_memory_bytes``), counted in ``total``."""
+        ``torch.optim.Muon`` adds its owner exchange's buffers, kept between steps and
+        outside the arena, counted in ``total`` (zerokern.formulas
+        ``muon_exchange_memory_bytes``): at stage 0 ``muon_grad_buffer`` (fp32 updates)
+        and ``muon_param_buffer`` (their bfloat16 Newton-Schulz results), N S elements
+        each; at stages 1-3 this rank's owned segment in each dtype
+        (``muon_grad_segment``, ``muon_param_segment``) and the all-to-alls' buffers
+        (``muon_send``, ``muon_recv``, ``muon_back_send``, ``muon_back_recv``), sized by
+        what crosses ranks."""
         out = self._slot.memory_stats()
-        extra = self._rule_state.memory_stats()
+        extra = self._rule_state.memory_stats(self._slot.planned_layout(self.param_groups))
         if extra:
             out = {**out, **extra}
             for k in ("total", "device_total"):
