@@ -22,6 +22,8 @@ the arrays land moved the same kernel by up to 2x on an AMD machine:
                       256 elements per moment), fp32 master, bf16 copy
   zk_int8_nomaster_<b>  8-bit moments and no master: the bf16 param updated in place with
                       stochastic rounding (sr_index, seed)
+  zk_int8v3_<b>, zk_int8v3_nomaster_<b>  the same two with int8 format version 3
+                      (zerokern.quant.fmt_v3: computed maps; cpu and torch backends only)
   bnb_adamw8bit       bitsandbytes.optim.AdamW8bit on an fp32 param and fp32 grad
   torchao_adamw8bit   torchao.optim.AdamW8bit (torch.compile'd) on an fp32 param and fp32 grad
 <b> is the backend that ran: the fastest one that works for that format on the device (a
@@ -78,7 +80,10 @@ FORMATS = {  # zk format -> (moments, master, bytes per element)
     "bf16": ("bf16", "fp32", 20.0),
     "int8": ("int8", "fp32", 16.0 + ABSMAX),
     "int8_nomaster": ("int8", "none", 10.0 + ABSMAX),
+    "int8v3": ("int8", "fp32", 16.0 + ABSMAX),
+    "int8v3_nomaster": ("int8", "none", 10.0 + ABSMAX),
 }
+VERSION = {"int8v3": 3, "int8v3_nomaster": 3}  # int8 format version (zerokern.quant.fmt_v3)
 ANCHORS = ("bnb_adamw8bit", "torchao_adamw8bit")
 MIN_COS = 0.95
 TRIAD = "stream_triad"
@@ -200,9 +205,11 @@ def zk(n: int, device: torch.device, fmt: str, backend: str) -> Provider:
 
     def cstep() -> None:
         st["step"] += 1
-        ops.fused_adamw_compressed_(param, g16, **kw, **hp, step=st["step"], backend=backend)
+        ops.fused_adamw_compressed_(param, g16, **kw, **hp, step=st["step"], backend=backend,
+                                    format_version=VERSION.get(fmt, 2))
 
-    what = (f"ops.fused_adamw_compressed_(backend={backend!r}), {moments} moments, "
+    what = (f"ops.fused_adamw_compressed_(backend={backend!r}), {moments} moments "
+            f"(format version {VERSION.get(fmt, 2)}), "
             + ("fp32 master, bf16 param out" if master == "fp32"
                else "bf16 param, stochastic rounding"))
     return Provider(cstep, lambda: param.float(), start, g16.float(), nbytes, what)
