@@ -130,6 +130,10 @@ def _run(backend: str, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
          format_version: int = 2) -> None:
     if param.numel() == 0:
         return
+    if format_version == 3 and exp_avg.dtype == torch.uint8 and backend not in V3_BACKENDS:
+        # Also for direct callers of the custom op: never step version 3 with version 2's code.
+        raise ValueError(f"format_version=3 (int8) runs on the backends "
+                         f"{', '.join(V3_BACKENDS)} only, not {backend!r}")
     args = (param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax, param_lp,
             sr_index, seed, step)
     if backend == "torch":
