@@ -22,8 +22,13 @@ the arrays land moved the same kernel by up to 2x on an AMD machine:
                       256 elements per moment), fp32 master, bf16 copy
   zk_int8_nomaster_<b>  8-bit moments and no master: the bf16 param updated in place with
                       stochastic rounding (sr_index, seed)
+  zk_int8v3_<b>, zk_int8v3_nomaster_<b>  the same two with int8 format version 3
+                      (zerokern.quant.fmt_v3: computed maps; cpu and torch backends only)
   bnb_adamw8bit       bitsandbytes.optim.AdamW8bit on an fp32 param and fp32 grad
   torchao_adamw8bit   torchao.optim.AdamW8bit (torch.compile'd) on an fp32 param and fp32 grad
+  ds_cpu_adam         DeepSpeed's DeepSpeedCPUAdam (ZeRO-Offload's host step, AdamW mode) on
+                      an fp32 param, grad and moments (CPU only; DS_ACCELERATOR=cpu without
+                      a GPU; its op is JIT-built on first use)
 <b> is the backend that ran: the fastest one that works for that format on the device (a
 backend that refuses, e.g. a native kernel not built yet, is skipped with its reason printed);
 --all times every working backend. bitsandbytes and torchao are optional: a missing or failing
@@ -78,7 +83,10 @@ FORMATS = {  # zk format -> (moments, master, bytes per element)
     "bf16": ("bf16", "fp32", 20.0),
     "int8": ("int8", "fp32", 16.0 + ABSMAX),
     "int8_nomaster": ("int8", "none", 10.0 + ABSMAX),
+    "int8v3": ("int8", "fp32", 16.0 + ABSMAX),
+    "int8v3_nomaster": ("int8", "none", 10.0 + ABSMAX),
 }
+VERSION = {"int8v3": 3, "int8v3_nomaster": 3}  # int8 format version (zerokern.quant.fmt_v3)
 ANCHORS = ("bnb_adamw8bit", "torchao_adamw8bit")
 MIN_COS = 0.95
 TRIAD = "stream_triad"
@@ -200,9 +208,11 @@ def zk(n: int, device: torch.device, fmt: str, backend: str) -> Provider:
 
     def cstep() -> None:
         st["step"] += 1
-        ops.fused_adamw_compressed_(param, g16, **kw, **hp, step=st["step"], backend=backend)
+        ops.fused_adamw_compressed_(param, g16, **kw, **hp, step=st["step"], backend=backend,
+                                    format_version=VERSION.get(fmt, 2))
 
-    what = (f"ops.fused_adamw_compressed_(backend={backend!r}), {moments} moments, "
+    what = (f"ops.fused_adamw_compressed_(backend={backend!r}), {moments} moments "
+            f"(format version {VERSION.get(fmt, 2)}), "
             + ("fp32 master, bf16 param out" if master == "fp32"
                else "bf16 param, stochastic rounding"))
     return Provider(cstep, lambda: param.float(), start, g16.float(), nbytes, what)
@@ -241,6 +251,28 @@ def bnb_adamw8bit(n: int, device: torch.device) -> Provider:
     opt = bnb.optim.AdamW8bit([p], **HP)
     return Provider(opt.step, lambda: p.detach(), p0, p.grad, 16.0 + ABSMAX,
                     f"bitsandbytes {bnb.__version__} AdamW8bit, fp32 param and grad")
+
+
+def ds_cpu_adam(n: int, device: torch.device) -> Provider:
+    """DeepSpeed's host step of ZeRO-Offload (DeepSpeedCPUAdam, AdamW mode) on the same flat
+    fp32 shard, carved like torch's arrays; its native op is JIT-built on first use (set
+    DS_ACCELERATOR=cpu on a machine without a GPU)."""
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if device.type != "cpu":
+        raise ValueError("DeepSpeedCPUAdam steps host tensors only")
+    p0, g0 = inputs(n, device)
+    pa, g = carve(device, (n, torch.float32), (n, torch.float32))
+    pa.copy_(p0)
+    g.copy_(g0)
+    p = torch.nn.Parameter(pa)
+    p.grad = g
+    opt = DeepSpeedCPUAdam([p], lr=HP["lr"], betas=HP["betas"], eps=HP["eps"],
+                           weight_decay=HP["weight_decay"], adamw_mode=True)
+    return Provider(opt.step, lambda: p.detach(), p0, g0, 28.0,
+                    f"deepspeed {deepspeed.__version__} DeepSpeedCPUAdam (adamw_mode), fp32 "
+                    "param, grad and moments")
 
 
 def torchao_adamw8bit(n: int, device: torch.device) -> Provider:
@@ -304,7 +336,8 @@ def providers(device: torch.device, every: bool, only: list[str] | None
         for b in ok if every else ok[:1]:
             out[f"zk_{fmt}_{b}"] = lambda n, fmt=fmt, b=b: zk(n, device, fmt, b)
     for name, make in (("bnb_adamw8bit", bnb_adamw8bit),
-                       ("torchao_adamw8bit", torchao_adamw8bit)):
+                       ("torchao_adamw8bit", torchao_adamw8bit),
+                       ("ds_cpu_adam", ds_cpu_adam)):
         if not wanted(name):
             continue
         try:

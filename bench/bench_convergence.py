@@ -15,6 +15,8 @@ betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter, no clipping). 
   zk_int8             ZeroAdamW(moments="int8"): 8-bit block-wise moments, fp32 master
   zk_int8_nomaster    ZeroAdamW(moments="int8", master="none"): no master, the bf16 params
                       updated with stochastic rounding
+  zk_int8v3, zk_int8v3_nomaster  the same two with int8 format version 3
+                      (zerokern.quant.fmt_v3, computed maps)
   torch_adamw         torch.optim.AdamW(fused) on fp32 master copies (bf16 grads copied in,
                       params copied out): the same math as zk_fp32 with other roundings, so
                       its distance to zk_fp32 is the noise floor of a "final loss" difference
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import math
 import statistics
 import sys
@@ -70,7 +73,13 @@ ZK = {  # config -> (moments, master)
     "zk_bf16": ("bf16", "fp32"),
     "zk_int8": ("int8", "fp32"),
     "zk_int8_nomaster": ("int8", "none"),
+    "zk_int8v3": ("int8", "fp32"),
+    "zk_int8v3_nomaster": ("int8", "none"),
 }
+# Configs stepped with int8 format version 3 (zerokern.quant.fmt_v3). ZeroAdamW has no option
+# for it yet: the step passes format_version=3 to the range op for the whole run (the state is
+# never saved or read back here, so its version-2 map ids are not consulted).
+V3 = ("zk_int8v3", "zk_int8v3_nomaster")
 OTHERS = ["torch_adamw", "bnb_adamw8bit", "torchao_adamw8bit", "torchao_adamw8bit_sr"]
 CONFIGS = [*ZK, *OTHERS]
 DEFAULT = [c for c in CONFIGS if c != "torchao_adamw8bit_sr"]
@@ -138,12 +147,21 @@ def zk_trainer(model: nn.Module, name: str, lr: float, backend: str | None,
         return sum(v for k, v in s.items() if k == "master" or k.startswith("exp_avg"))
 
     def step() -> None:
-        opt.step()
+        if name in V3:
+            plain = zerokern.ops.fused_adamw_compressed_
+            zerokern.ops.fused_adamw_compressed_ = functools.partial(plain, format_version=3)
+            try:
+                opt.step()
+            finally:
+                zerokern.ops.fused_adamw_compressed_ = plain
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
 
     return Trainer(step, lambda x: set_group_lr(opt, x), state_bytes,
                    f"ZeroAdamW(stage=2, moments={moments!r}, master={master!r}, "
-                   f"backend={backend!r}), world size 1")
+                   f"backend={backend!r}){' int8 format v3' if name in V3 else ''}, "
+                   "world size 1")
 
 
 class Masters:

@@ -281,6 +281,82 @@ int64_t fill_sr(uint32_t* w, uint32_t g0, int64_t t, int64_t G, uint32_t step, u
   return t;
 }
 
+// -- format version 3: computed maps (zerokern.quant.fmt_v3) ----------------------------------
+// A code's value is assembled from its bits and a normalised value's code is a few integer
+// operations on its pattern: a magnitude q in 1..127 (signed map, code 128 +- q) or 1..255
+// (unsigned map, code q) means the fp32 pattern (q + bias) << 20: 3 mantissa bits, the top q
+// exactly 1.0; q = 0 is 0. Rounding the pattern at bit 20 rounds to the nearest value (ties
+// away from zero). No table, no search: about 8 integer operations each way per 8 lanes.
+constexpr uint32_t kV3SignedBias = 889, kV3UnsignedBias = 761, kV3Half = 1u << 19;
+
+template <class V>
+inline typename V::F v3_decode_signed(typename V::I c) {
+  const auto k = V::sub(c, V::seti(128));
+  const auto a = V::absi(k);
+  const auto mag = V::signi(V::template sll<20>(V::add(a, V::seti(kV3SignedBias))), a);
+  return V::as_f(V::or_(mag, V::and_(k, V::seti(0x80000000u))));
+}
+
+template <class V>
+inline typename V::F v3_decode_unsigned(typename V::I c) {
+  return V::as_f(V::signi(V::template sll<20>(V::add(c, V::seti(kV3UnsignedBias))), c));
+}
+
+// Codes of finite n (a NaN n is coded apart, by the scalar path: see run_blocks).
+template <class V>
+inline typename V::I v3_encode_signed(typename V::F n) {
+  const auto u = V::bits(n);
+  const auto a = V::and_(u, V::seti(0x7FFFFFFFu));
+  auto q = V::sub(V::template srl<20>(V::add(a, V::seti(kV3Half))), V::seti(kV3SignedBias));
+  q = V::mini(V::maxi(q, V::seti(0)), V::seti(127));
+  return V::add(V::signi(q, u), V::seti(128));  // u == 0 only for n = +0, where q = 0
+}
+
+template <class V>
+inline typename V::I v3_encode_unsigned(typename V::F n) {
+  const auto w = V::maxi(V::bits(n), V::seti(0));  // negative patterns (-0 too) code as 0
+  const auto q = V::sub(V::template srl<20>(V::add(w, V::seti(kV3Half))), V::seti(kV3UnsignedBias));
+  return V::mini(V::maxi(q, V::seti(0)), V::seti(255));
+}
+
+#ifdef ZK_AVX2
+// 32 codes (int32 lanes, each < 256) as 32 bytes in element order: two saturating packs
+// interleave the four vectors' 128-bit halves, one permute puts the 4-byte groups back.
+inline void store_codes32(uint8_t* p, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+  const __m256i b =
+      _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#endif
+
+// One block's codes, V::N at a time: n = x * r, then the code, written as bytes.
+template <class V>
+int64_t v3_code_lanes(const float* mb, const float* vb, float m_r, float v_r, uint8_t* mc,
+                      uint8_t* vc, int64_t j, int64_t L) {
+  const auto mr = V::set1(m_r), vr = V::set1(v_r);
+#ifdef ZK_AVX2
+  if constexpr (std::is_same_v<V, L8>) {  // one 32-byte store per 32 codes, not four
+    for (; j + 32 <= L; j += 32) {
+      __m256i cm[4], cv[4];
+      for (int q = 0; q < 4; ++q) {
+        cm[q] = v3_encode_signed<V>(V::mul(V::ld(mb + j + 8 * q), mr));
+        cv[q] = v3_encode_unsigned<V>(V::mul(V::ld(vb + j + 8 * q), vr));
+      }
+      store_codes32(mc + j, cm[0], cm[1], cm[2], cm[3]);
+      store_codes32(vc + j, cv[0], cv[1], cv[2], cv[3]);
+    }
+  }
+#endif
+  for (; j + V::N <= L; j += V::N) {
+    V::st_u8(mc + j, v3_encode_signed<V>(V::mul(V::ld(mb + j), mr)));
+    V::st_u8(vc + j, v3_encode_unsigned<V>(V::mul(V::ld(vb + j), vr)));
+  }
+  return j;
+}
+
+constexpr bool is_u8(MomentFmt f) { return f == MomentFmt::U8 || f == MomentFmt::U8V3; }
+
 // -- the kernel --------------------------------------------------------------------------------
 
 // What the param is and where it goes.
@@ -373,8 +449,10 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
       V::st(vb + jj, vi);
       acc_m = V::maxu(acc_m, V::and_(V::bits(mi), abs_mask));
       acc_v = V::maxu(acc_v, V::and_(V::bits(vi), abs_mask));
-      acc_pm = V::maxi(acc_pm, V::bits(mi));
-      acc_pv = V::maxi(acc_pv, V::bits(vi));
+      if constexpr (MF == MomentFmt::U8) {  // version 3's scale is the absmax: no sign
+        acc_pm = V::maxi(acc_pm, V::bits(mi));
+        acc_pv = V::maxi(acc_pv, V::bits(vi));
+      }
     }
   };
 #ifdef ZK_VBMI
@@ -399,13 +477,16 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
     } else if constexpr (MF == MomentFmt::BF16) {
       mi = V::template ldt<BF16>(static_cast<const BF16*>(m) + i);
       vi = V::template ldt<BF16>(static_cast<const BF16*>(v) + i);
+    } else if constexpr (MF == MomentFmt::U8V3) {
+      mi = V::mul(v3_decode_signed<V>(V::ld_u8(static_cast<const uint8_t*>(m) + i)), msc);
+      vi = V::mul(v3_decode_unsigned<V>(V::ld_u8(static_cast<const uint8_t*>(v) + i)), vsc);
     } else {
       mi = V::mul(V::lut(c.tables + kSignedMap, static_cast<const uint8_t*>(m) + i), msc);
       vi = V::mul(V::lut(c.tables + kUnsignedMap, static_cast<const uint8_t*>(v) + i), vsc);
     }
     body(j, mi, vi);
   }
-  if constexpr (MF == MomentFmt::U8) {
+  if constexpr (is_u8(MF)) {
     am = std::max(am, V::hmax(acc_m));
     av = std::max(av, V::hmax(acc_v));
     pm = std::max(pm, V::hmaxi(acc_pm));
@@ -489,7 +570,7 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
       sr = reinterpret_cast<const uint16_t*>(srw) + (base & 7u);
     }
     float m_scale = 0.0f, v_scale = 0.0f;
-    if constexpr (MF == MomentFmt::U8) {
+    if constexpr (is_u8(MF)) {
       m_scale = c.m_absmax[b];
       v_scale = c.v_absmax[b];
     }
@@ -506,6 +587,32 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
 #endif
     sweep_update<L1, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av, pm,
                                           pv);
+    if constexpr (MF == MomentFmt::U8V3) {
+      // The absmax (NaN: the largest NaN pattern, sign cleared). A NaN or inf element makes
+      // it non-finite, which takes the scalar path: so the lanes only ever see finite n.
+      const float ms = bits_to_float(am), vs = bits_to_float(av);
+      c.m_absmax[b] = ms;
+      c.v_absmax[b] = vs;
+      const Norm mn(ms), vn(vs);
+      uint8_t* mc = static_cast<uint8_t*>(c.m) + i0;
+      uint8_t* vc = static_cast<uint8_t*>(c.v) + i0;
+      if (mn.recip && vn.recip) {
+        j = 0;
+#ifdef ZK_AVX512
+        j = v3_code_lanes<L16>(mb, vb, mn.r, vn.r, mc, vc, j, L);
+#endif
+#ifdef ZK_AVX2
+        j = v3_code_lanes<L8>(mb, vb, mn.r, vn.r, mc, vc, j, L);
+#endif
+        v3_code_lanes<L1>(mb, vb, mn.r, vn.r, mc, vc, j, L);
+      } else {
+        for (int64_t k = 0; k < L; ++k) {
+          const float nm = mn(mb[k]), nv = vn(vb[k]);
+          mc[k] = std::isnan(nm) ? 128 : uint8_t(v3_encode_signed<L1>(nm));
+          vc[k] = std::isnan(nv) ? 0 : uint8_t(v3_encode_unsigned<L1>(nv));
+        }
+      }
+    }
     if constexpr (MF == MomentFmt::U8) {
       const float ms = block_scale(am, pm), vs = block_scale(av, pv);
       c.m_absmax[b] = ms;
@@ -572,6 +679,7 @@ void pick_moments(const Ctx& c, MomentFmt mf) {
     case MomentFmt::F32: return pick_lerp<G, PM, MomentFmt::F32>(c);
     case MomentFmt::BF16: return pick_lerp<G, PM, MomentFmt::BF16>(c);
     case MomentFmt::U8: return pick_lerp<G, PM, MomentFmt::U8>(c);
+    case MomentFmt::U8V3: return pick_lerp<G, PM, MomentFmt::U8V3>(c);
   }
   throw std::invalid_argument("adamw_compressed_cpu: unknown moment format");
 }
@@ -627,6 +735,9 @@ void adamw_compressed_cpu(const CompressedArgs& a, const AdamScalars& s) {
       throw std::invalid_argument("adamw_compressed_cpu: 8-bit moments need absmax and tables");
     words = derived_for(a.tables);
     c.words = words.get();
+  } else if (a.mfmt == MomentFmt::U8V3) {
+    if (a.exp_avg_absmax == nullptr || a.exp_avg_sq_absmax == nullptr)
+      throw std::invalid_argument("adamw_compressed_cpu: 8-bit moments need absmax");
   }
   switch (a.gdt) {
     case DType::F32: return pick_param<float>(c, pm, a.mfmt);

@@ -520,6 +520,8 @@ void adamw_compressed_cuda(const CompressedArgs& c, const AdamScalars& s, void* 
   if (c.pdt != DType::F32 && c.pdt != DType::BF16) refuse("pdt (param) must be F32 or BF16");
   if (c.gdt != DType::F32 && c.gdt != DType::BF16 && c.gdt != DType::F16)
     refuse("gdt (grad) must be F32, BF16 or F16");
+  if (c.mfmt == MomentFmt::U8V3)
+    refuse("int8 format version 3 is implemented on the CPU kernel and the torch oracle only");
   if (c.mfmt != MomentFmt::F32 && c.mfmt != MomentFmt::BF16 && c.mfmt != MomentFmt::U8)
     refuse("mfmt must be F32, BF16 or U8");
   if (c.mfmt == MomentFmt::U8 &&

@@ -91,7 +91,8 @@ void adamw_compressed(at::Tensor param, const at::Tensor& grad, at::Tensor exp_a
                       at::Tensor exp_avg_sq, std::optional<at::Tensor> exp_avg_absmax,
                       std::optional<at::Tensor> exp_avg_sq_absmax,
                       std::optional<at::Tensor> param_lp, std::optional<at::Tensor> sr_index,
-                      uint64_t seed, int64_t step, const at::Tensor& tables, double decay,
+                      uint64_t seed, int64_t step, const at::Tensor& tables,
+                      int64_t format_version, double decay,
                       double one_minus_beta1, double beta2, double one_minus_beta2,
                       double step_size, double bc2_sqrt, double eps, double inv_grad_scale) {
   const int64_t n = param.numel();
@@ -117,6 +118,13 @@ void adamw_compressed(at::Tensor param, const at::Tensor& grad, at::Tensor exp_a
     default: TORCH_CHECK_TYPE(false, "exp_avg must be float32, bfloat16 or uint8");
   }
   const bool u8 = a.mfmt == zk::MomentFmt::U8;
+  TORCH_CHECK(format_version == 2 || format_version == 3,
+              "format_version must be 2 or 3, got ", format_version);
+  if (u8 && format_version == 3) {
+    TORCH_CHECK(dev.is_cpu(), "int8 format version 3 runs on the CPU kernel (and the torch "
+                "oracle) only, not on ", dev);
+    a.mfmt = zk::MomentFmt::U8V3;
+  }
   for (auto* opt : {&exp_avg_absmax, &exp_avg_sq_absmax}) {
     const char* name = opt == &exp_avg_absmax ? "exp_avg_absmax" : "exp_avg_sq_absmax";
     TORCH_CHECK(opt->has_value() == u8, name,
@@ -388,7 +396,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fused AdamW over one flat range with compressed state (in place)", py::arg("param"),
         py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("exp_avg_absmax"),
         py::arg("exp_avg_sq_absmax"), py::arg("param_lp"), py::arg("sr_index"), py::arg("seed"),
-        py::arg("step"), py::arg("tables"), py::arg("decay"), py::arg("one_minus_beta1"),
+        py::arg("step"), py::arg("tables"), py::arg("format_version"), py::arg("decay"),
+        py::arg("one_minus_beta1"),
         py::arg("beta2"), py::arg("one_minus_beta2"), py::arg("step_size"), py::arg("bc2_sqrt"),
         py::arg("eps"), py::arg("inv_grad_scale"));
   m.def("sq_norm", &sq_norm, "sum of squares as a 0-dim float32 tensor", py::arg("t"));

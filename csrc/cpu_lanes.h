@@ -42,8 +42,14 @@ struct L1 {
   static I add(I a, I b) { return a + b; }
   static I sub(I a, I b) { return a - b; }
   template <int K> static I srl(I a) { return a >> K; }
+  template <int K> static I sll(I a) { return a << K; }
+  static F as_f(I a) { return bits_to_float(a); }
   static I maxu(I a, I b) { return std::max(a, b); }
   static I maxi(I a, I b) { return uint32_t(std::max(int32_t(a), int32_t(b))); }
+  static I mini(I a, I b) { return uint32_t(std::min(int32_t(a), int32_t(b))); }
+  static I absi(I a) { return int32_t(a) < 0 ? 0u - a : a; }
+  // a where b > 0, -a where b < 0, 0 where b == 0 (b as a signed integer; x86's psignd).
+  static I signi(I a, I b) { return int32_t(b) < 0 ? 0u - a : (b == 0 ? 0u : a); }
   static I minu(I a, I b) { return std::min(a, b); }
   // Low 16 bits of u, complemented when the sign bit is set.
   static I low16_flip(I u) { return (u ^ (u >> 31 ? 0xFFFFu : 0u)) & 0xFFFFu; }
@@ -98,8 +104,13 @@ struct L8 {
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   template <int K> static I srl(I a) { return _mm256_srli_epi32(a, K); }
+  template <int K> static I sll(I a) { return _mm256_slli_epi32(a, K); }
+  static F as_f(I a) { return _mm256_castsi256_ps(a); }
   static I maxu(I a, I b) { return _mm256_max_epu32(a, b); }
   static I maxi(I a, I b) { return _mm256_max_epi32(a, b); }
+  static I mini(I a, I b) { return _mm256_min_epi32(a, b); }
+  static I absi(I a) { return _mm256_abs_epi32(a); }
+  static I signi(I a, I b) { return _mm256_sign_epi32(a, b); }
   static I minu(I a, I b) { return _mm256_min_epu32(a, b); }
   static I low16_flip(I u) {
     return _mm256_and_si256(_mm256_xor_si256(u, _mm256_srai_epi32(u, 31)),
@@ -190,8 +201,17 @@ struct L16 {
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   template <int K> static I srl(I a) { return _mm512_srli_epi32(a, K); }
+  template <int K> static I sll(I a) { return _mm512_slli_epi32(a, K); }
+  static F as_f(I a) { return _mm512_castsi512_ps(a); }
   static I maxu(I a, I b) { return _mm512_max_epu32(a, b); }
   static I maxi(I a, I b) { return _mm512_max_epi32(a, b); }
+  static I mini(I a, I b) { return _mm512_min_epi32(a, b); }
+  static I absi(I a) { return _mm512_abs_epi32(a); }
+  static I signi(I a, I b) {  // AVX-512 has no psignd: two masked moves
+    const __m512i z = _mm512_setzero_si512();
+    const __m512i r = _mm512_mask_sub_epi32(a, _mm512_cmplt_epi32_mask(b, z), z, a);
+    return _mm512_mask_mov_epi32(r, _mm512_cmpeq_epi32_mask(b, z), z);
+  }
   static I minu(I a, I b) { return _mm512_min_epu32(a, b); }
   static I low16_flip(I u) {  // (u ^ (u >> 31 arithmetic)) & 0xFFFF in one ternary op
     return _mm512_ternarylogic_epi32(u, _mm512_srai_epi32(u, 31), _mm512_set1_epi32(0xFFFF),

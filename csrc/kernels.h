@@ -56,7 +56,10 @@ constexpr int64_t kCopyChunkBytes = int64_t(1) << 16;
 // range contract of zerokern/ops/adamw_compressed.py, whose torch backend is the oracle every
 // native kernel equals bit for bit. Blocks are kQuantBlock consecutive elements counted from
 // the range's first element (the last one partial).
-enum class MomentFmt : int { F32 = 0, BF16 = 1, U8 = 2 };
+// U8 is format version 2 (the dynamic maps of zerokern.quant.maps, tables read from
+// CompressedArgs::tables); U8V3 is format version 3 (zerokern.quant.fmt_v3: computed maps,
+// the tables are not read).
+enum class MomentFmt : int { F32 = 0, BF16 = 1, U8 = 2, U8V3 = 3 };
 constexpr int64_t kQuantBlock = 256;
 struct CompressedArgs {
   void* param;                 // pdt F32: the master (param_lp optional); BF16: updated with SR

@@ -98,11 +98,13 @@ def test_bench_adam_quick(tmp_path: Path) -> None:
     want_bytes = {"torch_fused": 28.0, "torch_mixed": 28.0, "zk_fp32": 2 + 8 + 16 + 2,
                   "zk_bf16": 2 + 8 + 8 + 2, "zk_int8": 2 + 8 + 4 + 2 + absmax,
                   "zk_int8_nomaster": 2 + 4 + 4 + absmax, "bnb_adamw8bit": 8 + 4 + 4 + absmax}
+    want_bytes["zk_int8v3"] = want_bytes["zk_int8"]  # format version 3: the same bytes
+    want_bytes["zk_int8v3_nomaster"] = want_bytes["zk_int8_nomaster"]
     backends = available_backends(torch.device("cpu"))
     for lg in ("10", "12"):
         sel = {r["provider"]: r for r in rows if r["log2_n"] == lg}
         zk = {name for name in sel if name.startswith("zk_")}
-        for fmt in ("fp32", "bf16", "int8", "int8_nomaster"):
+        for fmt in ("fp32", "bf16", "int8", "int8_nomaster", "int8v3", "int8v3_nomaster"):
             ran = [b for b in backends if f"zk_{fmt}_{b}" in zk]
             assert len(ran) == 1, (fmt, sorted(zk))  # the fastest that runs, named
         assert {"torch_fused", "torch_mixed"} <= set(sel)

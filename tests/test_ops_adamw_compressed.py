@@ -267,7 +267,7 @@ def test_other_code_maps(kind):
     absmax_m, absmax_v = torch.ones(nb), torch.ones(nb)
     _native._C.adamw_compressed(
         torch.zeros(n), g, m, v, absmax_m, absmax_v, None, None, 0, 1, _table(signed, unsigned),
-        1.0, 1.0, 0.0, 1.0, 1e-3, 1.0, 1e-8, 1.0)
+        2, 1.0, 1.0, 0.0, 1.0, 1e-3, 1.0, 1e-8, 1.0)
     want_m, want_am = quantize_blockwise_v2(g, signed)
     want_v, want_av = quantize_blockwise_v2(g * g, unsigned)
     _assert_same(m, want_m, "exp_avg codes")
@@ -309,7 +309,7 @@ def _binding_args(n: int = 300) -> dict:
         param=torch.randn(n), grad=torch.randn(n), exp_avg=torch.zeros(n, dtype=torch.uint8),
         exp_avg_sq=torch.zeros(n, dtype=torch.uint8), exp_avg_absmax=torch.ones(nb),
         exp_avg_sq_absmax=torch.ones(nb), param_lp=None, sr_index=None, seed=0, step=1,
-        tables=kernel_tables("cpu"))
+        tables=kernel_tables("cpu"), format_version=2)
 
 
 _SCALARS = dict(decay=1.0, one_minus_beta1=0.1, beta2=0.999, one_minus_beta2=0.001,
@@ -326,6 +326,7 @@ _SCALARS = dict(decay=1.0, one_minus_beta1=0.1, beta2=0.999, one_minus_beta2=0.0
     (dict(param_lp=torch.zeros(300)), "param_lp"),
     (dict(tables=torch.zeros(1000)), "tables"),
     (dict(sr_index=torch.zeros(2, dtype=torch.int64)), "sr_index"),
+    (dict(format_version=4), "format_version"),
 ])
 def test_binding_refuses_bad_arguments(change, needle):
     args = {**_binding_args(), **change}

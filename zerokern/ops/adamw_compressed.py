@@ -15,6 +15,9 @@ the others equal it bit for bit):
   dequantized ``code[c] * scale`` (``zerokern.quant.maps``), updated, requantized with
   format version 2: a signed scale and one reciprocal per block,
   ``zerokern.quant.blockwise``). A version-1 state (absmax >= 0) decodes the same way.
+  ``format_version=3`` reads and writes version 3's computed maps instead
+  (``zerokern.quant.fmt_v3``: codes from bit patterns, no table); only the ``cpu`` and
+  ``torch`` backends run it (``triton`` and ``cuda`` refuse it).
 * The parameter, by ``param``'s dtype: fp32 is the master (``param_lp`` optionally receives
   it rounded to nearest even); bf16 is updated directly and written with
   ``stochastic_round_bf16(p, sr_bits16(seed, step, index))`` (format version 2: one Philox
@@ -35,6 +38,7 @@ from .. import _native
 from ..kernel_contract import AdamScalars, adam_scalars
 from ..quant.blockwise import quantize_blockwise_v2
 from ..quant.contract import adamw_contract_
+from ..quant.fmt_v3 import code_map_v3, quantize_blockwise_v3
 from ..quant.maps import (
     BLOCK,
     SIGNED_MAP_ID,
@@ -51,6 +55,10 @@ from ._validate import FLOAT_DTYPES, LOW_DTYPES, check_flat, check_real
 __all__ = ["fused_adamw_compressed_", "moments_format"]
 
 MOMENT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.uint8: "int8"}
+FORMAT_VERSIONS = (2, 3)
+"""The int8 encodings the range op runs (``format_version=``); 2 is the default."""
+V3_BACKENDS = ("cpu", "torch")
+"""The backends that run int8 format version 3."""
 
 
 def moments_format(exp_avg: torch.Tensor) -> str:
@@ -72,16 +80,19 @@ def adamw_compressed_torch_(
     param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
     exp_avg_absmax: torch.Tensor | None, exp_avg_sq_absmax: torch.Tensor | None,
     param_lp: torch.Tensor | None, sr_index: torch.Tensor | None, seed: int, step: int,
-    s: AdamScalars,
+    s: AdamScalars, format_version: int = 2,
 ) -> None:
     """The oracle of the range contract (module docstring), in pure PyTorch."""
     n = param.numel()
     fmt = moments_format(exp_avg)
+    v3 = format_version == 3
     if fmt == "int8":
         assert exp_avg_absmax is not None and exp_avg_sq_absmax is not None
         dev = exp_avg.device
-        m = dequantize_blockwise(exp_avg, exp_avg_absmax, code_map(SIGNED_MAP_ID, dev))
-        v = dequantize_blockwise(exp_avg_sq, exp_avg_sq_absmax, code_map(UNSIGNED_MAP_ID, dev))
+        mmap = code_map_v3(True, dev) if v3 else code_map(SIGNED_MAP_ID, dev)
+        vmap = code_map_v3(False, dev) if v3 else code_map(UNSIGNED_MAP_ID, dev)
+        m = dequantize_blockwise(exp_avg, exp_avg_absmax, mmap)
+        v = dequantize_blockwise(exp_avg_sq, exp_avg_sq_absmax, vmap)
     elif fmt == "bf16":
         m, v = exp_avg.float(), exp_avg_sq.float()  # new tensors (bf16 -> fp32 is exact)
     else:
@@ -93,10 +104,16 @@ def adamw_compressed_torch_(
         exp_avg_sq.copy_(v)
     elif fmt == "int8":
         assert exp_avg_absmax is not None and exp_avg_sq_absmax is not None
-        codes, absmax = quantize_blockwise_v2(m, code_map(SIGNED_MAP_ID, m.device))
+        if v3:
+            codes, absmax = quantize_blockwise_v3(m, True)
+        else:
+            codes, absmax = quantize_blockwise_v2(m, code_map(SIGNED_MAP_ID, m.device))
         exp_avg.copy_(codes)
         exp_avg_absmax.copy_(absmax)
-        codes, absmax = quantize_blockwise_v2(v, code_map(UNSIGNED_MAP_ID, v.device))
+        if v3:
+            codes, absmax = quantize_blockwise_v3(v, False)
+        else:
+            codes, absmax = quantize_blockwise_v2(v, code_map(UNSIGNED_MAP_ID, v.device))
         exp_avg_sq.copy_(codes)
         exp_avg_sq_absmax.copy_(absmax)
     if param.dtype == torch.bfloat16:
@@ -109,19 +126,25 @@ def adamw_compressed_torch_(
 def _run(backend: str, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
          exp_avg_sq: torch.Tensor, exp_avg_absmax: torch.Tensor | None,
          exp_avg_sq_absmax: torch.Tensor | None, param_lp: torch.Tensor | None,
-         sr_index: torch.Tensor | None, seed: int, step: int, s: AdamScalars) -> None:
+         sr_index: torch.Tensor | None, seed: int, step: int, s: AdamScalars,
+         format_version: int = 2) -> None:
     if param.numel() == 0:
         return
+    if format_version == 3 and exp_avg.dtype == torch.uint8 and backend not in V3_BACKENDS:
+        # Also for direct callers of the custom op: never step version 3 with version 2's code.
+        raise ValueError(f"format_version=3 (int8) runs on the backends "
+                         f"{', '.join(V3_BACKENDS)} only, not {backend!r}")
     args = (param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax, param_lp,
             sr_index, seed, step)
     if backend == "torch":
-        adamw_compressed_torch_(*args, s)
+        adamw_compressed_torch_(*args, s, format_version)
     elif backend == "triton":
         from ..kernels.triton.adamw_compressed import adamw_compressed_triton_
 
         adamw_compressed_triton_(*args, kernel_tables(param.device), s)
     else:  # cpu and cuda share one native entry point that dispatches on the device
-        _native.require(backend).adamw_compressed(*args, kernel_tables(param.device), *s)
+        _native.require(backend).adamw_compressed(*args, kernel_tables(param.device),
+                                                  format_version, *s)
 
 
 @torch.library.custom_op(
@@ -133,17 +156,19 @@ def _op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor, exp_avg_absmax: torch.Tensor | None,
         exp_avg_sq_absmax: torch.Tensor | None, param_lp: torch.Tensor | None,
         sr_index: torch.Tensor | None, seed: int, lr: float, beta1: float, beta2: float,
-        eps: float, weight_decay: float, step: int, grad_scale: float, backend: str) -> None:
+        eps: float, weight_decay: float, step: int, grad_scale: float, backend: str,
+        format_version: int) -> None:
     s = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                      step=step, grad_scale=grad_scale)
     seed %= 2**64  # the schema's int is int64: seeds >= 2**63 travel as negatives
     _run(backend, param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax,
-         param_lp, sr_index, seed, step, s)
+         param_lp, sr_index, seed, step, s, format_version)
 
 
 @_op.register_fake
 def _(param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax, param_lp, sr_index,
-      seed, lr, beta1, beta2, eps, weight_decay, step, grad_scale, backend) -> None:
+      seed, lr, beta1, beta2, eps, weight_decay, step, grad_scale, backend,
+      format_version) -> None:
     return None
 
 
@@ -235,6 +260,7 @@ def fused_adamw_compressed_(
     sr_index: torch.Tensor | None = None,
     seed: int | None = None,
     backend: str | None = None,
+    format_version: int = 2,
 ) -> None:
     """One AdamW step over a flat range with compressed state, in place (module docstring).
 
@@ -257,16 +283,26 @@ def fused_adamw_compressed_(
             parameter.
         seed: bf16 param only: the stochastic rounding seed, in [0, 2**64).
         backend: "cuda", "triton", "cpu", "torch" or None (fastest for the device).
+        format_version: the int8 encoding, 2 (``zerokern.quant.blockwise``, the default) or
+            3 (``zerokern.quant.fmt_v3``, backends ``cpu`` and ``torch`` only); the other
+            moment formats ignore it.
 
     Raises:
         TypeError, ValueError: naming the first bad argument, with nothing modified.
     """
+    if isinstance(format_version, bool) or format_version not in FORMAT_VERSIONS:
+        raise ValueError(f"format_version must be one of {FORMAT_VERSIONS}, "
+                         f"got {format_version!r}")
     validate_compressed_args(
         param, grad, exp_avg, exp_avg_sq, exp_avg_absmax=exp_avg_absmax,
         exp_avg_sq_absmax=exp_avg_sq_absmax, param_lp=param_lp, sr_index=sr_index, seed=seed,
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
         grad_scale=grad_scale)
     chosen = resolve_backend(backend, param.device)
+    if format_version == 3 and exp_avg.dtype == torch.uint8 and chosen not in V3_BACKENDS:
+        raise ValueError(f"format_version=3 (int8) runs on the backends "
+                         f"{', '.join(V3_BACKENDS)} only, not {chosen!r} (its kernel "
+                         f"implements version 2)")
     _op(param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax, param_lp,
         sr_index, _int64(seed or 0), float(lr), float(beta1), float(beta2), float(eps),
-        float(weight_decay), int(step), float(grad_scale), chosen)
+        float(weight_decay), int(step), float(grad_scale), chosen, int(format_version))

@@ -1,0 +1,189 @@
+"""Format version 3 of the int8 moments (zerokern.quant.fmt_v3, issue 39): its computed maps,
+its codes against an independent float64 nearest-value reference, its error bound, exact
+re-encoding, the CPU kernel bit for bit against the oracle (``backend="torch"``) over chained
+steps, every param mode, partial blocks and the scalar path's scales, block-split
+independence, and the refusals (Triton and CUDA run version 2 only)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from zerokern import _native
+from zerokern.ops import adamw_compressed as opmod
+from zerokern.ops.adamw_compressed import fused_adamw_compressed_
+from zerokern.quant.fmt_v3 import code_map_v3, codes_v3, quantize_blockwise_v3
+from zerokern.quant.maps import BLOCK, dequantize_blockwise
+
+native = pytest.mark.skipif(
+    not (_native.has_native() and hasattr(_native._C, "adamw_compressed")),
+    reason="zerokern._C without the cpu adamw_compressed kernel",
+)
+MAG1 = {True: 1.25 * 2.0**-16, False: 1.25 * 2.0**-32}
+
+
+def _nearest_code(n: float, signed: bool, table: list[float]) -> int:
+    """Independent reference: round |n| to 3 mantissa bits in float64 (ties away from zero),
+    0 below the smallest magnitude, capped at 1; the code is that value's index."""
+    if math.isnan(n) or (not signed and (n < 0 or math.copysign(1.0, n) < 0)):
+        return 128 if signed else 0
+    a = abs(n)
+    r = 0.0
+    if a > 0:
+        e = math.floor(math.log2(a))
+        step = 2.0 ** (e - 3)
+        r = math.floor(a / step + 0.5) * step
+        r = 0.0 if r < MAG1[signed] else min(r, 1.0)
+    value = -r if (signed and n < 0) else r
+    return table.index(value) if value != 0 else (128 if signed else 0)
+
+
+def _probe_values() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.exp2(-40 * torch.rand(4000, generator=gen))
+    parts = [torch.rand(4000, generator=gen) * 2 - 1,
+             (torch.rand(4000, generator=gen) * 2 - 1) * wide]
+    for signed in (True, False):  # every map value, every midpoint and their fp32 neighbours
+        t = code_map_v3(signed).double()
+        mids = ((t[1:] + t[:-1]) / 2).float()
+        for x in (t.float(), mids):
+            up, down = torch.tensor(2.0), torch.tensor(-2.0)
+            parts += [x, torch.nextafter(x, up), torch.nextafter(x, down)]
+    parts.append(torch.tensor([0.0, -0.0, 1.0, -1.0, 1.0000001, -1.0000001, 2.0**-130,
+                               -(2.0**-130), float("nan"), 1.1875 * 2**-16, 1.1875 * 2**-32]))
+    return torch.cat(parts).float()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_maps_and_codes_match_the_float64_nearest_value(signed):
+    t = code_map_v3(signed)
+    assert t.shape == (256,) and bool((t[1:] > t[:-1]).all())
+    table = t.tolist()
+    if signed:
+        assert table[255] == 1.0 and table[1] == -1.0 and table[0] == -1.125 and table[128] == 0
+        assert table[129] == MAG1[True]
+        assert torch.equal(t[129:], -t[1:128].flip(0))
+    else:
+        assert table[255] == 1.0 and table[0] == 0 and table[1] == MAG1[False]
+    n = _probe_values()
+    got = codes_v3(n, signed).tolist()
+    want = [_nearest_code(x, signed, table) for x in n.double().tolist()]
+    bad = [(x, g, w) for x, g, w in zip(n.tolist(), got, want) if g != w]
+    assert not bad, f"{len(bad)} codes differ, e.g. {bad[:3]}"
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_error_bound_and_exact_reencoding(signed):
+    gen = torch.Generator().manual_seed(7)
+    n = 50 * BLOCK + 37
+    x = torch.randn(n, generator=gen) * torch.exp2(-30 * torch.rand(n, generator=gen))
+    if not signed:
+        x = x.abs()
+    x[BLOCK:2 * BLOCK] = 0.0
+    codes, scale = quantize_blockwise_v3(x, signed)
+    y = dequantize_blockwise(codes, scale, code_map_v3(signed))
+    s = scale.double().repeat_interleave(BLOCK)[:n]
+    x64, err = x.double(), (y.double() - x.double()).abs()
+    bound = x64.abs() / 16 + s * MAG1[signed] + 2.0**-21 * x64.abs() + 2.0**-149
+    assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item()}"
+    assert torch.equal(y[BLOCK:2 * BLOCK], torch.zeros(BLOCK))
+    codes2, scale2 = quantize_blockwise_v3(y, signed)
+    assert torch.equal(codes2, codes) and torch.equal(scale2, scale)
+
+
+def _state(n: int, pdtype: torch.dtype, lp: torch.dtype | None, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.randn(n, generator=gen) * 0.1 * torch.exp2(-10 * torch.rand(n, generator=gen))
+    v = torch.rand(n, generator=gen) * 0.01 * torch.exp2(-20 * torch.rand(n, generator=gen))
+    m[BLOCK:2 * BLOCK] *= 2.0**-128  # below the normal range: scales that divide
+    v[BLOCK:2 * BLOCK] *= 2.0**-128
+    em, am = quantize_blockwise_v3(m, True)
+    ev, av = quantize_blockwise_v3(v, False)
+    nb = -(-n // BLOCK)
+    return dict(param=torch.randn(n, generator=gen).to(pdtype), exp_avg=em, exp_avg_sq=ev,
+                exp_avg_absmax=am, exp_avg_sq_absmax=av,
+                param_lp=None if lp is None else torch.zeros(n, dtype=lp),
+                sr_index=(torch.arange(nb, dtype=torch.int64) * 3 * BLOCK + 5
+                          if pdtype == torch.bfloat16 else None))
+
+
+def _step(st: dict, grad: torch.Tensor, step: int, backend: str, beta1: float = 0.9) -> None:
+    fused_adamw_compressed_(
+        st["param"], grad, st["exp_avg"], st["exp_avg_sq"], lr=1e-2, beta1=beta1, beta2=0.999,
+        eps=1e-8, weight_decay=0.1, step=step, exp_avg_absmax=st["exp_avg_absmax"],
+        exp_avg_sq_absmax=st["exp_avg_sq_absmax"], param_lp=st["param_lp"],
+        sr_index=st["sr_index"], seed=2**63 + 9 if st["sr_index"] is not None else None,
+        backend=backend, format_version=3)
+
+
+def _same(a: dict, b: dict) -> None:
+    for k, t in a.items():
+        if isinstance(t, torch.Tensor) and k != "sr_index":
+            u = b[k]
+            assert torch.equal(torch.isnan(t.float()), torch.isnan(u.float())), k
+            ok = ~torch.isnan(t.float())
+            assert torch.equal(t[ok], u[ok]), f"{k}: {(t[ok] != u[ok]).sum().item()} differ"
+
+
+@native
+@pytest.mark.parametrize("pdtype,lp,gdtype,n,beta1", [
+    (torch.float32, torch.bfloat16, torch.bfloat16, 5 * BLOCK + 77, 0.9),
+    (torch.float32, None, torch.float32, 3 * BLOCK, 0.3),
+    (torch.float32, torch.float16, torch.float16, BLOCK + 13, 0.9),
+    (torch.bfloat16, None, torch.bfloat16, 4 * BLOCK + 100, 0.9),
+    (torch.float32, torch.bfloat16, torch.float32, 130 * BLOCK + 9, 0.9),  # OpenMP split (2**15)
+])
+def test_cpu_kernel_equals_the_oracle(pdtype, lp, gdtype, n, beta1):
+    st = _state(n, pdtype, lp, seed=n)
+    ref = {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in st.items()}
+    gen = torch.Generator().manual_seed(3)
+    for step in (1, 2, 3):
+        g = (torch.randn(n, generator=gen) * torch.exp2(-12 * torch.rand(n, generator=gen)))
+        if n > 2 * BLOCK:
+            g[:BLOCK] = 0.0 if step == 2 else g[:BLOCK]  # a block that decays
+            g[BLOCK:2 * BLOCK] *= 2.0**-140  # tiny: subnormal scales, the divided path
+        if step == 3 and n > 3 * BLOCK:
+            g[2 * BLOCK + 7] = float("inf")  # a non-finite block: NaN scale, codes by rule
+        g = g.to(gdtype)
+        _step(st, g, step, "cpu", beta1)
+        _step(ref, g, step, "torch", beta1)
+        _same(st, ref)
+    if n > 2 * BLOCK and gdtype != torch.float16:  # (fp16 flushes the tiny gradient to 0)
+        tiny = st["exp_avg_absmax"][1]
+        assert 0 < tiny < 2.0**-126, "the divided path was not reached"
+
+
+@native
+def test_blocks_are_independent_of_the_split():
+    n = 6 * BLOCK + 50
+    whole = _state(n, torch.float32, torch.bfloat16, seed=11)
+    g = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    halves = {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in whole.items()}
+    _step(whole, g, 1, "cpu")
+    cut = 2 * BLOCK
+    for lo, hi in ((0, cut), (cut, n)):
+        part = {k: (t[lo:hi] if k in ("param", "exp_avg", "exp_avg_sq", "param_lp") else t)
+                for k, t in halves.items()}
+        part["exp_avg_absmax"] = halves["exp_avg_absmax"][lo // BLOCK:-(-hi // BLOCK)]
+        part["exp_avg_sq_absmax"] = halves["exp_avg_sq_absmax"][lo // BLOCK:-(-hi // BLOCK)]
+        _step(part, g[lo:hi], 1, "cpu")
+    _same(whole, halves)
+
+
+def test_refusals_name_the_argument_and_modify_nothing(monkeypatch):
+    st = _state(BLOCK, torch.float32, None, seed=1)
+    before = {k: t.clone() for k, t in st.items() if isinstance(t, torch.Tensor)}
+    g = torch.randn(BLOCK)
+    with pytest.raises(ValueError, match="format_version"):
+        fused_adamw_compressed_(st["param"], g, st["exp_avg"], st["exp_avg_sq"], lr=1e-3,
+                                beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
+                                exp_avg_absmax=st["exp_avg_absmax"],
+                                exp_avg_sq_absmax=st["exp_avg_sq_absmax"], format_version=4)
+    for backend in ("triton", "cuda"):  # their kernels implement version 2 only
+        monkeypatch.setattr(opmod, "resolve_backend", lambda b, d, _b=backend: _b)
+        with pytest.raises(ValueError, match=f"format_version=3.*not '{backend}'"):
+            _step(st, g, 1, backend)
+    for k, t in before.items():
+        assert torch.equal(st[k], t), f"{k} was modified"
