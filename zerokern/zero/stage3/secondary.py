@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...comm import Comm
+from ...comm.parts import gather_part
 
 if TYPE_CHECKING:
     from .unit import Unit
@@ -40,6 +41,7 @@ class Secondary:
     def __init__(self, node: Comm, padded_numels: list[int], dtype: torch.dtype,
                  device: torch.device) -> None:
         self.node = node
+        self.part = gather_part(node)  # the node group's plain (16-bit) gather
         s = node.world_size
         self.spans: list[tuple[int, int]] = []
         off = 0
@@ -63,8 +65,8 @@ class Secondary:
     def gather(self, u: Unit, buf: torch.Tensor, label: str, *, async_op: bool) -> Any:
         """``buf`` = the node's shares of ``u``, in node-rank order: the unit's full padded
         space (a Handle, or None when done at once)."""
-        return self.node.all_gather(buf, self.share(u.index), f"{label} (hpZ, in node)",
-                                    async_op=async_op)
+        return self.part.gather(buf, self.share(u.index), f"{label} (hpZ, in node)",
+                                async_op=async_op)
 
     def will_fill(self, u: Unit) -> None:
         """``u``'s crossing gather was started: its result fills the share (``gathered``)."""
