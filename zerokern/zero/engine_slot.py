@@ -26,7 +26,13 @@ from ..comm.quantized_parts import WireFormat
 from ..quant.maps import BLOCK
 from . import rebind
 from .engines import make_engine, planned_memory
-from .layout import ALIGN_ELEMS, Layout, build_layout, build_stage3_layout
+from .layout import (
+    ALIGN_ELEMS,
+    STATE_ALIGN_ELEMS,
+    Layout,
+    build_layout,
+    build_stage3_layout,
+)
 from .param_table import ParamTable
 from .rules import ADAMW, UpdateRule
 from .shard_state import ShardState
@@ -82,7 +88,7 @@ class EngineSlot:
         if self.rt is not None:
             # A compact state (the optimizer's own elements only) unless offloaded: the host
             # pipeline stages and lands gradients by slice (one optimizer per model there).
-            align = None if self.offload else self.fmt.layout_alignment(ALIGN_ELEMS)
+            align = None if self.offload else self.fmt.layout_alignment(STATE_ALIGN_ELEMS)
             layout = build_stage3_layout(self.rt, params, param_groups, align)
         else:
             # Where the parameters are now: a model moved after ZeroAdamW was built (as

@@ -21,6 +21,10 @@ from .plan import BucketPlan, _prefix, plan_buckets, round_bucket_numel
 # so every shard starts aligned for 16-byte vector loads and on a cache line.
 ALIGN_ELEMS = 32
 DEFAULT_BUCKET_NUMEL = 1 << 21
+# A compact stage-3 state keeps each element at its slice offset modulo this many elements:
+# 16 bytes of bf16 (32 of fp32), so the state and the slices a kernel reads together share
+# their 16-byte phase and take the same vector path as over the whole slice.
+STATE_ALIGN_ELEMS = 8
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -170,17 +174,18 @@ def build_layout(
 
 
 def build_stage3_layout(rt: Any, params: Sequence[Any], groups: Sequence[dict],
-                        align: int | None = ALIGN_ELEMS) -> Layout:
+                        align: int | None = STATE_ALIGN_ELEMS) -> Layout:
     """Stage 3: the local space covers the optimizer's own pieces of the runtime's unit slices.
 
     Pieces of parameters it does not train (frozen ones, another optimizer's) are holes
-    (param -1). With ``align`` the state is compact: each run of the slices between two holes
-    (its pieces and the padding between them) becomes a segment of the local space, placed at
-    the first offset congruent to its slice offset modulo ``align`` (so every element keeps its
-    alignment, and int8 blocks their boundaries); a hole is a 0-element piece between them, so
-    the runs of the step are cut there as before. Several optimizers of one model thus hold
-    state for their own elements only. ``align=None``: the local space is the slices' own
-    (offload, whose staging is by slice)."""
+    (param -1). With ``align`` the state is compact: each run of its pieces contiguous in the
+    slices becomes a segment of the local space, placed at the first offset congruent to its
+    slice offset modulo ``align`` (so every element keeps its alignment, and int8 blocks their
+    boundaries; the space is never larger than the slices'); a hole is a 0-element piece
+    between two segments, so the runs of the step are cut there as before (padding between
+    two runs is left out without cutting: the step is by segment). Several optimizers of one
+    model thus hold state for their own elements only. ``align=None``: the local space is the
+    slices' own (offload, whose staging is by slice)."""
     index = {id(p): i for i, p in enumerate(params)}
     group_of = {id(p): g for g, grp in enumerate(groups) for p in grp["params"]}
     raw = []
@@ -207,19 +212,23 @@ def build_stage3_layout(rt: Any, params: Sequence[Any], groups: Sequence[dict],
                 if pc.numel:
                     pieces.append(Piece(-1, pc.param_offset, end, 0, -1))
                 continue
+            if seg is not None and pc.numel and pc.local_start != seg[1] + seg[2]:
+                # Padding of the slices before it (a unit's end): left out, the run goes on.
+                segments.append((seg[0], seg[1], seg[2]))
+                end, seg = seg[0] + seg[2], None
             if seg is None:
                 if not pc.numel:
                     pieces.append(Piece(pc.param, pc.param_offset, end, 0, pc.group))
                     continue
                 start = end + (pc.local_start - end) % align
                 seg = [start, pc.local_start, 0]
-            seg[2] = max(seg[2], pc.local_start + pc.numel - seg[1])
+            seg[2] = max(seg[2], pc.local_start + pc.numel - seg[1])  # 0-element: inside
             pieces.append(Piece(pc.param, pc.param_offset, seg[0] + pc.local_start - seg[1],
                                 pc.numel, pc.group))
         if seg is not None:
             segments.append((seg[0], seg[1], seg[2]))
             end = seg[0] + seg[2]
-        local_numel = end
+        local_numel = _ceil_div(end, align) * align  # whole blocks, as the slices hold
     return Layout(
         stage=3, world_size=rt.comm.world_size, rank=rt.comm.rank, plans=(), orders=(),
         ready_order=(), group_flat_start=(), group_local_start=(), flat_numel=0,
