@@ -184,8 +184,9 @@ def build_stage3_layout(rt: Any, params: Sequence[Any], groups: Sequence[dict],
     boundaries; the space is never larger than the slices'); a hole is a 0-element piece
     between two segments, so the runs of the step are cut there as before (padding between
     two runs is left out without cutting: the step is by segment). Several optimizers of one
-    model thus hold state for their own elements only. ``align=None``: the local space is the
-    slices' own (offload, whose staging is by slice)."""
+    model thus hold state for their own elements only. ``align=None`` (offload, whose staging
+    is by slice), or an optimizer of every parameter of the model: the local space is the
+    slices' own."""
     index = {id(p): i for i, p in enumerate(params)}
     group_of = {id(p): g for g, grp in enumerate(groups) for p in grp["params"]}
     raw = []
@@ -199,6 +200,8 @@ def build_stage3_layout(rt: Any, params: Sequence[Any], groups: Sequence[dict],
     pieces: list[Piece] = []
     segments: list[tuple[int, int, int]] = []
     local_numel = rt.local_numel
+    if not any(pc.param < 0 and pc.numel for pc in raw):
+        align = None  # every element is the optimizer's: the slices' own space, as always
     if align is None:
         pieces = raw
     else:
