@@ -200,8 +200,8 @@ def build_stage3_layout(rt: Any, params: Sequence[Any], groups: Sequence[dict],
     pieces: list[Piece] = []
     segments: list[tuple[int, int, int]] = []
     local_numel = rt.local_numel
-    if not any(pc.param < 0 and pc.numel for pc in raw):
-        align = None  # every element is the optimizer's: the slices' own space, as always
+    if all(id(p) in index for u in rt.units for p in u.params):
+        align = None  # every parameter is the optimizer's: the slices' own space, as always
     if align is None:
         pieces = raw
     else:
