@@ -12,7 +12,9 @@ and moments; each optimizer's state_dict() and the project's checkpoints round t
 parameters) cannot step; bf16 parameters (an fp32 master each) train bit for bit as one
 ZeroAdamW with one param group per optimizer, with each optimizer's step and zero_grad
 interleaved and a no_sync micro-batch (the other optimizer's step is no outside write of
-the weights, and a zero_grad before a backward does not drop the next step's gradients).
+the weights, and a zero_grad before a backward does not drop the next step's gradients),
+and each of the two holds state (and reports it in memory_stats()) for its own elements
+only: together about what the one optimizer holds.
 test_zero_muon.py runs the plain recipe at stage 3 on 2 and 3 ranks and on a 2x2 mesh;
 test_clip_two_optimizers.py the clip's forms.
 

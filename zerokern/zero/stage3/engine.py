@@ -6,6 +6,10 @@ rank's parameter and gradient slices. This engine composes the state of those sl
 master for 16-bit parameters, the update rule's buffers; shard_state.py) and steps it unit by
 unit; the new slice is all the next forward gathers, so nothing is gathered after the step.
 
+An optimizer of part of the model's parameters (frozen ones, or another optimizer's beside it)
+keeps a compact state: its layout's segments map its own runs of the slices to its local space
+(layout.build_stage3_layout), and the step reads and writes the slices through them.
+
 With offload the state is on the host (ZeRO-Offload): the runtime moves its gradient slice
 there and lands each unit's reduced gradients through the state's staging slots; the CPU
 kernel updates the host master and the new 16-bit slice goes back to the device slice (or is
