@@ -105,6 +105,11 @@ def slot_numel(layout: Layout) -> int:
     return max((b.shard_numel for b in layout.buckets), default=1)
 
 
+def _held(rt: Stage3Runtime) -> int:
+    """Elements of parameters in this rank's stage-3 slices (the rest is padding)."""
+    return sum(sp.numel for u in rt.units for sp in u.plan.rank_pieces(rt.comm.rank))
+
+
 def _local_real(layout: Layout) -> int:
     return sum(pc.numel for pc in layout.pieces if pc.param >= 0)
 
@@ -236,7 +241,7 @@ def stage3_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype, state: 
     L, esz = layout, _esize(dtype)
     gsz = rt.local_grads.element_size()  # the reduce dtype's (the parameters' by default)
     kinds, pad = state_bytes(state, _local_real(L))
-    held = sum(pc.numel for pc in L.pieces)  # this rank's slice, frozen params too
+    held = _held(rt)  # this rank's slice, frozen parameters and other optimizers' too
     out = {"params": held * esz, "grads": held * gsz, **kinds, "buckets": 0,
            "padding": pad + (rt.local_numel - held) * (esz + gsz)}
     out.update(_gather_stats(rt))
@@ -260,7 +265,7 @@ def stage3_offload_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype,
     parameter slice."""
     L, esz = layout, _esize(dtype)
     kinds, pad = state_bytes(state, _local_real(L))
-    held = sum(pc.numel for pc in L.pieces)
+    held = _held(rt)
     on_host = rt.offload_params
     dev_params = 0 if on_host else rt.local_numel * esz
     out = {"params": 0 if on_host else held * esz, "grads": 0,
