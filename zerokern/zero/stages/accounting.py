@@ -219,7 +219,10 @@ def scratch_peak(comm: Any) -> int:
 def with_residuals(out: dict[str, int], part: Any) -> dict[str, int]:
     """``out`` with ``ef_residual``: the error-feedback residuals of the gradient-reduce part
     ``part`` (comm/quantized_parts.py; allocated at each slice's first send, 0 before the
-    first step and without ``error_feedback``), counted in the device total."""
+    first step), counted in the device total. Without ``error_feedback`` there is no key, so
+    the keys are the same before the first step (no engine yet) and after it."""
+    if not getattr(part, "feedback", False):
+        return out
     r = int(getattr(part, "residual_bytes", 0))
     out["ef_residual"] = r
     out["total"] += r
