@@ -152,7 +152,10 @@ def _accounting(rank: int, world: int, stage: int) -> tuple[int, int]:
     L = opt.layout
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad) if stage < 3 else 0
     local = sum(pc.numel for pc in L.pieces if pc.param >= 0)
-    held = sum(pc.numel for pc in L.pieces)
+    # Stage 3: the gradient slices cover this rank's whole slice of every unit (frozen
+    # parameters' pieces too), whatever the optimizer's own (compact) layout holds.
+    held = (sum(sp.numel for u in zerokern.zero.shard.runtime_of(model).units
+                for sp in u.plan.rank_pieces(rank)) if stage == 3 else 0)
     grads = {0: 2 * psi + 4 * psi, 1: 2 * psi + 4 * local, 2: 4 * local, 3: 4 * held}[stage]
     assert ms["grads"] == grads, (stage, ms["grads"], grads)
     cs = opt.comm_stats()
