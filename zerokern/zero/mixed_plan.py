@@ -52,7 +52,7 @@ def plan_parts(param_groups: list[dict[str, Any]], cfg: Any, runtime: Any,
     """The parts of an optimizer over ``param_groups`` with the options ``cfg``, or None
     when every trained parameter has one dtype and no group names its own ``master`` (one
     flat layout: the optimizer is built as it always was). Refuses, naming the argument,
-    what the parts cannot hold: several devices, stage 3, ``loss_scale``, and each part's
+    what the parts cannot hold: several devices, ``loss_scale``, and each part's
     own dtype checks (so that no part is built when a later one would be refused)."""
     trained = [(gi, p) for gi, g in enumerate(param_groups) for p in g["params"]
                if p.requires_grad]
@@ -69,11 +69,6 @@ def plan_parts(param_groups: list[dict[str, Any]], cfg: Any, runtime: Any,
             raise ValueError(
                 f"params: all trainable parameters must share one device; parameter 0 is "
                 f"on {p0.device}, parameter {i} is on {p.device}")
-    if runtime is not None or cfg.stage == 3:
-        raise ValueError(
-            "params: parameters of several dtypes (or a param group's own 'master') at "
-            "stage 3 are not supported yet: shard_model keeps one dtype per model. Cast the "
-            "model to one dtype, or use stage 0-2")
     if cfg.loss_scale is not None:
         raise ValueError(
             f"loss_scale={cfg.loss_scale!r} with parameters of several dtypes (or a param "
