@@ -262,6 +262,12 @@ def test_mixed_dtypes_refusals():
         zerokern.shard_model(MixNet(BF, F32), offload_params=True)
     with pytest.raises(ValueError, match="gather_dtype='int8' with parameters of several"):
         zerokern.shard_model(MixNet(BF, F32), gather_dtype="int8")
+    sharded = zerokern.shard_model(MixNet(BF, F32))
+    for bad, match in (({"offload": "cpu"}, "offload='cpu' with parameters of several"),
+                       ({"reduce_dtype": F32}, "reduce_dtype=torch.float32 with parameters")):
+        with pytest.raises(ValueError, match=match):
+            zerokern.ZeroAdamW(sharded.parameters(), stage=3, **bad)
+    zerokern.ZeroAdamW(sharded.parameters(), stage=3)  # nothing was built by the refusals
 
 
 def test_mixed_dtypes_load_is_all_or_nothing():

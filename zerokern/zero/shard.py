@@ -78,6 +78,11 @@ def shard_model(
     and released afterwards; gradients are reduce-scattered as soon as its backward is done.
     Use with ``ZeroAdamW(model.parameters(), stage=3)``.
 
+    Parameters of several dtypes (a bf16 embedding beside fp32 matrices): one flat buffer
+    per dtype, each with its own slices, gather arena and collectives; a unit holding several
+    dtypes is gathered and reduced as one unit per dtype. The parameters share one device.
+    Refused with ``offload_params``, ``hpz`` and ``gather_dtype`` (not built for several).
+
     ``offload_params=True`` (ZeRO-Infinity's ``offload_param``): each rank's parameter slice
     lives in host memory (pinned on CUDA) between uses and is copied to the device just
     before its unit's all-gather (prefetched units with the unit before them). Use with
