@@ -210,7 +210,9 @@ def grid_case(rank: int, world: int, stages: list[int], ckpt: str) -> None:
                 sd, params = opt.full_state_dict(), model.state_dict()  # collectives
                 if rank == 0:
                     torch.save({"sd": sd, "params": params}, path + ".ref.pt")
-    if world != 2:
+    if world == 2:
+        units_case(rank, world)
+    else:
         load_case(rank, world, ckpt)
 
 
@@ -324,7 +326,12 @@ def test_shard_model_mixed_dtypes_units():
     gather arena) per dtype, the units split; the full state dict and load round trip bit for
     bit, memory_stats counts each dtype's slices in its own element size, and training at
     stage 3 (the saved activations of both dtypes' gathered units read back in the backward,
-    prefetch on) gives stage 0's parameters."""
+    prefetch on) gives stage 0's parameters. One process here; 2 ranks in grid_case."""
+    units_case(0, 1)
+
+
+def units_case(rank: int, world: int) -> None:
+    """test_shard_model_mixed_dtypes_units on ``world`` ranks (the same batch on each)."""
     idx = torch.arange(24).reshape(4, 6) % 32
     plain = _Net()
     want = copy.deepcopy(plain.state_dict())
@@ -336,7 +343,7 @@ def test_shard_model_mixed_dtypes_units():
         st = r.memory_stats()
         assert st["local_params"] == r.local_numel * (2 if r.dtype == BF else 4)
         assert r.local_numel >= sum(p.numel() for u in r.units for p in u.params)
-    full = zerokern.full_state_dict(model)
+    full = zerokern.full_state_dict(model, rank0_only=False)
     assert list(full) == list(want)
     for k, v in want.items():
         assert full[k].dtype == v.dtype and torch.equal(full[k], v), k
@@ -348,12 +355,12 @@ def test_shard_model_mixed_dtypes_units():
             opt.step()
             opt.zero_grad()
         opts.append(opt)
-    got = zerokern.full_state_dict(model)
+    got = zerokern.full_state_dict(model, rank0_only=False)
     for k, v in plain.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1],
                                    msg=lambda s, k=k: f"{k}: {s}")
     assert opts[1].memory_stats()["total"] == sum(p.memory_stats()["total"]
                                                   for p in opts[1]._parts)
     model.load_state_dict(want)  # each dtype's slices from the full values
-    for k, v in zerokern.full_state_dict(model).items():
+    for k, v in zerokern.full_state_dict(model, rank0_only=False).items():
         assert torch.equal(v, want[k]), k
