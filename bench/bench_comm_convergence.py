@@ -16,6 +16,8 @@ the loss of a step is the mean over both ranks. Configs (ZeroAdamW's options):
   r8          reduce_dtype="int8"   (ZeRO++ qgZ-style: the gradient reduce-scatter in int8)
   r4          reduce_dtype="int4"
   g8r8        gather_dtype="int8", reduce_dtype="int8"
+  r4ef        reduce_dtype="int4", error_feedback=True
+  r8ef        reduce_dtype="int8", error_feedback=True
 Each config is its own 2-rank launch whose rank 0 writes ``<out>/<name>_<config>.json``
 (every step's loss, eval loss, ms/step, comm_stats() bytes), so a long series can run in the
 background and be reported (``--report``: summary .md/.csv and the curve .png) at the end.
@@ -53,9 +55,14 @@ CONFIGS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (ZeroAdamW options
     "r8": ({"reduce_dtype": "int8"}, 0),
     "r4": ({"reduce_dtype": "int4"}, 0),
     "g8r8": ({"gather_dtype": "int8", "reduce_dtype": "int8"}, 0),
+    # error feedback (comm/quantized_parts.py): the quantization residual is added back into
+    # the next step's gradient, so the rounding error does not accumulate in the weights
+    "r4ef": ({"reduce_dtype": "int4", "error_feedback": True}, 0),
+    "r8ef": ({"reduce_dtype": "int8", "error_feedback": True}, 0),
 }
 REF, NOISE = "base", "base_s1"
-GOALS = {"g8": 0.5, "r8": 0.5, "g8r8": 0.5, "r4": 1.0}  # |final loss vs base| in %
+GOALS = {"g8": 0.5, "r8": 0.5, "g8r8": 0.5, "r4": 1.0,  # |final loss vs base| in %
+         "r4ef": 1.0, "r8ef": 0.5}
 WORLD = 2
 
 

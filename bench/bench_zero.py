@@ -41,7 +41,7 @@ from gpt import GPTConfig  # noqa: E402
 from zero_mesh import main_mesh, parse_mesh  # noqa: E402
 from zero_policies import (  # noqa: E402
     COMPRESSED_POLICIES,
-    HYBRID_OF,
+    FLAT_OF,
     MESH_POLICIES,
     OFFLOAD_POLICIES,
     POLICIES,
@@ -180,7 +180,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quantized", action="store_true",
                     help="with --mesh: zerokern stage 3 flat and hybrid with each quantized "
                     "communication option (gather int8, reduce int8, reduce int4, gather int8 + "
-                    "reduce int8) beside the 16-bit rows and ddp")
+                    "reduce int8 or int4, reduce int4 with error feedback) beside the 16-bit "
+                    "rows and ddp, and hpZ (16-bit, gather int8, gather int8 + reduce int4)")
     ap.add_argument("--mesh", metavar="RxS",
                     help="flat vs hybrid sharding on a 2-D mesh of R replicas x S ranks "
                     "(world size R*S; default policies: ddp, fsdp2 / fsdp2_hsdp, zk_stageN / "
@@ -202,8 +203,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"and --compressed (got policies {bad})")
     elif args.quantized:
         ap.error("--quantized needs --mesh RxS")
-    elif any(p in HYBRID_OF for p in args.policies):
-        ap.error(f"policies {sorted(HYBRID_OF)} need --mesh RxS")
+    elif any(p in FLAT_OF for p in args.policies):
+        ap.error(f"policies {sorted(FLAT_OF)} need --mesh RxS")
     for flag, extra in ((args.compressed, COMPRESSED_POLICIES), (args.offload, OFFLOAD_POLICIES)):
         if flag:
             args.policies = list(args.policies) + [p for p in extra if p not in args.policies]

@@ -1,10 +1,11 @@
 """The planner table of docs/quantized-comm.md: ZeRO stage 3 on 7B and 70B models over 64 and
-512 GPUs (8 per node), flat and hybrid, 16-bit against each quantized option, bytes per step
-and GPU per link kind and communication time at 25 / 100 / 400 Gb/s across nodes.
+512 GPUs (8 per node), flat, hybrid and hpZ, 16-bit against each quantized option, bytes per
+step and GPU per link kind, hpZ's secondary copy per GPU and communication time at 25 / 100 /
+400 Gb/s across nodes.
 
     python bench/quantized_plan_table.py [--bucket-numel 200000000]
 
-The numbers are ``python -m zerokern estimate --nodes R --hybrid --gather-dtype int8
+The numbers are ``python -m zerokern estimate --nodes R --hybrid --hpz --gather-dtype int8
 --reduce-dtype int8|int4 --json``'s (zerokern.estimate with the quantized section), run twice
 (reduce int8, reduce int4) and merged: nothing is computed here but the table.
 """
@@ -31,7 +32,7 @@ def rows(bucket: int) -> list[dict]:
             seen = {}
             for red in ("int8", "int4"):
                 q = estimate(psi, gpus=[n], nodes=n // PER_NODE, gpus_per_node=PER_NODE,
-                             hybrid=True, gather_dtype="int8", reduce_dtype=red,
+                             hybrid=True, hpz=True, gather_dtype="int8", reduce_dtype=red,
                              inter_gbits=GBITS, bucket_numel=bucket)["quantized"]
                 for layout, items in q["layouts"].items():
                     for r in items:
@@ -39,7 +40,7 @@ def rows(bucket: int) -> list[dict]:
                             seen[(layout, r["gather_dtype"], r["reduce_dtype"])] = r
             order = [(None, None), ("int8", None), (None, "int8"), (None, "int4"),
                      ("int8", "int8"), ("int8", "int4")]
-            for layout in ("flat", "hybrid"):
+            for layout in ("flat", "hybrid", "hpz"):
                 for g, red in order:
                     out.append({"model": mname, "gpus": n, "layout": layout,
                                 **seen[(layout, g, red)]})
@@ -48,14 +49,16 @@ def rows(bucket: int) -> list[dict]:
 
 def markdown(rs: list[dict]) -> str:
     head = ("| model | GPUs | layout | wire | intra GB/GPU | inter GB/GPU | inter, x Psi "
-            "(16-bit el.) | " + " | ".join(f"t @ {g:g} Gb/s" for g in GBITS) + " |")
-    lines = [head, "|" + "---|" * 4 + "---:|" * (3 + len(GBITS))]
+            "(16-bit el.) | hpZ copy GB/GPU | " + " | ".join(f"t @ {g:g} Gb/s" for g in GBITS)
+            + " |")
+    lines = [head, "|" + "---|" * 4 + "---:|" * (4 + len(GBITS))]
     for r in rs:
         t = r["seconds_by_inter_gbits"]
         lines.append(f"| {r['model']} | {r['gpus']} | {r['layout']} | "
                      f"{wire_name(r['gather_dtype'], r['reduce_dtype'])} | "
                      f"{fmt_gb(r['intra_bytes'])} | {fmt_gb(r['inter_bytes'])} | "
                      f"{r['inter_vs_psi']:.3f} | "
+                     f"{fmt_gb(r['secondary_bytes']) if r['layout'] == 'hpz' else '-'} | "
                      + " | ".join(fmt_seconds(t[f'{g:g}']) for g in GBITS) + " |")
     return "\n".join(lines)
 

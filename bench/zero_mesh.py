@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from gpt import GPTConfig, batch
-from zero_policies import HYBRID_OF, Job, Skip, build
+from zero_policies import FLAT_OF, HPZ_OF, HYBRID_OF, Job, Skip, build
 from zero_ranks import combine, train
 
 from zerokern.comm_model import Cluster, Link, step_collectives, step_seconds
@@ -254,7 +254,8 @@ def run_mesh(job: MeshJob, timeout: float) -> list[dict[str, Any]]:
                 row.update(combine(ranks, job.steps))
                 row.pop("rss_mb", None)  # the process's peak over every policy so far
                 dims = ranks[0].get("dims", {})
-                for d in DIMS:
+                # hpZ's comm_stats has a "world" dim too: its forward gathers and reduces
+                for d in (*DIMS, "world") if pol in HPZ_OF else DIMS:
                     if dims:
                         row[f"{d}_mb"] = dims.get(f"{d}_bytes", 0) / H.MB
                         row[f"{d}_wire_mb"] = dims.get(f"{d}_wire_bytes", 0) / H.MB
@@ -263,6 +264,7 @@ def run_mesh(job: MeshJob, timeout: float) -> list[dict[str, Any]]:
                     row["other_mb"] = dims["other_bytes"] / H.MB
                 if dims and job.shape[0] > 1:  # what one inter-node link carries
                     row["inter_mb"] = row["replicate_wire_mb" if pol in HYBRID_OF
+                                          else "world_wire_mb" if pol in HPZ_OF
                                           else "shard_wire_mb"]
             rows.append(row)
     return rows
@@ -270,18 +272,19 @@ def run_mesh(job: MeshJob, timeout: float) -> list[dict[str, Any]]:
 
 def _layout(pol: str, shape: tuple[int, int]) -> str:
     r, s = shape
-    return f"hybrid {r}x{s}" if pol in HYBRID_OF else f"flat {r * s}"
+    return (f"hybrid {r}x{s}" if pol in HYBRID_OF else f"hpZ {r}x{s}" if pol in HPZ_OF
+            else f"flat {r * s}")
 
 
 def add_round_ratios(rows: list[dict[str, Any]]) -> None:
     """Within each round: step time over ddp's and, for a hybrid row, over its flat
-    policy's (zero_policies.HYBRID_OF)."""
+    policy's (zero_policies.FLAT_OF: a hybrid or hpZ row's flat policy)."""
     ok = {(r["round"], r["policy"]): r for r in rows if r["status"] == "ok"}
     for r in ok.values():
         ddp = ok.get((r["round"], "ddp"))
         if ddp:
             r["x_time_vs_ddp"] = r["step_ms"] / ddp["step_ms"]
-        flat = ok.get((r["round"], HYBRID_OF.get(r["policy"], "")))
+        flat = ok.get((r["round"], FLAT_OF.get(r["policy"], "")))
         if flat:
             r["x_time_vs_flat"] = r["step_ms"] / flat["step_ms"]
 
@@ -313,7 +316,7 @@ def summarize(rows: list[dict[str, Any]], policies: list[str]) -> list[dict[str,
         out.append(row)
     by = {r["policy"]: r for r in out if "state_mb" in r}
     for r in out:
-        ddp, flat = by.get("ddp"), by.get(HYBRID_OF.get(r["policy"], ""))
+        ddp, flat = by.get("ddp"), by.get(FLAT_OF.get(r["policy"], ""))
         if "state_mb" in r and ddp:
             r["x_mem_vs_ddp"] = r["state_mb"] / ddp["state_mb"]
         if "state_mb" in r and flat:
@@ -360,7 +363,8 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
             ("x_time_vs_flat", "time / flat"), ("x_time_vs_ddp", "time / ddp"),
             ("state_mb", "model state MB/rank"), ("x_mem_vs_flat", "mem / flat"),
             ("x_mem_vs_ddp", "mem / ddp"), ("shard_mb", "shard dim MB/step"),
-            ("replicate_mb", "replicate dim MB/step"), ("calls", "calls shard + replicate"),
+            ("replicate_mb", "replicate dim MB/step"), ("world_mb", "world dim MB/step (hpZ)"),
+            ("calls", "calls shard + replicate"),
             ("inter_mb", "inter-node link MB/step"),
             ("x_inter_vs_flat", "inter / flat"), ("loss", "final loss")]
     lines = [header, "", "| " + " | ".join(c[1] for c in cols) + " |",
@@ -449,8 +453,8 @@ def main_mesh(args: Any, ref: dict[str, Any] | None, command: str) -> int:
                       ["policy", "layout", "status", "step_ms", "step_ms_rounds",
                        "x_time_vs_flat", "x_time_vs_flat_min", "x_time_vs_flat_max",
                        "x_time_vs_ddp", "state_mb", "x_mem_vs_flat", "shard_mb",
-                       "replicate_mb", "shard_wire_mb", "replicate_wire_mb", "shard_calls",
-                       "replicate_calls", "inter_mb",
+                       "replicate_mb", "world_mb", "shard_wire_mb", "replicate_wire_mb",
+                       "shard_calls", "replicate_calls", "inter_mb",
                        "x_inter_vs_flat", "loss"])
         for x in rows:
             if "optim" in x:

@@ -69,10 +69,17 @@ QUANT_OPTIONS = {
     "r8": {"reduce_dtype": "int8"},
     "r4": {"reduce_dtype": "int4"},
     "g8r8": {"gather_dtype": "int8", "reduce_dtype": "int8"},
+    "g8r4": {"gather_dtype": "int8", "reduce_dtype": "int4"},
+    # error feedback: the same int4 bytes, each rank's quantization residual carried over
+    "r4ef": {"reduce_dtype": "int4", "error_feedback": True},
 }
 HYBRID_OF.update({f"zk_stage3_{q}_hybrid": f"zk_stage3_{q}" for q in QUANT_OPTIONS})
+# "_hpz": shard_model(mesh=, hpz=True) on the same mesh (ZeRO++'s hpZ: sharded over all R*S
+# ranks as flat, the backward's gathers in the node), each beside its flat policy
+HPZ_OF = {f"zk_stage3{q}_hpz": f"zk_stage3{q}" for q in ("", "_g8", "_g8r4")}
+FLAT_OF = {**HYBRID_OF, **HPZ_OF}  # a mesh policy -> the flat one it is compared with
 QUANT_MESH_POLICIES = ["ddp", "zk_stage3", "zk_stage3_hybrid"] + [
-    p for q in QUANT_OPTIONS for p in (f"zk_stage3_{q}", f"zk_stage3_{q}_hybrid")]
+    p for q in QUANT_OPTIONS for p in (f"zk_stage3_{q}", f"zk_stage3_{q}_hybrid")] + list(HPZ_OF)
 
 
 class Skip(Exception):
@@ -232,14 +239,16 @@ def setup_fsdp2(job: Job, model: nn.Module, device: torch.device, mesh: Any = No
 
 
 def setup_zerokern(job: Job, model: nn.Module, stage: int, offload: bool = False,
-                   offload_params: bool = False, fmt: dict[str, str] | None = None,
-                   mesh: Any = None) -> Setup:
+                   offload_params: bool = False, fmt: dict[str, Any] | None = None,
+                   mesh: Any = None, hpz: bool = False) -> Setup:
     import zerokern
 
     kw: dict[str, Any] = {"bucket_numel": job.bucket_numel} if job.bucket_numel else {}
     kw.update(fmt or {})  # moments= / master= of the compressed rows
     if mesh is not None:  # hybrid sharding (only passed then: older trees lack the argument)
         kw["mesh"] = mesh
+    if hpz:  # hpZ on that mesh instead of hybrid sharding
+        kw["hpz"] = True
     # Stage 3: shard_model's default units (the blocks), then the optimizer.
     opt = zerokern.parallelize(model, stage=stage, offload="cpu" if offload else None,
                                offload_params=offload_params, **HP, **kw)
@@ -266,7 +275,7 @@ def setup_zerokern(job: Job, model: nn.Module, stage: int, offload: bool = False
     if offload_params:
         name += " + shard_model(offload_params=True)"
     if mesh is not None:
-        name += f", hybrid mesh {tuple(mesh.shape)}"
+        name += f", {'hpZ' if hpz else 'hybrid'} mesh {tuple(mesh.shape)}"
     return Setup(_plain_step(model, opt), state, name, lambda: comm_per_dim(opt))
 
 
@@ -378,12 +387,12 @@ def build(job: Job, device: torch.device, mesh: Any = None) -> Setup:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**job.cfg))
     pol = job.policy
-    hybrid = pol in HYBRID_OF
-    if hybrid and mesh is None:
+    hybrid, hpz = pol in HYBRID_OF, pol in HPZ_OF
+    if (hybrid or hpz) and mesh is None:
         raise ValueError(f"policy {pol!r} needs a 2-D mesh (bench_zero.py --mesh RxS)")
-    mesh = mesh if hybrid else None
-    if hybrid:
-        pol = HYBRID_OF[pol]  # the same setup as the flat policy, on the mesh
+    mesh = mesh if hybrid or hpz else None
+    if hybrid or hpz:
+        pol = FLAT_OF[pol]  # the same setup as the flat policy, on the mesh
     # bf16: the model is bf16 except for fsdp2 (its fp32 shard is the master) and deepspeed
     # (it casts the model itself).
     keep_fp32 = pol == "fsdp2" or pol.startswith("ds_")
@@ -402,7 +411,7 @@ def build(job: Job, device: torch.device, mesh: Any = None) -> Setup:
             if not lowp:
                 raise Skip("master='none' needs 16-bit parameters (bf16 precision only)")
             fmt["master"] = "none"
-        return setup_zerokern(job, model, stage, offload, offload_params, fmt, mesh)
+        return setup_zerokern(job, model, stage, offload, offload_params, fmt, mesh, hpz)
     if pol.startswith("ds_stage"):
         return setup_deepspeed(job, model, device, stage, offload, offload_params)
     raise ValueError(f"unknown policy {pol!r}")

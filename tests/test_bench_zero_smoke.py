@@ -261,6 +261,18 @@ def test_bench_zero_quantized_rows(capsys: pytest.CaptureFixture[str]) -> None:
     assert args.policies == QUANT_MESH_POLICIES
     assert {"zk_stage3_g8r8", "zk_stage3_r4_hybrid"} <= set(args.policies)
     assert HYBRID_OF["zk_stage3_r4_hybrid"] == "zk_stage3_r4"
+    # error feedback (flat and hybrid) and hpZ rows, each compared with its flat policy
+    from zero_mesh import _layout
+    from zero_policies import FLAT_OF, HPZ_OF
+
+    assert {"zk_stage3_r4ef", "zk_stage3_r4ef_hybrid", "zk_stage3_hpz",
+            "zk_stage3_g8r4_hpz"} <= set(args.policies)
+    assert FLAT_OF["zk_stage3_g8r4_hpz"] == "zk_stage3_g8r4" and set(HPZ_OF) <= set(FLAT_OF)
+    assert (_layout("zk_stage3_g8_hpz", (2, 2)), _layout("zk_stage3_r4ef_hybrid", (2, 2)),
+            _layout("zk_stage3_r4ef", (2, 2))) == ("hpZ 2x2", "hybrid 2x2", "flat 4")
+    with pytest.raises(SystemExit):
+        parse_args(["--policies", "zk_stage3_hpz"])
+    assert "need --mesh" in capsys.readouterr().err
 
     class Opt:
         def comm_stats(self) -> dict:

@@ -19,7 +19,7 @@ from zerokern.comm_model import DEFAULT_INTRA_BW_GB_S as INTRA_BW
 from zerokern.comm_model import DEFAULT_INTRA_LATENCY_S as INTRA_LAT
 from zerokern.comm_model import Link, ring_seconds
 from zerokern.estimate import estimate
-from zerokern.quantized_plan import quantized_plan
+from zerokern.quantized_plan import quantized_plan, step_counted
 
 BUCKET = 4096
 R, S = 3, 4  # nodes x GPUs per node
@@ -163,3 +163,82 @@ def test_api_refusals_name_the_argument():
         estimate(7e9, gpus=[64], nodes=8, inter_gbits=[])
     with pytest.raises(ValueError, match="inter_gbits"):
         quantized_plan(7e9, 8, 8, False, None, "int8", Link(200), 0.0, (float("nan"),))
+
+
+def _hpz_expected(g: int | None, r: int | None) -> tuple[Fraction, Fraction]:
+    """hpZ (stage 3): forward gather and reduce-scatter over all N ranks (both links), the
+    backward gather of the secondary's shares over the node's S ranks in 16-bit (intra)."""
+    padded = sum(c * -(-n // N) * N for n, c in CALLS)
+    by_dim = F.hpz_comm_bytes(padded, S, R, 2)  # 16-bit: world = gather + reduce, shard = bwd
+    world = Fraction(0)
+    for n, c in CALLS:
+        k = -(-n // N)
+        gather = F.quantized_all_gather_bytes(k, N, g) if g else N * k * 2
+        red = F.quantized_reduce_scatter_bytes(k, N, r) if r else N * k * 2
+        world += c * (_sent(gather, N) + _sent(red, N))
+    if not (g or r):
+        assert world == _sent(by_dim["world"], N)
+    return world + _sent(by_dim["shard"], S), world
+
+
+def test_hpz_rows_equal_the_formulas(capsys):
+    code, out, err = _cli(capsys, *BASE, "--hpz", "--gather-dtype", "int8",
+                          "--reduce-dtype", "int4", "--json")
+    assert code == 0, err
+    q = json.loads(out)["quantized"]
+    assert list(q["layouts"]) == ["flat", "hpz"]  # hpZ is its own layout, not --hybrid's
+    rows = q["layouts"]["hpz"]
+    bits = {None: None, "int8": 8, "int4": 4}
+    padded = sum(c * -(-n // N) * N for n, c in CALLS)
+    assert [(r["stage"], r["gather_dtype"], r["reduce_dtype"]) for r in rows] == [
+        (3, None, None), (3, "int8", None), (3, None, "int4"), (3, "int8", "int4")]
+    for row in rows:
+        intra, inter = _hpz_expected(bits[row["gather_dtype"]], bits[row["reduce_dtype"]])
+        assert (row["intra_bytes"], row["inter_bytes"]) == (intra, inter), row["collectives"]
+        assert row["secondary_bytes"] == F.hpz_secondary_bytes(padded, S, R, 2)
+        bwd = [c for c in row["collectives"] if c["group"] == "shard"]
+        assert [(c["ranks"], c["bytes"]) for c in bwd] == [
+            (S, F.hpz_comm_bytes(padded, S, R, 2)["shard"])]
+    # the flat layout's stage-3 rows carry no secondary; hpZ's saves exactly the backward
+    # gather's cross-node bytes against them
+    flat3 = {(r["gather_dtype"], r["reduce_dtype"]): r for r in q["layouts"]["flat"]
+             if r["stage"] == 3}
+    for row in rows:
+        f = flat3[(row["gather_dtype"], row["reduce_dtype"])]
+        assert f["secondary_bytes"] == 0
+        g = bits[row["gather_dtype"]]
+        fwd = sum(c * (F.quantized_all_gather_bytes(-(-n // N), N, g) if g
+                       else N * -(-n // N) * 2) for n, c in CALLS)
+        assert f["inter_bytes"] - row["inter_bytes"] == _sent(fwd, N)
+
+
+def test_hpz_full_zeropp_row_at_scale():
+    """qwZ + hpZ + qgZ on 8 nodes x 8 GPUs: ZeRO++'s 0.75 Psi across nodes, (N-1)/N of
+    0.5 + 0.25 plus the fp32 scales (one per 256 elements)."""
+    q = estimate(7e9, gpus=[64], nodes=8, gpus_per_node=8, hpz=True, gather_dtype="int8",
+                 reduce_dtype="int4", bucket_numel=200_000_000)["quantized"]
+    row = q["layouts"]["hpz"][-1]
+    assert (row["gather_dtype"], row["reduce_dtype"]) == ("int8", "int4")
+    assert 0.75 * 63 / 64 < row["inter_vs_psi"] < 0.77
+    assert row["secondary_bytes"] == F.hpz_secondary_bytes(7_000_000_000, 8, 8, 2)
+
+
+def test_hpz_text_column_and_refusals(capsys):
+    code, out, err = _cli(capsys, *BASE, "--hpz")
+    assert code == 0, err
+    assert "hpZ copy GB/GPU" in out and [ln.split()[:3] for ln in out.splitlines()
+                                         if ln.startswith("hpz ")] == [["hpz", "3", "16-bit"]]
+    code, out, _ = _cli(capsys, *BASE, "--reduce-dtype", "int8")
+    assert code == 0 and "hpZ copy GB/GPU" not in out and "\nhpz " not in out
+    code, out, err = _cli(capsys, "--params", "7e9", "--hpz")
+    assert code == 2 and out == "" and "--hpz needs --nodes" in err, err
+    with pytest.raises(ValueError, match="hpz needs nodes"):
+        estimate(7e9, gpus=[64], hpz=True)
+    with pytest.raises(ValueError, match="hpz must be True or False"):
+        estimate(7e9, gpus=[64], nodes=8, hpz="yes")
+    with pytest.raises(ValueError, match="hpz must be True or False"):
+        quantized_plan(7e9, 8, 8, False, None, None, Link(200), 0.0, hpz=1)
+    with pytest.raises(ValueError, match="hpz is a stage-3 layout"):
+        step_counted(2, 1 << 20, 8, 8, False, hpz=True)
+    with pytest.raises(ValueError, match="hpz is a stage-3 layout"):
+        step_counted(3, 1 << 20, 8, 8, True, hpz=True)

@@ -12,7 +12,9 @@ and moments; each optimizer's state_dict() and the project's checkpoints round t
 parameters) cannot step; bf16 parameters (an fp32 master each) train bit for bit as one
 ZeroAdamW with one param group per optimizer, with each optimizer's step and zero_grad
 interleaved and a no_sync micro-batch (the other optimizer's step is no outside write of
-the weights, and a zero_grad before a backward does not drop the next step's gradients).
+the weights, and a zero_grad before a backward does not drop the next step's gradients),
+and each of the two holds state (and reports it in memory_stats()) for its own elements
+only: together about what the one optimizer holds.
 test_zero_muon.py runs the plain recipe at stage 3 on 2 and 3 ranks and on a 2x2 mesh;
 test_clip_two_optimizers.py the clip's forms.
 
@@ -47,6 +49,7 @@ from test_zero_parity import _ref_average
 
 import zerokern
 from zerokern.zero.interop import optimizer_of
+from zerokern.zero.registry import runtime_of_module
 
 MAX_NORM = 0.5
 STEPS = 3
@@ -213,6 +216,47 @@ def bf16_as_one_optimizer(rank, world):
             o.step()
             o.zero_grad()
     _bitwise(two, one, "bf16, two optimizers vs one with two groups")
+    _state_covers_own_elements(two, opts, single)
+
+
+def _own_pieces(model, params):
+    """(elements, runs) of ``params``' pieces in this rank's slices; a run is contiguous there
+    (it ends at another parameter's piece or at padding)."""
+    mine = {id(p) for p in params}
+    own = runs = 0
+    end = -1  # slice end of the last own piece
+    pieces = runtime_of_module(model).local_pieces()
+    for p, _, k, v in sorted(pieces, key=lambda t: t[3].storage_offset()):  # slice order
+        if id(p) in mine and k:
+            own += k
+            runs += v.storage_offset() != end
+            end = v.storage_offset() + k
+        elif k:
+            end = -1
+    return own, runs
+
+
+def _state_covers_own_elements(model, opts, single):
+    """Each optimizer's state (fp32 master and two moments, 12 bytes an element) covers
+    its own elements in this rank's slices, plus under 8 elements a run of them (each run
+    keeps its 16-byte phase; the local space ends on 8): the two together hold about what one
+    optimizer over the whole model holds, not twice it. memory_stats() reports the state's
+    kinds for the own elements exactly, the rest of its buffers and the slices' padding as
+    ``padding``."""
+    rt = runtime_of_module(model)
+    held = sum(k for _, _, k, _ in rt.local_pieces())
+    slice_pad = (rt.local_numel - held) * (2 + 2)  # bf16 parameters and gradients
+    locals_, bound = [], 0
+    for o in opts:
+        own, runs = _own_pieces(model, [p for g in o.param_groups for p in g["params"]])
+        ms, n = o.memory_stats(), o.layout.local_numel
+        assert own <= n <= own + 7 * (runs + 1), (own, runs, n)
+        assert ms["master"] == ms["exp_avg"] == ms["exp_avg_sq"] == 4 * own
+        assert ms["padding"] == 12 * (n - own) + slice_pad, (ms["padding"], n, own)
+        locals_.append(n)
+        bound += 7 * (runs + 1)
+    whole = single.layout.local_numel
+    assert sum(locals_) <= whole + bound < 2 * whole, (locals_, whole, bound)
 
 
 def two_optimizers_case(rank, world, path):

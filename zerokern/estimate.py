@@ -310,6 +310,7 @@ def estimate(
     gather_dtype: str | None = None,
     reduce_dtype: str | None = None,
     inter_gbits: Iterable[float] | None = None,
+    hpz: bool = False,
 ) -> dict[str, Any]:
     """Compute everything the command reports. Bytes are exact; ``*_gb`` are bytes / 1e9.
 
@@ -341,7 +342,8 @@ def estimate(
     link speeds in Gb/s, default 25, 100, 400) add ``report["quantized"]``
     (:func:`zerokern.quantized_plan.quantized_plan`, else None): bytes per step and GPU per
     kind of link and seconds per step at each speed, 16-bit beside each option; they need
-    ``nodes`` too.
+    ``nodes`` too. ``hpz`` adds the hpZ layout (stage 3, ``shard_model(hpz=True)``) to that
+    section, with its secondary copy's bytes per GPU.
     """
     from .estimate_muon import OPTIMIZERS, muon_section  # imports the owners' plan
 
@@ -357,7 +359,7 @@ def estimate(
                     "inter_latency_s": inter_latency_s, "bucket_numel": bucket_numel}
     cluster = _check_cluster(nodes, hybrid, cluster_opts)
     quant = quantized_section(psi, cluster, hybrid, gather_dtype, reduce_dtype, inter_gbits,
-                       DEFAULT_BUCKET_NUMEL if bucket_numel is None else bucket_numel)
+                       DEFAULT_BUCKET_NUMEL if bucket_numel is None else bucket_numel, hpz)
     state = _state(k, moments, master)
     k = state["k"]
 

@@ -205,6 +205,10 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     quant.add_argument("--inter-gbits", type=_positive_float, nargs="+", metavar="GBIT/S",
                        help="inter-node link speeds per GPU in Gb/s, one time column each "
                        "(default: 25 100 400)")
+    quant.add_argument("--hpz", action="store_true",
+                       help="also the hpZ layout, stage 3 (shard_model(mesh=, hpz=True), "
+                       "ZeRO++'s hpZ): sharded over all GPUs, the backward's gathers from an "
+                       "in-node secondary copy (its GB per GPU in its own column)")
     nodes.add_argument("--bucket-numel", type=_positive_int, metavar="N",
                        help="elements per collective call, for the latency term (default "
                        f"{d['bucket_numel']}, ZeroAdamW's bucket_numel)")
@@ -252,7 +256,7 @@ def _validate(args: argparse.Namespace) -> str | None:
     if args.nodes is None:
         for flag in ("gpus_per_node", "hybrid", "intra_bw", "inter_bw", "intra_latency",
                      "inter_latency", "bucket_numel", "gather_dtype", "reduce_dtype",
-                     "inter_gbits"):
+                     "inter_gbits", "hpz"):
             if getattr(args, flag) not in (None, False):
                 return f"--{flag.replace('_', '-')} needs --nodes (the across-nodes section)"
     return None
@@ -303,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
         gather_dtype=args.gather_dtype,
         reduce_dtype=args.reduce_dtype,
         inter_gbits=args.inter_gbits,
+        hpz=args.hpz,
     )
 
     # Do the plot (the only step that can fail) before printing anything.

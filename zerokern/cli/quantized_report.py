@@ -13,7 +13,9 @@ NOTE = (
     "inter-node bytes in 16-bit elements as a multiple of Psi (ZeRO++ counts ZeRO-3's as 3 "
     "Psi), and the communication seconds of the step at each inter-node speed (comm_model's "
     "ring model, collectives one after another, no overlap with compute). flat: every "
-    "collective over all GPUs; hybrid: sharded within a node, replicated across."
+    "collective over all GPUs; hybrid: sharded within a node, replicated across; hpz: sharded "
+    "over all GPUs, the backward's gathers in the node from a secondary 16-bit copy (hpZ "
+    "copy: its bytes per GPU, zerokern.formulas.hpz_secondary_bytes)."
 )
 
 
@@ -27,8 +29,9 @@ def wire_name(gather_dtype: str | None, reduce_dtype: str | None) -> str:
 def format_quantized(q: dict[str, Any]) -> str:
     """The table: one row per layout, stage and wire format."""
     speeds = [f"{g:g}" for g in q["inter_gbits"]]
+    hpz = "hpz" in q["layouts"]  # the secondary copy's column only beside an hpZ row
     head = ["layout", "stage", "wire", "intra GB/GPU", "inter GB/GPU", "inter x Psi",
-            *(f"t @ {s} Gb/s" for s in speeds)]
+            *(["hpZ copy GB/GPU"] if hpz else []), *(f"t @ {s} Gb/s" for s in speeds)]
     rows = [head]
     for layout, items in q["layouts"].items():
         for r in items:
@@ -36,6 +39,8 @@ def format_quantized(q: dict[str, Any]) -> str:
                          wire_name(r["gather_dtype"], r["reduce_dtype"]),
                          fmt_gb(r["intra_bytes"]), fmt_gb(r["inter_bytes"]),
                          f"{r['inter_vs_psi']:.3f}",
+                         *([fmt_gb(r["secondary_bytes"]) if layout == "hpz" else "-"]
+                           if hpz else []),
                          *(fmt_seconds(r["seconds_by_inter_gbits"][s]) for s in speeds)])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = [f"Quantized communication per step, {q['nodes']} nodes x {q['gpus_per_node']} "

@@ -23,9 +23,16 @@ import torch
 
 from ..comm import Comm
 from ..comm.quantized_parts import WireFormat
+from ..quant.maps import BLOCK
 from . import rebind
 from .engines import make_engine, planned_memory
-from .layout import ALIGN_ELEMS, Layout, build_layout, build_stage3_layout
+from .layout import (
+    ALIGN_ELEMS,
+    STATE_ALIGN_ELEMS,
+    Layout,
+    build_layout,
+    build_stage3_layout,
+)
 from .param_table import ParamTable
 from .rules import ADAMW, UpdateRule
 from .shard_state import ShardState
@@ -79,7 +86,10 @@ class EngineSlot:
             return self.layout
         params = self.table.params
         if self.rt is not None:
-            layout = build_stage3_layout(self.rt, params, param_groups)
+            # A compact state (the optimizer's own elements only) unless offloaded: the host
+            # pipeline stages and lands gradients by slice (one optimizer per model there).
+            align = None if self.offload else self.fmt.layout_alignment(STATE_ALIGN_ELEMS)
+            layout = build_stage3_layout(self.rt, params, param_groups, align)
         else:
             # Where the parameters are now: a model moved after ZeroAdamW was built (as
             # Accelerate's prepare does, and the HF Trainer with optimizers=) trains there,
@@ -121,7 +131,7 @@ class EngineSlot:
         self.layout, self.engine = None, None
         self.build(param_groups, order)
         with torch.no_grad():
-            _carry_state(old.state, self.engine.state)
+            _carry_state(old.state, self.engine.state, old.layout, self.layout)
             if self.rt is None:
                 self.engine.adopt_grads(old, first_new)
 
@@ -242,29 +252,54 @@ class EngineSlot:
             self.mark_params()
 
 
-def _carry_state(old: ShardState, new: ShardState) -> None:
+def _carry_state(old: ShardState, new: ShardState, old_layout: Layout,
+                 new_layout: Layout) -> None:
     """add_param_group: ``old``'s state into ``new``, laid out for the same parameters plus
-    the new group's. The old local space is a prefix of the new one (stage 3: the same
-    space, the new parameters' pieces were holes), so the master, the rule's buffers and the
-    int8 blocks' absmax (one per 256 local elements) keep their offsets. The fp32 side buffers
-    of small parameters do not: they are packed in local order, so at stage 3 a new small
-    parameter placed before an old one shifts the old one's side offset. Those are copied run
-    by run, at the offsets of the new plan."""
-    pairs = [(old.master, new.master)]
+    the new group's. The old local space is a prefix of the new one (stage 3 without a compact
+    state: the same space, the new parameters' pieces were holes), so the master, the rule's
+    buffers and the int8 blocks' absmax (one per 256 local elements) keep their offsets. A
+    compact stage-3 state maps each old segment to its place in the new one (the new holes are
+    among the old ones, so an old segment lies in one new segment, at the same offset modulo
+    the alignment: blocks stay blocks). The fp32 side buffers of small parameters are packed
+    in local order, so a new small parameter placed before an old one shifts the old one's
+    side offset. Those are copied run by run, at the offsets of the new plan."""
+    segs = old_layout.segments if old_layout.compact else ((0, 0, old.numel),)
+    moved = [(ls, new_layout.to_local(ss), n)
+             for ls, ss, n in segs if n]
+
+    def at_new(start: int) -> int:  # a run's old local start, in the new local space
+        for ls, nls, n in moved:
+            if ls <= start < ls + n:
+                return nls + start - ls
+        raise AssertionError(f"old local element {start} is in no segment")
+
+    pairs = [(old.master, new.master, False)]
     for name, b in old.buffers.items():
-        pairs += [(b.part(p), new.buffers[name].part(p)) for p in STORED_PARTS]
-    for src, dst in pairs:
-        if src is not None:
-            assert dst is not None
-            dst.narrow(0, 0, src.numel()).copy_(src)
+        pairs += [(b.part(p), new.buffers[name].part(p), p == "absmax") for p in STORED_PARTS]
+    for src, dst, per_block in pairs:
+        if src is None:
+            continue
+        assert dst is not None
+        if not per_block:
+            for ls, nls, n in moved:
+                dst.narrow(0, nls, n).copy_(src.narrow(0, ls, n))
+        else:  # one scale per 256-element block: the blocks each segment touches
+            for ls, nls, n in moved:
+                a, b = ls // BLOCK, _blocks(ls + n)
+                dst.narrow(0, nls // BLOCK, b - a).copy_(src.narrow(0, a, b - a))
     if old.runs is None or not old.side_numel:
         return
     for r in old.runs.runs:
         if r.side_start < 0:
             continue
-        for nr, o, n in new.runs_in(r.local_start, r.stop):
-            at = r.side_start + nr.local_start + o - r.local_start
+        start = at_new(r.local_start)
+        for nr, o, n in new.runs_in(start, start + r.numel):
+            at = r.side_start + nr.local_start + o - start
             for name, b in old.buffers.items():
                 dst, src = new.buffers[name].side, b.side
                 assert dst is not None and src is not None
                 dst.data.narrow(0, nr.side_start + o, n).copy_(src.data.narrow(0, at, n))
+
+
+def _blocks(numel: int) -> int:
+    return -(-numel // BLOCK)

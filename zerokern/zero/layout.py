@@ -10,6 +10,7 @@ whole flat space locally (local == flat).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,10 @@ from .plan import BucketPlan, _prefix, plan_buckets, round_bucket_numel
 # so every shard starts aligned for 16-byte vector loads and on a cache line.
 ALIGN_ELEMS = 32
 DEFAULT_BUCKET_NUMEL = 1 << 21
+# A compact stage-3 state keeps each element at its slice offset modulo this many elements:
+# 16 bytes of bf16 (32 of fp32), so the state and the slices a kernel reads together share
+# their 16-byte phase and take the same vector path as over the whole slice.
+STATE_ALIGN_ELEMS = 8
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -63,6 +68,30 @@ class Layout:
     buckets: tuple[Bucket, ...]
     param_flat_offset: tuple[int, ...]  # by global param index
     pieces: tuple[Piece, ...]  # this rank's pieces in local order
+    # Stage 3 with a compact state: (local_start, slice_start, numel) of each run of the
+    # local space that stands for a run of the runtime's slices (its ``local_params`` and
+    # ``local_grads``), in local order (``compact``); else the local space is the slices' own.
+    segments: tuple[tuple[int, int, int], ...] = ()
+    compact: bool = False
+
+    def to_slice(self, start: int, numel: int) -> int:
+        """Where local range [start, start + numel) lies in the runtime's slices (stage 3);
+        the range is within one segment (a piece, or a step range inside a run)."""
+        if not self.compact or not numel:
+            return start if not self.compact else 0
+        i = bisect_right(self.segments, start, key=lambda s: s[0]) - 1
+        ls, ss, n = self.segments[i]
+        assert i >= 0 and start + numel <= ls + n, "a local range across two segments"
+        return ss + start - ls
+
+    def to_local(self, slice_start: int) -> int:
+        """The local offset of slice element ``slice_start``, which a segment covers."""
+        if not self.compact:
+            return slice_start
+        for ls, ss, n in self.segments:
+            if ss <= slice_start < ss + n:
+                return ls + slice_start - ss
+        raise AssertionError(f"slice element {slice_start} is in no segment")
 
 
 def build_layout(
@@ -144,21 +173,68 @@ def build_layout(
     )
 
 
-def build_stage3_layout(rt: Any, params: Sequence[Any], groups: Sequence[dict]) -> Layout:
-    """Stage 3: the local space is the runtime's concatenated unit slices; pieces of
-    parameters the optimizer does not manage (frozen) are kept as holes (param -1)."""
+def build_stage3_layout(rt: Any, params: Sequence[Any], groups: Sequence[dict],
+                        align: int | None = STATE_ALIGN_ELEMS) -> Layout:
+    """Stage 3: the local space covers the optimizer's own pieces of the runtime's unit slices.
+
+    Pieces of parameters it does not train (frozen ones, another optimizer's) are holes
+    (param -1). With ``align`` the state is compact: each run of its pieces contiguous in the
+    slices becomes a segment of the local space, placed at the first offset congruent to its
+    slice offset modulo ``align`` (so every element keeps its alignment, and int8 blocks their
+    boundaries; the space is never larger than the slices'); a hole is a 0-element piece
+    between two segments, so the runs of the step are cut there as before (padding between
+    two runs is left out without cutting: the step is by segment). Several optimizers of one
+    model thus hold state for their own elements only. ``align=None`` (offload, whose staging
+    is by slice), or an optimizer of every parameter of the model: the local space is the
+    slices' own."""
     index = {id(p): i for i, p in enumerate(params)}
     group_of = {id(p): g for g, grp in enumerate(groups) for p in grp["params"]}
-    pieces = []
+    raw = []
     for u in rt.units:
         for sp in u.plan.rank_pieces(rt.comm.rank):
             p = u.params[sp.param_index]
             i = index.get(id(p), -1)
-            pieces.append(Piece(i, sp.param_offset, u.shard_start + sp.local_offset, sp.numel,
-                                group_of.get(id(p), -1) if i >= 0 else -1))
-    pieces.sort(key=lambda p: p.local_start)
+            raw.append(Piece(i, sp.param_offset, u.shard_start + sp.local_offset, sp.numel,
+                             group_of.get(id(p), -1) if i >= 0 else -1))
+    raw.sort(key=lambda p: p.local_start)
+    pieces: list[Piece] = []
+    segments: list[tuple[int, int, int]] = []
+    local_numel = rt.local_numel
+    if all(id(p) in index for u in rt.units for p in u.params):
+        align = None  # every parameter is the optimizer's: the slices' own space, as always
+    if align is None:
+        pieces = raw
+    else:
+        end = 0  # local end of the last segment
+        seg: list[int] | None = None  # [local_start, slice_start, numel] of the open segment
+        for pc in raw:
+            if pc.param < 0:
+                if pc.numel and seg is not None:
+                    segments.append((seg[0], seg[1], seg[2]))
+                    end, seg = seg[0] + seg[2], None
+                if pc.numel:
+                    pieces.append(Piece(-1, pc.param_offset, end, 0, -1))
+                continue
+            if seg is not None and pc.numel and pc.local_start != seg[1] + seg[2]:
+                # Padding of the slices before it (a unit's end): left out, the run goes on.
+                segments.append((seg[0], seg[1], seg[2]))
+                end, seg = seg[0] + seg[2], None
+            if seg is None:
+                if not pc.numel:
+                    pieces.append(Piece(pc.param, pc.param_offset, end, 0, pc.group))
+                    continue
+                start = end + (pc.local_start - end) % align
+                seg = [start, pc.local_start, 0]
+            seg[2] = max(seg[2], pc.local_start + pc.numel - seg[1])  # 0-element: inside
+            pieces.append(Piece(pc.param, pc.param_offset, seg[0] + pc.local_start - seg[1],
+                                pc.numel, pc.group))
+        if seg is not None:
+            segments.append((seg[0], seg[1], seg[2]))
+            end = seg[0] + seg[2]
+        local_numel = _ceil_div(end, align) * align  # whole blocks, as the slices hold
     return Layout(
         stage=3, world_size=rt.comm.world_size, rank=rt.comm.rank, plans=(), orders=(),
         ready_order=(), group_flat_start=(), group_local_start=(), flat_numel=0,
-        local_numel=rt.local_numel, buckets=(), param_flat_offset=(), pieces=tuple(pieces),
+        local_numel=local_numel, buckets=(), param_flat_offset=(), pieces=tuple(pieces),
+        segments=tuple(segments), compact=align is not None,
     )

@@ -90,5 +90,5 @@ def adopt_stage3(rt: Any, table: ParamTable, eng: Engine, layout: Layout) -> Non
         return
     for pc in layout.pieces:
         if pc.param in adopted:
-            eng.values(pc.local_start, pc.numel).copy_(
-                rt.local_params.narrow(0, pc.local_start, pc.numel))
+            eng.values(pc.local_start, pc.numel).copy_(rt.local_params.narrow(
+                0, layout.to_slice(pc.local_start, pc.numel), pc.numel))

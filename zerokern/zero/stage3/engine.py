@@ -6,6 +6,10 @@ rank's parameter and gradient slices. This engine composes the state of those sl
 master for 16-bit parameters, the update rule's buffers; shard_state.py) and steps it unit by
 unit; the new slice is all the next forward gathers, so nothing is gathered after the step.
 
+An optimizer of part of the model's parameters (frozen ones, or another optimizer's beside it)
+keeps a compact state: its layout's segments map its own runs of the slices to its local space
+(layout.build_stage3_layout), and the step reads and writes the slices through them.
+
 With offload the state is on the host (ZeRO-Offload): the runtime moves its gradient slice
 there and lands each unit's reduced gradients through the state's staging slots; the CPU
 kernel updates the host master and the new 16-bit slice goes back to the device slice (or is
@@ -39,6 +43,20 @@ if TYPE_CHECKING:
     from .runtime import Stage3Runtime
 
 
+def unit_ranges(layout: Layout, rt: Stage3Runtime) -> dict[int, list[tuple[int, int, int]]]:
+    """Each unit's (local start, local stop, slice - local shift): the parts of the layout's
+    segments inside the unit's slice (the whole slice range when the state is not compact)."""
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for u in rt.units:
+        lo, hi = u.shard_start, u.shard_start + u.plan.shard_numel
+        if not layout.compact:
+            out[u.index] = [(lo, hi, 0)]
+            continue
+        out[u.index] = [(ls + a - ss, ls + b - ss, ss - ls) for ls, ss, n in layout.segments
+                        if (a := max(lo, ss)) < (b := min(hi, ss + n))]
+    return out
+
+
 class Stage3(Engine):
     stage = 3
 
@@ -57,6 +75,7 @@ class Stage3(Engine):
         on_host = offload and runtime.offload_params
         master = self.wants_master(dtype, offload, on_host, self.fmt)
         self.slot = max(u.plan.shard_numel for u in runtime.units)
+        self.unit_ranges = unit_ranges(layout, runtime)
         with torch.no_grad():
             self.state = self.make_state(master=master, own_grads=False,
                                          chunks=len(runtime.units), slot_numel=self.slot,
@@ -97,7 +116,7 @@ class Stage3(Engine):
         return [self.rt.got_grad.get(id(p), False) for p in self.params]
 
     def grad_slices(self, start: int, numel: int) -> list[torch.Tensor]:
-        return [self.rt.local_grads.narrow(0, start, numel)]
+        return [self.rt.local_grads.narrow(0, self.layout.to_slice(start, numel), numel)]
 
     def end_step(self) -> None:
         end_own_step(self)  # the runtime's step: once every optimizer on it ended its own
@@ -126,25 +145,33 @@ class Stage3(Engine):
                active: list[bool]) -> None:
         rt, st = self.rt, self.state
         for u in rt.units:  # a unit's range fits a staging slot (offload)
-            lo, hi = u.shard_start, u.shard_start + u.plan.shard_numel
-            for r in runs:
-                a, b = max(r.start, lo), min(r.stop, hi)
-                if a < b:
-                    st.step(u.index, groups[r.group], a, b - a, r.step, grad_scale,
-                            grad=rt.local_grads.narrow(0, a, b - a),
-                            param=rt.local_params.narrow(0, a, b - a))
+            # The unit's local ranges (one per segment it holds, compact state), each stepped
+            # on the same slice elements as if the state covered the whole slice.
+            for lo, hi, shift in self.unit_ranges[u.index]:
+                for r in runs:
+                    a, b = max(r.start, lo), min(r.stop, hi)
+                    if a < b:
+                        st.step(u.index, groups[r.group], a, b - a, r.step, grad_scale,
+                                grad=rt.local_grads.narrow(0, a + shift, b - a),
+                                param=rt.local_params.narrow(0, a + shift, b - a))
         # The next forward's gathers read the device slices after the state's copies back.
         for u in rt.units:
             st.before_gather(u.index)
 
     # -- sharded state ----------------------------------------------------------------------
     def values(self, start: int, numel: int) -> torch.Tensor:
-        src = self.master if self.master is not None else self.rt.local_params
-        return src.narrow(0, start, numel)
+        if self.master is not None:
+            return self.master.narrow(0, start, numel)
+        return self.rt.local_params.narrow(0, self.layout.to_slice(start, numel), numel)
 
     def init_master(self) -> None:
-        if self.master is not None:
+        if self.master is None:
+            return
+        if not self.layout.compact:  # the state covers the whole slice
             self.master.copy_(self.rt.local_params)
+            return
+        for ls, ss, n in self.layout.segments:
+            self.master.narrow(0, ls, n).copy_(self.rt.local_params.narrow(0, ss, n))
 
     def sync_params(self, gather: bool) -> None:
         for u in self.rt.units:  # a unit gathered now would keep its old values
@@ -153,8 +180,9 @@ class Stage3(Engine):
             self.rt.ctx.secondary.drop()
         if self.master is None:
             return
-        for pc in self.layout.pieces:
-            own = self.rt.local_params.narrow(0, pc.local_start, pc.numel)
+        for pc in self.layout.pieces:  # a compact state has no frozen pieces (0 elements)
+            own = self.rt.local_params.narrow(
+                0, self.layout.to_slice(pc.local_start, pc.numel), pc.numel)
             master = self.master.narrow(0, pc.local_start, pc.numel)
             if pc.param >= 0:
                 own.copy_(master)

@@ -150,7 +150,8 @@ def end_own_step(engine: Any) -> None:
         for pc in engine.layout.pieces:
             if pc.param < 0 or not pc.numel:
                 continue
+            at = engine.layout.to_slice(pc.local_start, pc.numel)  # its elements in the slice
             for lo, hi in held:
-                a, b = max(lo, pc.local_start), min(hi, pc.local_start + pc.numel)
+                a, b = max(lo, at), min(hi, at + pc.numel)
                 if a < b:
                     rt.local_grads.narrow(0, a, b - a).zero_()

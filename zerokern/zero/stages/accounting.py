@@ -105,6 +105,11 @@ def slot_numel(layout: Layout) -> int:
     return max((b.shard_numel for b in layout.buckets), default=1)
 
 
+def _held(rt: Stage3Runtime) -> int:
+    """Elements of parameters in this rank's stage-3 slices (the rest is padding)."""
+    return sum(sp.numel for u in rt.units for sp in u.plan.rank_pieces(rt.comm.rank))
+
+
 def _local_real(layout: Layout) -> int:
     return sum(pc.numel for pc in layout.pieces if pc.param >= 0)
 
@@ -214,7 +219,10 @@ def scratch_peak(comm: Any) -> int:
 def with_residuals(out: dict[str, int], part: Any) -> dict[str, int]:
     """``out`` with ``ef_residual``: the error-feedback residuals of the gradient-reduce part
     ``part`` (comm/quantized_parts.py; allocated at each slice's first send, 0 before the
-    first step and without ``error_feedback``), counted in the device total."""
+    first step), counted in the device total. Without ``error_feedback`` there is no key, so
+    the keys are the same before the first step (no engine yet) and after it."""
+    if not getattr(part, "feedback", False):
+        return out
     r = int(getattr(part, "residual_bytes", 0))
     out["ef_residual"] = r
     out["total"] += r
@@ -236,7 +244,7 @@ def stage3_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype, state: 
     L, esz = layout, _esize(dtype)
     gsz = rt.local_grads.element_size()  # the reduce dtype's (the parameters' by default)
     kinds, pad = state_bytes(state, _local_real(L))
-    held = sum(pc.numel for pc in L.pieces)  # this rank's slice, frozen params too
+    held = _held(rt)  # this rank's slice, frozen parameters and other optimizers' too
     out = {"params": held * esz, "grads": held * gsz, **kinds, "buckets": 0,
            "padding": pad + (rt.local_numel - held) * (esz + gsz)}
     out.update(_gather_stats(rt))
@@ -260,7 +268,7 @@ def stage3_offload_memory(layout: Layout, rt: Stage3Runtime, dtype: torch.dtype,
     parameter slice."""
     L, esz = layout, _esize(dtype)
     kinds, pad = state_bytes(state, _local_real(L))
-    held = sum(pc.numel for pc in L.pieces)
+    held = _held(rt)
     on_host = rt.offload_params
     dev_params = 0 if on_host else rt.local_numel * esz
     out = {"params": 0 if on_host else held * esz, "grads": 0,
