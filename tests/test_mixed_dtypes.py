@@ -1,4 +1,4 @@
-"""One optimizer over parameters of several dtypes (issue 37, item 7), stages 0-2, on gloo
+"""One optimizer over parameters of several dtypes (issue 37, item 7), stages 0-3, on gloo
 ranks: a bf16 embedding with fp32 matrices, the reverse, and a bf16 embedding stepped in place
 (``master="none"`` in its param group) beside fp32 parameters keeping fp32 state.
 
@@ -80,6 +80,8 @@ def _groups(model: MixNet, none: bool) -> list[dict]:
 def build(name: str, stage: int) -> tuple[MixNet, zerokern.ZeroAdamW]:
     emb, mats, none, clip = CONFIGS[name]
     model = MixNet(emb, mats)
+    if stage == 3:  # one root unit of two dtypes: a runtime (one flat buffer) per dtype
+        zerokern.shard_model(model)
     opt = zerokern.ZeroAdamW(_groups(model, none), **HP, stage=stage, bucket_numel=300,
                              seed=SEED, max_grad_norm=MAX_NORM if clip else None)
     return model, opt
@@ -121,14 +123,15 @@ class Reference:
 
 def _check(name: str, model: MixNet, opt: zerokern.ZeroAdamW, ref: Reference, what: str) -> None:
     none = CONFIGS[name][2]
+    full = model.state_dict()  # stage 3: gathered (a collective), as the others' own values
     for k, p in model.named_parameters():
         want = ref.lp[k]
-        assert p.dtype == want.dtype, (what, k)
+        assert p.dtype == want.dtype == full[k].dtype, (what, k)
         if p.dtype == F32:
-            torch.testing.assert_close(p.detach(), want, rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1],
+            torch.testing.assert_close(full[k], want, rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1],
                                        msg=lambda m, k=k: f"{what} {k}: {m}")
         elif none:
-            assert torch.equal(p.detach().view(torch.int16), want.view(torch.int16)), (what, k)
+            assert torch.equal(full[k].view(torch.int16), want.view(torch.int16)), (what, k)
     for sh in opt.shards():
         k = sh.name or next(n for n, q in model.named_parameters() if q is sh.param)
         if sh.param.dtype != BF or none:
@@ -137,7 +140,7 @@ def _check(name: str, model: MixNet, opt: zerokern.ZeroAdamW, ref: Reference, wh
             m = ref.master[k].detach().reshape(-1)[r.start:r.start + r.numel]
             torch.testing.assert_close(r.values, m, rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1],
                                        msg=lambda s, k=k: f"{what} master of {k}: {s}")
-            lp = sh.param.detach().reshape(-1)[r.start:r.start + r.numel]
+            lp = full[k].reshape(-1)[r.start:r.start + r.numel]
             assert torch.equal(lp, r.values.to(BF)), (what, k)
 
 
@@ -199,15 +202,17 @@ def grid_case(rank: int, world: int, stages: list[int], ckpt: str) -> None:
     for name in CONFIGS:
         for stage in stages:
             model, opt = train(rank, world, name, stage)
-            if world == 2 and stage == stages[0]:
+            if world == 2 and stage in (stages[0], 3):
                 interchange(rank, world, name, stage, model, opt)
-            if world == 2 and name != "bf16-mats" and stage == 2:
-                path = f"{ckpt}-{name}"
+            if world == 2 and name != "bf16-mats" and stage in (2, 3):
+                path = f"{ckpt}-{name}" + ("-s3" if stage == 3 else "")
                 zerokern.save_checkpoint(path, model, opt)
-                sd = opt.full_state_dict()  # a collective
+                sd, params = opt.full_state_dict(), model.state_dict()  # collectives
                 if rank == 0:
-                    torch.save({"sd": sd, "params": model.state_dict()}, path + ".ref.pt")
-    if world != 2:
+                    torch.save({"sd": sd, "params": params}, path + ".ref.pt")
+    if world == 2:
+        units_case(rank, world)
+    else:
         load_case(rank, world, ckpt)
 
 
@@ -215,8 +220,9 @@ def load_case(rank: int, world: int, ckpt: str) -> None:
     """The checkpoints of 2 ranks at stage 2, loaded here at stage 1: the same parameters
     and the same state in torch's format (bf16 stepped in place beside fp32 state too: its
     values are saved as fp32, exactly)."""
-    for name in ("bf16-emb", "bf16-emb-none"):
+    for name in ("bf16-emb", "bf16-emb-none", "bf16-emb-s3", "bf16-emb-none-s3"):
         path = f"{ckpt}-{name}"
+        name = name.removesuffix("-s3")
         saved = torch.load(path + ".ref.pt")
         model, opt = build(name, 1)
         zerokern.load_checkpoint(path, model, opt)
@@ -228,7 +234,7 @@ def load_case(rank: int, world: int, ckpt: str) -> None:
 
 def test_mixed_dtypes_match_references(tmp_path):
     ckpt = os.path.join(tmp_path, "ck")
-    run_ranks(2, grid_case, [0, 1, 2], ckpt, tmp_path=tmp_path)
+    run_ranks(2, grid_case, [0, 1, 2, 3], ckpt, tmp_path=tmp_path)
     load_case(0, 1, ckpt)  # one process, no group
     run_ranks(3, grid_case, [1], ckpt, tmp_path=tmp_path)
 
@@ -252,8 +258,18 @@ def test_mixed_dtypes_refusals():
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
     with pytest.raises(ValueError, match="state_dict: saved by an optimizer with the parts"):
         opt.load_state_dict({"zerokern": {}, "state": {}, "param_groups": []})
-    with pytest.raises(ValueError, match="model: all parameters must share one dtype"):
-        zerokern.shard_model(MixNet(BF, F32))
+    # Several dtypes shard (one runtime each); what shares one pipeline is refused, by name.
+    with pytest.raises(ValueError, match="offload_params=True with parameters of several "
+                                         "dtypes"):
+        zerokern.shard_model(MixNet(BF, F32), offload_params=True)
+    with pytest.raises(ValueError, match="gather_dtype='int8' with parameters of several"):
+        zerokern.shard_model(MixNet(BF, F32), gather_dtype="int8")
+    sharded = zerokern.shard_model(MixNet(BF, F32))
+    for bad, match in (({"offload": "cpu"}, "offload='cpu' with parameters of several"),
+                       ({"reduce_dtype": F32}, "reduce_dtype=torch.float32 with parameters")):
+        with pytest.raises(ValueError, match=match):
+            zerokern.ZeroAdamW(sharded.parameters(), stage=3, **bad)
+    zerokern.ZeroAdamW(sharded.parameters(), stage=3)  # nothing was built by the refusals
 
 
 def test_mixed_dtypes_load_is_all_or_nothing():
@@ -275,3 +291,76 @@ def test_mixed_dtypes_load_is_all_or_nothing():
     for i, st in before["state"].items():
         for k, v in st.items():
             assert torch.equal(torch.as_tensor(after["state"][i][k]), torch.as_tensor(v)), (i, k)
+
+
+class _Block(nn.Module):
+    """A unit of two dtypes: fp32 matrix, bf16 gain (shard_model splits it, one flat buffer
+    per dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.gain = nn.Parameter(torch.ones(16, dtype=BF))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.gain.float()
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = nn.Embedding(32, 16).to(BF)  # the root's: bf16
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.head = nn.Linear(16, 4)  # the root's: fp32
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx).float()
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).pow(2).mean()
+
+
+def test_shard_model_mixed_dtypes_units():
+    """shard_model of a model whose units hold two dtypes: one runtime (one flat buffer, one
+    gather arena) per dtype, the units split; the full state dict and load round trip bit for
+    bit, memory_stats counts each dtype's slices in its own element size, and training at
+    stage 3 (the saved activations of both dtypes' gathered units read back in the backward,
+    prefetch on) gives stage 0's parameters. One process here; 2 ranks in grid_case."""
+    units_case(0, 1)
+
+
+def units_case(rank: int, world: int) -> None:
+    """test_shard_model_mixed_dtypes_units on ``world`` ranks (the same batch on each)."""
+    idx = torch.arange(24).reshape(4, 6) % 32
+    plain = _Net()
+    want = copy.deepcopy(plain.state_dict())
+    model = zerokern.shard_model(_Net(), unit_classes=(_Block,), prefetch=1)
+    rts = zerokern.zero.shard.runtime_of(model).siblings
+    assert [r.dtype for r in rts] == [BF, F32]
+    assert [len(r.units) for r in rts] == [4, 4]  # 3 blocks + the root, per dtype
+    for r in rts:
+        st = r.memory_stats()
+        assert st["local_params"] == r.local_numel * (2 if r.dtype == BF else 4)
+        assert r.local_numel >= sum(p.numel() for u in r.units for p in u.params)
+    full = zerokern.full_state_dict(model, rank0_only=False)
+    assert list(full) == list(want)
+    for k, v in want.items():
+        assert full[k].dtype == v.dtype and torch.equal(full[k], v), k
+    opts = []
+    for m, stage in ((plain, 0), (model, 3)):
+        opt = zerokern.ZeroAdamW(m.parameters(), **HP, stage=stage)
+        for _ in range(STEPS):
+            m(idx).backward()
+            opt.step()
+            opt.zero_grad()
+        opts.append(opt)
+    got = zerokern.full_state_dict(model, rank0_only=False)
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1],
+                                   msg=lambda s, k=k: f"{k}: {s}")
+    assert opts[1].memory_stats()["total"] == sum(p.memory_stats()["total"]
+                                                  for p in opts[1]._parts)
+    model.load_state_dict(want)  # each dtype's slices from the full values
+    for k, v in zerokern.full_state_dict(model, rank0_only=False).items():
+        assert torch.equal(v, want[k]), k

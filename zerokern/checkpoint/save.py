@@ -115,13 +115,14 @@ def stage3_runtime(model: torch.nn.Module, opt: Any) -> Any:
     stages 0-2)."""
     if opt.stage != 3:
         return None
-    rt = runtime_of_param(opt.managed_params[0])
-    if runtime_of_module(model) is not rt:
+    rt, own = runtime_of_param(opt.managed_params[0]), runtime_of_module(model)
+    # Several dtypes: the parameters' runtime is one of the model's (one per dtype).
+    if own is None or rt not in own.siblings:
         raise ValueError(
             "model: the optimizer is stage 3 but this model is not the one it "
             "was built on (pass the shard_model'ed model)"
         )
-    return rt
+    return own
 
 
 def _known_group_key(group: int, key: str, opt: Any = None) -> bool:
@@ -197,7 +198,7 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
     if rt is not None:  # stage 3: frozen parameters are sharded in the units like the rest
         for p, po, k, view in rt.local_pieces():
             if id(p) not in managed:
-                frozen.setdefault(rt.dtype, []).append((names.param[id(p)], po, k, view))
+                frozen.setdefault(p.dtype, []).append((names.param[id(p)], po, k, view))
     elif rank == 0:
         for n, p in names.params.items():
             if id(p) not in managed:

@@ -1,4 +1,4 @@
-"""One optimizer over parameters of several dtypes (stages 0-2): ``MixedParts``.
+"""One optimizer over parameters of several dtypes (stages 0-3): ``MixedParts``.
 
 ``ZeroAdamW`` / ``ZeroOptimizer`` given trained parameters of several dtypes (a bf16
 embedding and fp32 matrices), or param groups with their own ``master``, build one part per

@@ -1,4 +1,4 @@
-"""How an optimizer over parameters of several dtypes is split into parts (stages 0-2).
+"""How an optimizer over parameters of several dtypes is split into parts (stages 0-3).
 
 A flat buffer holds one dtype, and its state one format: so the trained parameters are
 partitioned by (dtype, master option), each partition trained by one part (a whole ZeRO
@@ -10,6 +10,9 @@ bf16 parameters; fp32 parameters are their own master and keep fp32 state whatev
 Each user param group maps to one sub-group per partition it has trained parameters in
 (the sub-group holds the same hyperparameters, pushed again before every step so that
 schedulers and scripts edit the user's groups). Frozen parameters are in no part.
+At stage 3 ``shard_model`` keeps one runtime per dtype, so each part, built over one dtype,
+is a stage-3 optimizer on that dtype's runtime (several parts of one dtype: several
+optimizers on one runtime, stage3/owners.py).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def plan_parts(param_groups: list[dict[str, Any]], cfg: Any, runtime: Any,
     """The parts of an optimizer over ``param_groups`` with the options ``cfg``, or None
     when every trained parameter has one dtype and no group names its own ``master`` (one
     flat layout: the optimizer is built as it always was). Refuses, naming the argument,
-    what the parts cannot hold: several devices, stage 3, ``loss_scale``, and each part's
+    what the parts cannot hold: several devices, ``loss_scale``, and each part's
     own dtype checks (so that no part is built when a later one would be refused)."""
     trained = [(gi, p) for gi, g in enumerate(param_groups) for p in g["params"]
                if p.requires_grad]
@@ -69,11 +72,16 @@ def plan_parts(param_groups: list[dict[str, Any]], cfg: Any, runtime: Any,
             raise ValueError(
                 f"params: all trainable parameters must share one device; parameter 0 is "
                 f"on {p0.device}, parameter {i} is on {p.device}")
-    if runtime is not None or cfg.stage == 3:
-        raise ValueError(
-            "params: parameters of several dtypes (or a param group's own 'master') at "
-            "stage 3 are not supported yet: shard_model keeps one dtype per model. Cast the "
-            "model to one dtype, or use stage 0-2")
+    if runtime is not None:
+        # Stage 3: each part is a stage-3 optimizer on its own dtype's runtime (shard_model);
+        # what would move a runtime's slices or wire for one part is not built yet.
+        for name, on in (("offload='cpu'", cfg.offload is not None),
+                         ("reduce_dtype / gather_dtype quantized", cfg.wire.quantized),
+                         (f"reduce_dtype={cfg.reduce_dtype!r}", cfg.reduce_dtype is not None)):
+            if on:
+                raise ValueError(
+                    f"{name} with parameters of several dtypes (or a param group's own "
+                    "'master') at stage 3 is not built; use stage 0-2, or one dtype")
     if cfg.loss_scale is not None:
         raise ValueError(
             f"loss_scale={cfg.loss_scale!r} with parameters of several dtypes (or a param "

@@ -47,10 +47,13 @@ def stage3_runtime(params: list[torch.nn.Parameter], stage: int) -> Any:
             raise ValueError(f"params belong to a model partitioned by shard_model: use "
                              f"stage=3 (got stage={stage})")
         return None
-    if len(rts) != 1 or next(iter(rts.values())) is None:
+    firsts = {id(rt.siblings[0]): rt.siblings[0] for rt in rts.values() if rt is not None}
+    if None in rts.values() or len(firsts) != 1:
         raise ValueError("stage=3 needs the parameters of one model partitioned by "
                          "zerokern.shard_model(model) first")
-    return next(iter(rts.values()))
+    # A model of several dtypes has one runtime per dtype (siblings): its first stands for
+    # them until the optimizer splits into parts, each on its own dtype's (mixed_plan.py).
+    return next(iter(rts.values())) if len(rts) == 1 else next(iter(firsts.values()))
 
 
 def broadcast_params(comm: Comm, params: list[torch.nn.Parameter]) -> None:

@@ -19,6 +19,11 @@ _BY_PARAM: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def register(model: nn.Module, params: Iterable[nn.Parameter], rt: Stage3Runtime) -> None:
     _BY_MODULE[model] = rt
+    register_params(params, rt)
+
+
+def register_params(params: Iterable[nn.Parameter], rt: Stage3Runtime) -> None:
+    """``params`` are partitioned by ``rt`` (a model of several dtypes: one runtime each)."""
     for p in params:
         _BY_PARAM[p] = rt
 

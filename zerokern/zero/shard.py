@@ -18,6 +18,7 @@ from . import registry
 from .config import check_hpz
 from .interop import check_no_ddp
 from .stage3 import Stage3Runtime, foreign
+from .stage3.build import split_by_dtype
 from .validate import check_quantized_comm
 
 # Default unit size when no unit classes are given: a module becomes a unit when it holds at
@@ -77,6 +78,11 @@ def shard_model(
     and released afterwards; gradients are reduce-scattered as soon as its backward is done.
     Use with ``ZeroAdamW(model.parameters(), stage=3)``.
 
+    Parameters of several dtypes (a bf16 embedding beside fp32 matrices): one flat buffer
+    per dtype, each with its own slices, gather arena and collectives; a unit holding several
+    dtypes is gathered and reduced as one unit per dtype. The parameters share one device.
+    Refused with ``offload_params``, ``hpz`` and ``gather_dtype`` (not built for several).
+
     ``offload_params=True`` (ZeRO-Infinity's ``offload_param``): each rank's parameter slice
     lives in host memory (pinned on CUDA) between uses and is copied to the device just
     before its unit's all-gather (prefetched units with the unit before them). Use with
@@ -127,6 +133,7 @@ def shard_model(
         units, names, params = _select_units(model, unit_classes, prefetch)
         _check_hpz(hpz, comm, offload_params)
         _check_gather_dtype(gather_dtype, offload_params)
+        _check_mixed(params, offload_params, hpz, gather_dtype)
         failure: BaseException | None = None
     except (ValueError, TypeError, RuntimeError) as exc:
         units, names, params, failure = [], {}, [], exc
@@ -134,20 +141,26 @@ def shard_model(
                                    failure, offload_params, hpz, gather_dtype)
     if hpz:  # agreed on every rank: the primary partition spans the whole mesh
         comm = hpz_comm(comm)
-    rt = Stage3Runtime(
-        model, units, comm, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+    # Several dtypes: one runtime per dtype (split_by_dtype), each a whole stage-3 runtime
+    # over its own flat slices; the first's saved-tensor hooks serve them all.
+    rts = [Stage3Runtime(
+        model, us, comm, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
         offload_params=offload_params, gather_timeout=timeout,
-    )
-    rt.param_names = {id(p): names[id(p)] for p in params}
-    if gather_dtype is not None:  # the model's own wire, until an optimizer asks otherwise
-        rt.gather_bits = WireFormat.of(None, gather_dtype).gather_bits
-        rt.ctx.set_wire(WireFormat(gather_bits=rt.gather_bits))
-    rt.shard_parameters()
-    rt.install_hooks()
+    ) for us in split_by_dtype(units)]
+    for rt in rts:
+        rt.param_names = {id(p): names[id(p)] for p in params}
+        rt.join(rts)
+        if gather_dtype is not None:  # the model's own wire, until an optimizer asks otherwise
+            rt.gather_bits = WireFormat.of(None, gather_dtype).gather_bits
+            rt.ctx.set_wire(WireFormat(gather_bits=rt.gather_bits))
+        rt.shard_parameters()
+        rt.install_hooks()
     _refuse_pickling(model, params)
-    # Lets ZeroAdamW(stage=3) find the runtime from model.parameters(), and checkpoints and
-    # full_state_dict from the model.
-    registry.register(model, params, rt)
+    # Lets ZeroAdamW(stage=3) find the runtime from model.parameters() (each parameter its
+    # dtype's), and checkpoints and full_state_dict from the model (the first's: its siblings).
+    registry.register(model, [], rts[0])
+    for rt in rts:
+        registry.register_params([p for u in rt.units for p in u.params], rt)
     model.register_state_dict_post_hook(_state_dict_hook)
     model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     model.register_load_state_dict_post_hook(_load_state_dict_post_hook)
@@ -203,6 +216,20 @@ def _check_hpz(hpz: bool, comm: Comm, offload_params: bool) -> None:
             "in")
 
 
+def _check_mixed(params: list[nn.Parameter], offload_params: bool, hpz: bool,
+                 gather_dtype: str | None) -> None:
+    """Parameters of several dtypes take one runtime each (split_by_dtype); the options that
+    share one pipeline or in-node copy across the model are not built for that yet."""
+    dtypes = sorted({str(p.dtype) for p in params})
+    if len(dtypes) < 2:
+        return
+    for name, on in (("offload_params=True", offload_params), ("hpz=True", hpz),
+                     (f"gather_dtype={gather_dtype!r}", gather_dtype is not None)):
+        if on:
+            raise ValueError(f"{name} with parameters of several dtypes ({', '.join(dtypes)}) "
+                             "is not built; cast the model to one dtype, or drop the option")
+
+
 def _select_units(
     model: nn.Module, unit_classes: tuple[type, ...] | list[type] | None, prefetch: int,
 ) -> tuple[list[tuple[str, nn.Module, list[nn.Parameter]]], dict[int, str], list[nn.Parameter]]:
@@ -237,11 +264,10 @@ def _select_units(
                          "materialise the model first: model.to_empty(device=...) and "
                          "initialise its parameters (e.g. reset_parameters() or "
                          "load_state_dict), then shard it")
-    dtypes = {(p.dtype, p.device) for p in params}
-    if len(dtypes) != 1:
-        raise ValueError(f"model: all parameters must share one dtype and device, found "
-                         f"{dtypes}: stage 3 keeps one dtype per model (several dtypes train "
-                         f"at stages 0-2, without shard_model); cast or move the model first")
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(f"model: all parameters must share one device, found {devices}: "
+                         f"stage 3 keeps one device per model; move the model first")
     # Owner of every parameter: the unit whose subtree registers it; shared ones go to the root.
     owner_of_module: dict[int, int] = {}
     for ui, um in enumerate(unit_modules):
@@ -329,7 +355,7 @@ def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_met
     the result works on the plain model and on the sharded one)."""
     rt = registry.runtime_of_module(module)
     assert rt is not None  # the hook is registered by shard_model only
-    values = _gather_params(rt, keep=True)
+    values = {k: v for r in rt.siblings for k, v in _gather_params(r, keep=True).items()}
     for name, p in module.named_parameters(remove_duplicate=False):  # tied names too
         if prefix + name in state_dict:
             state_dict[prefix + name] = values[id(p)]
@@ -363,22 +389,23 @@ def _load_state_dict_pre_hook(
     for n, p in module.named_parameters(remove_duplicate=False):
         if n in given:
             value_of.setdefault(id(p), given[n])
-    if any(tuple(t.shape) != tuple(rt.shape_of(p)) for n, p in
+    if any(tuple(t.shape) != tuple(registry.runtime_of_param(p).shape_of(p)) for n, p in
            module.named_parameters(remove_duplicate=False) if (t := given.get(n)) is not None):
         _TAKEN[module] = set()
         return  # nothing copied: load_state_dict reports the size mismatch
     if rt.ctx.secondary is not None:  # hpZ: the in-node shares no longer match the slices
         rt.ctx.secondary.drop()
     with torch.no_grad():
-        for u in rt.units:
-            for sp in u.plan.rank_pieces(rt.comm.rank):
-                p = u.params[sp.param_index]
-                full = value_of.get(id(p))
-                if full is None:
-                    continue  # load_state_dict reports it as missing
-                rt.local_params.narrow(0, u.shard_start + sp.local_offset, sp.numel).copy_(
-                    full.reshape(-1)[sp.param_offset : sp.param_offset + sp.numel]
-                )
+        for r in rt.siblings:  # several dtypes: each runtime its own slices
+            for u in r.units:
+                for sp in u.plan.rank_pieces(r.comm.rank):
+                    p = u.params[sp.param_index]
+                    full = value_of.get(id(p))
+                    if full is None:
+                        continue  # load_state_dict reports it as missing
+                    r.local_params.narrow(0, u.shard_start + sp.local_offset, sp.numel).copy_(
+                        full.reshape(-1)[sp.param_offset : sp.param_offset + sp.numel]
+                    )
     taken = set()
     for n in given:
         del state_dict[prefix + n]
@@ -411,7 +438,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> OrderedDict
     if rt is None:
         return OrderedDict((k, v.detach().cpu().clone()) for k, v in model.state_dict().items())
     if rank0_only and rt.comm.rank != 0:
-        _gather_params(rt, keep=False)  # the others' gathers need this rank's slices
+        for r in rt.siblings:
+            _gather_params(r, keep=False)  # the others' gathers need this rank's slices
         return OrderedDict()
     # state_dict's hook (above) gathers the parameters into torch's own dict.
     return OrderedDict(model.state_dict())

@@ -16,6 +16,32 @@ from .context import UnitContext, gather_arena_bytes
 from .unit import Unit
 
 
+def split_by_dtype(units: list[tuple[str, torch.nn.Module, list[torch.nn.Parameter]]]
+                   ) -> list[list[tuple[str, torch.nn.Module, list[torch.nn.Parameter]]]]:
+    """The units of each dtype, in the order the dtypes first appear: a unit holding several
+    becomes one unit per dtype (named ``name[dtype]``), each kept by that dtype's runtime
+    with one flat buffer of its own; every dtype keeps a root (the last entry). One dtype:
+    ``[units]`` unchanged."""
+    dtypes: list[torch.dtype] = []
+    for _, _, ps in units:
+        for p in ps:
+            if p.dtype not in dtypes:
+                dtypes.append(p.dtype)
+    if len(dtypes) <= 1:
+        return [units]
+    out = []
+    for dt in dtypes:
+        tag = str(dt).removeprefix("torch.")
+        mine = []
+        for i, (name, mod, ps) in enumerate(units):
+            sub = [p for p in ps if p.dtype == dt]
+            split = len({p.dtype for p in ps}) > 1
+            if sub or i == len(units) - 1:  # the root stays, even empty
+                mine.append((f"{name}[{tag}]" if split else name, mod, sub))
+        out.append(mine)
+    return out
+
+
 class ModelLayout:
     """The units' plans and slice offsets for ``world_size`` ranks, ``units`` as shard_model
     found them ((name, module, parameters), the root's among them)."""

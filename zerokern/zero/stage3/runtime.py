@@ -99,6 +99,17 @@ class Stage3Runtime:
             id(p): (u, j) for u in self.units for j, p in enumerate(u.params)}
         for u in self.units:
             u.slots = slots(u, self._param_unit)
+        # The runtimes of one model (several dtypes: one each, shard_model; join).
+        self.siblings: list[Stage3Runtime] = [self]
+
+    def join(self, rts: list[Stage3Runtime]) -> None:
+        """This runtime is one of ``rts``, one per dtype of one model: the first's
+        saved-tensor hooks serve them all (saved.py)."""
+        self.siblings = rts
+        if self is rts[0]:
+            self._saved_hooks.rts = rts
+        else:
+            self._saved_hooks.passive = True
 
     # What the context holds, under the names the optimizer side, the checkpoint functions
     # and the tests read (UnitContext documents them).
@@ -388,8 +399,9 @@ class Stage3Runtime:
 
     # -- the optimizer side's seam -------------------------------------------------------------
     def shape_of(self, p: torch.nn.Parameter) -> torch.Size:
-        """The full shape of a sharded parameter."""
-        u, j = self._param_unit[id(p)]
+        """The full shape of a sharded parameter (of any dtype of the model: siblings)."""
+        hit = next(r._param_unit[id(p)] for r in self.siblings if id(p) in r._param_unit)
+        u, j = hit
         return u.shapes[j]
 
     def prepare_step(self) -> None:
@@ -411,8 +423,10 @@ class Stage3Runtime:
             self.ctx.secondary.drop()
 
     def local_pieces(self) -> list[tuple[torch.nn.Parameter, int, int, torch.Tensor]]:
-        """This rank's pieces of every parameter, frozen ones included (build.local_pieces)."""
-        return local_pieces(self.units, self.comm.rank, self.local_params)
+        """This rank's pieces of every parameter of the model, frozen ones included, every
+        dtype's runtime's in turn (build.local_pieces)."""
+        return [pc for r in self.siblings
+                for pc in local_pieces(r.units, r.comm.rank, r.local_params)]
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes of the slices and of the gather arena (UnitContext.memory_stats)."""

@@ -25,6 +25,11 @@ class SavedTensorHooks:
     def __init__(self, rt: Stage3Runtime) -> None:
         self.rt = rt
         self._ctx: Any = None
+        # A model of several dtypes has one runtime per dtype: the first's hooks pack the
+        # views of every runtime's units (only the innermost saved-tensor hooks see a tensor),
+        # the others' never install theirs (``passive``).
+        self.rts: list[Stage3Runtime] = [rt]
+        self.passive = False
 
     @property
     def active(self) -> bool:
@@ -33,7 +38,7 @@ class SavedTensorHooks:
 
     def enter(self) -> None:
         """Install the hooks (no-op when they already are)."""
-        if self._ctx is None:
+        if self._ctx is None and not self.passive:
             self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self._ctx.__enter__()
 
@@ -45,26 +50,27 @@ class SavedTensorHooks:
 
     def pack(self, t: torch.Tensor) -> Any:
         """``t`` itself, or a reference when it lives in a gathered unit's arena block."""
-        rt = self.rt
-        if t.device != rt.device or t.dtype != rt.dtype:
-            return t
-        base = rt.gather_arena.buffer
-        if t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
-            return t
-        # Block offsets count from the arena's base, which may start inside its storage.
-        byte = t.storage_offset() * t.element_size() - base.storage_offset()
-        for u in rt.units:
-            if u.block is not None and u.block.offset <= byte < u.block.offset + u.block.nbytes:
-                return (_GatheredRef, u.index, byte - u.block.offset, tuple(t.shape),
-                        tuple(t.stride()))
+        for i, rt in enumerate(self.rts):
+            if t.device != rt.device or t.dtype != rt.dtype:
+                continue
+            base = rt.gather_arena.buffer
+            if t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+                continue
+            # Block offsets count from the arena's base, which may start inside its storage.
+            byte = t.storage_offset() * t.element_size() - base.storage_offset()
+            for u in rt.units:
+                if (u.block is not None
+                        and u.block.offset <= byte < u.block.offset + u.block.nbytes):
+                    return (_GatheredRef, u.index, byte - u.block.offset, tuple(t.shape),
+                            tuple(t.stride()), i)
         return t
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """The saved tensor, re-pointed into the unit's current buffer for a reference."""
-        rt = self.rt
         if not (isinstance(packed, tuple) and packed and packed[0] is _GatheredRef):
             return packed
-        _, idx, rel, shape, stride = packed
+        _, idx, rel, shape, stride, which = packed
+        rt = self.rts[which]
         u = rt.units[idx]
         if not u.gathered:
             rt.pre_backward(u, None)
