@@ -43,6 +43,27 @@ def rank_start_method() -> str:
     return method
 
 
+def join_ranks(ctx: Any, t0: float, timeout: float) -> str | None:
+    """Wait for the rank processes of ``ctx`` (``torch.multiprocessing.start_processes(...,
+    join=False)``, started at ``time.perf_counter()`` ``t0``); None when all ended well, else
+    why not (a timeout, or the exception type of a rank that raised or died). Every rank is
+    ended and reaped before it returns, so no bench leaves a rank behind."""
+    failure = None
+    try:
+        while not ctx.join(timeout=5):
+            if time.perf_counter() - t0 > timeout:
+                failure = f"timed out after {timeout:.0f} s"
+                break
+    except Exception as exc:  # a rank raised or died: the context has ended the others
+        failure = type(exc).__name__
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+            p.join(5)
+    return failure
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

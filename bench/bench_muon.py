@@ -202,19 +202,7 @@ def spawn(job: Job, timeout: float) -> list[dict[str, Any]]:
     """Run the ranks; their results, or a RuntimeError with the first rank's error."""
     ctx = mp.start_processes(worker, args=(job,), nprocs=job.world, join=False,
                              start_method="spawn")
-    t0, failure = time.perf_counter(), None
-    try:
-        while not ctx.join(timeout=5):
-            if time.perf_counter() - t0 > timeout:
-                failure = f"timed out after {timeout:.0f} s"
-                break
-    except Exception as exc:  # a rank raised or died: the context has ended the others
-        failure = f"{type(exc).__name__}"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-            p.join(5)
+    failure = H.join_ranks(ctx, time.perf_counter(), timeout)
     out = Path(job.outdir)
     errs = sorted(out.glob("rank*.err"))
     if errs or failure:

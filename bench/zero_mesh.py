@@ -226,19 +226,8 @@ def run_mesh(job: MeshJob, timeout: float) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     ctx = mp.start_processes(mesh_worker, args=(job,), nprocs=job.world, join=False,
                              start_method=H.rank_start_method())
-    failure = None
-    try:
-        while not ctx.join(timeout=5):
-            if time.perf_counter() - t0 > timeout:
-                failure = f"error: timed out after {timeout:.0f} s"
-                break
-    except Exception as exc:  # a rank died: the context has ended the others
-        failure = f"error: {type(exc).__name__}"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-            p.join(5)
+    failure = H.join_ranks(ctx, t0, timeout)
+    failure = None if failure is None else f"error: {failure}"
     out = Path(job.outdir)
     rows = []
     for rnd in range(1, job.rounds + 1):

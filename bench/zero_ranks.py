@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _harness import MB, comm_from_profile, rank_start_method
+from _harness import MB, comm_from_profile, join_ranks, rank_start_method
 from gpt import GPTConfig, batch
 from zero_policies import Job, Setup, Skip, build
 
@@ -208,19 +208,8 @@ def run_policy(job: Job, timeout: float, tree: Path | None = None) -> dict[str, 
         ctx = mp.start_processes(
             worker, args=(job,), nprocs=job.world, join=False, start_method=rank_start_method()
         )
-    failure = None
-    try:
-        while not ctx.join(timeout=5):
-            if time.perf_counter() - t0 > timeout:
-                failure = f"error: timed out after {timeout:.0f} s"
-                break
-    except Exception as exc:  # a rank raised or died: the context has ended the others
-        failure = f"error: {type(exc).__name__}"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-            p.join(5)
+    failure = join_ranks(ctx, t0, timeout)
+    failure = None if failure is None else f"error: {failure}"
     out = Path(job.outdir)
     errs = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.err"))]
     if errs:
