@@ -20,6 +20,7 @@ same reduced values, the same norm, the same elementwise kernel.
 
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -144,16 +145,24 @@ class Stage3(Engine):
     def update(self, runs: list[Run], groups: list[dict[str, Any]], grad_scale: float,
                active: list[bool]) -> None:
         rt, st = self.rt, self.state
+        # Runs are disjoint ranges of the local space: sorted once, each range below finds
+        # the runs it meets by bisection (units x segments x runs would be quadratic in the
+        # parameter count on every step).
+        runs = sorted(runs, key=lambda r: r.start)
+        stops = [r.stop for r in runs]
         for u in rt.units:  # a unit's range fits a staging slot (offload)
             # The unit's local ranges (one per segment it holds, compact state), each stepped
             # on the same slice elements as if the state covered the whole slice.
             for lo, hi, shift in self.unit_ranges[u.index]:
-                for r in runs:
+                i = bisect.bisect_right(stops, lo)
+                while i < len(runs) and runs[i].start < hi:
+                    r = runs[i]
                     a, b = max(r.start, lo), min(r.stop, hi)
                     if a < b:
                         st.step(u.index, groups[r.group], a, b - a, r.step, grad_scale,
                                 grad=rt.local_grads.narrow(0, a + shift, b - a),
                                 param=rt.local_params.narrow(0, a + shift, b - a))
+                    i += 1
         # The next forward's gathers read the device slices after the state's copies back.
         for u in rt.units:
             st.before_gather(u.index)
