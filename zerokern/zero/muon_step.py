@@ -20,7 +20,14 @@ values, bit for bit), the owner runs NS once per matrix (batched over same-shape
 zerokern.optim.muon.newton_schulz), and one all-to-all sends each rank back exactly its
 elements of the bfloat16 results, which it applies to its elements. At stage 0 every rank
 holds every element, so the owner reads its matrices locally and one all-gather of the
-owners' segments (zerokern.comm.owner_exchange) hands every rank every result. The owners
+owners' segments (zerokern.comm.owner_exchange) hands every rank every result.
+
+At stages 1-3 the two all-to-alls overlap the step (zerokern.comm.shard_pipeline): while the
+updates travel to their owners every rank applies the weight decay (``mul_``, needing
+nothing from the owner) and the owner orthogonalizes the matrices it holds whole; the results
+come back in up to ``chunks`` all-to-alls, each sent while NS runs on the next chunk and
+applied while the next travels. Only when each line runs moves, not what it computes: the
+same bits as the synchronous schedule (``set_chunks(0)``). The owners
 and segments are zerokern.optim.muon_plan's, rebuilt from the shapes and the group size (so
 a checkpoint loads at any world size: nothing about the owners is saved). With offload the
 element-wise lines run on the host state, the exchange and NS on the engine's device.
