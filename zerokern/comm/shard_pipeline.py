@@ -46,7 +46,13 @@ class _Back(NamedTuple):
 
 
 class PendingToOwners:
-    """The owner-bound all-to-all in flight; :meth:`wait` completes it."""
+    """The owner-bound all-to-all in flight; :meth:`wait` completes it.
+
+    Args:
+        exchange: the exchange that issued it.
+        handle: the collective's handle.
+        rt: the step's routes (where the received runs go).
+    """
 
     def __init__(self, exchange: PipelinedShardExchange, handle: Handle | None,
                  rt: _Routes) -> None:
@@ -69,7 +75,14 @@ class PendingToOwners:
 
 
 class PendingBack:
-    """One chunk of results on its way back; :meth:`wait` completes it."""
+    """One chunk of results on its way back; :meth:`wait` completes it.
+
+    Args:
+        exchange: the exchange that issued it.
+        handle: the collective's handle.
+        chunk: which chunk.
+        back: the chunk's routes (where this rank's runs are).
+    """
 
     def __init__(self, exchange: PipelinedShardExchange, handle: Handle | None, chunk: int,
                  back: _Back) -> None:
@@ -94,8 +107,12 @@ class PendingBack:
 
 class PipelinedShardExchange(ShardExchange):
     """:class:`~zerokern.comm.shard_exchange.ShardExchange` with the asynchronous, chunked
-    schedule beside its synchronous ``to_owners`` / ``from_owners`` (same arguments; the
-    same buffers)."""
+    schedule beside its synchronous ``to_owners`` / ``from_owners`` (the same buffers).
+
+    Args:
+        *args: as :class:`~zerokern.comm.shard_exchange.ShardExchange`.
+        **kwargs: as :class:`~zerokern.comm.shard_exchange.ShardExchange`.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
