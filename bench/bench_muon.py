@@ -4,6 +4,7 @@ every rank computing every matrix, DeepSpeed's Muon and one process, on gloo CPU
     python bench/bench_muon.py                      # the reference GPT, 2 ranks
     python bench/bench_muon.py --n-embd 128 --n-head 4 --rounds 8   # a narrower GPT
     python bench/bench_muon.py --schedules owner-s1 redundant single
+    python bench/bench_muon.py --schedules owner-s2 owner-s2-sync   # overlapped vs synchronous
     python bench/bench_muon.py --quick              # tiny GPT, 1 step a round: a smoke test
 
 The GPT is bench/gpt.py's (the reference workload of docs/how-it-works/conventions.md unless
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 import muon_report as R  # noqa: E402
 from gpt import GPTConfig, batch  # noqa: E402
-from muon_schedules import SCHEDULES, Skip, build  # noqa: E402
+from muon_schedules import CHOICES, SCHEDULES, Skip, build  # noqa: E402
 
 from zerokern.comm.rendezvous import file_init_method  # noqa: E402
 
@@ -213,7 +214,9 @@ def spawn(job: Job, timeout: float) -> list[dict[str, Any]]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=SCHEDULES)
+    ap.add_argument("--schedules", nargs="+", choices=CHOICES, default=SCHEDULES,
+                    help="default: all but the owner-s*-sync variants (the exchange "
+                    "synchronous, to set beside the overlapped owner-s*)")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--steps", type=int, help="timed steps per schedule and round "

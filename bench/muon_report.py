@@ -62,7 +62,7 @@ def formula(name: str, row: dict[str, Any], ctx: Context) -> dict[str, Any]:
     if name.startswith("owner-s"):
         owned = [int(x) for x in str(row["owned_numel"]).split()]
         held = [[int(x) for x in r.split()] for r in str(row["held"]).split(";")]
-        got = muon_exchange_bytes(owned, int(name[-1]), held, int(row["rank"]))
+        got = muon_exchange_bytes(owned, int(name[len("owner-s")]), held, int(row["rank"]))
         return {"exchange_formula_bytes": got["total"]}
     if name == "redundant":
         return {"exchange_formula_bytes": 2 * m * 4}  # an all-reduce of the fp32 gradients
@@ -153,6 +153,18 @@ def goals(rows_: list[dict[str, Any]], ctx: Context) -> list[str]:
             f"{name}: Newton-Schulz alone, busiest owner / redundant (every matrix): wall "
             f"{_spread(frac)}, CPU time {_spread(frac_cpu)} (1/N = {1 / n:.3f}; the plan puts "
             f"{own['owner_ns_share']:.3f} of the NS cost on its busiest rank)")
+    for name, sync in by.items():
+        over = by.get(name.removesuffix("-sync"))
+        if not name.endswith("-sync") or over is None:
+            continue
+        # Within each round (the two ran back to back under the same load): overlapped /
+        # synchronous, the Muon step and the training step, wall and CPU time.
+        cells = []
+        for k in ("muon", "muon_cpu", "step", "step_cpu"):
+            v = [a / b for a, b in zip(_per_round(over, k), _per_round(sync, k))]
+            cells.append(f"{k.replace('_cpu', ' CPU')} {_spread(v)}")
+        lines.append(f"{over['schedule']} overlapped / synchronous exchange, per round "
+                     f"(median [min, max]): " + ", ".join(cells))
     for k, r in by.items():
         if "exchange_formula_bytes" in r:
             good = r["exchange_bytes"] == r["exchange_formula_bytes"]

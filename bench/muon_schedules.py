@@ -5,7 +5,10 @@ the hidden 2-D matrices (:func:`muon_split`) and AdamW for everything else:
 
   owner-s{1,2,3}  zerokern: ``ZeroOptimizer(matrices, torch.optim.Muon, stage=s)`` beside
                   ``ZeroOptimizer(rest, torch.optim.AdamW, stage=s)``: each matrix's update
-                  goes to one owner rank, which runs Newton-Schulz once (zero/muon_step.py)
+                  goes to one owner rank, which runs Newton-Schulz once (zero/muon_step.py);
+                  the exchange overlapped with the step (zerokern.comm.shard_pipeline)
+  owner-s{1,2,3}-sync  the same with the exchange synchronous (``set_chunks(0)``: two
+                  blocking all-to-alls), for the side-by-side (not in the default list)
   redundant       the baseline (DeepSpeed's fix for its issue 7807): every rank all-reduces
                   every gradient and runs ``torch.optim.Muon`` on every matrix, AdamW on the
                   rest; torch collectives directly
@@ -45,6 +48,7 @@ ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 SCHEDULES = ["owner-s1", "owner-s2", "owner-s3", "redundant", "single", "ds-s1", "ds-s2",
              "ds-s3"]
+CHOICES = [*SCHEDULES, "owner-s1-sync", "owner-s2-sync", "owner-s3-sync"]
 
 
 class Skip(Exception):
@@ -131,7 +135,7 @@ class Owner(Schedule):
     """zerokern's two ZeroOptimizers at stage ``stage``; the Muon one's collectives labelled
     "Muon" (the owner exchange) are timed and counted by wrapping its Comm's methods."""
 
-    def __init__(self, cfg: GPTConfig, stage: int) -> None:
+    def __init__(self, cfg: GPTConfig, stage: int, sync: bool = False) -> None:
         torch.manual_seed(0)
         model = GPT(cfg)
         if stage == 3:
@@ -140,8 +144,11 @@ class Owner(Schedule):
         muon, other = muon_split(model)
         self.om = zerokern.ZeroOptimizer(muon, torch.optim.Muon, stage=stage, **MUON)
         self.oa = zerokern.ZeroOptimizer(other, torch.optim.AdamW, stage=stage, **ADAMW)
+        if sync:
+            self.om._rule_state.set_chunks(0)
         self.what = (f"zerokern ZeroOptimizer(torch.optim.Muon) + ZeroOptimizer(AdamW) at "
-                     f"stage {stage}: one owner per matrix")
+                     f"stage {stage}: one owner per matrix, exchange "
+                     f"{'synchronous' if sync else 'overlapped'}")
         self.ex_ms = self.ex_cpu = 0.0
         self.ex_bytes: dict[str, int] = {}
         comm = self.om.comm
@@ -174,13 +181,18 @@ class Owner(Schedule):
 
     def _timed_uneven(self, fn: Callable[..., Any], rank: int) -> Callable[..., Any]:
         def run(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
-                in_splits: list[int], label: str = "") -> Any:
+                in_splits: list[int], label: str = "", async_op: bool = False) -> Any:
             if not str(label).startswith("Muon"):
-                return fn(out, inp, out_splits, in_splits, label)
+                return fn(out, inp, out_splits, in_splits, label, async_op)
             # What comm_stats() counts: the elements sent to the other ranks.
             sent = (sum(in_splits) - in_splits[rank]) * inp.element_size()
-            return self._clock("all_to_all", sent,
-                               lambda: fn(out, inp, out_splits, in_splits, label))
+            handle = self._clock("all_to_all", sent,
+                                 lambda: fn(out, inp, out_splits, in_splits, label, async_op))
+            if handle is not None:  # overlapped: the exchange's time is also its wait
+                wait = handle.wait
+                handle.wait = lambda *a, **k: self._clock("all_to_all", 0,
+                                                          lambda: wait(*a, **k))
+            return handle
 
         return run
 
@@ -354,7 +366,7 @@ class DeepSpeedMuon(Schedule):
 def build(name: str, cfg: GPTConfig, world: int, micro_batch: int,
           ds_ns_method: str) -> Schedule:
     if name.startswith("owner-s"):
-        return Owner(cfg, int(name[-1]))
+        return Owner(cfg, int(name[len("owner-s")]), sync=name.endswith("-sync"))
     if name == "redundant":
         return Redundant(cfg, world)
     if name == "single":

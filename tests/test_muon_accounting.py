@@ -9,7 +9,8 @@ stage's own collectives of the flat space plus the exchange's bytes by
 from an independently built plan and the held table from every rank's shard pieces. One
 2-rank gloo launch for stages 0-3, in which the planner's ``--optimizer muon`` numbers for a
 GPT-like model are checked against the engine's measured buffers and counted bytes on the demo
-GPT of that shape; the CLI's text and JSON in process."""
+GPT of that shape (stage 1, and stage 3 with a unit per block); the CLI's text and JSON in
+process."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ from test_zero_muon import MATRICES, MuonNet, _build, _train
 import zerokern
 from zerokern import formulas
 from zerokern.cli import estimate as cli
-from zerokern.demo.gpt import GPT, GPTConfig
+from zerokern.demo.gpt import GPT, Block, GPTConfig
 from zerokern.estimate import estimate
-from zerokern.estimate_muon import muon_held
+from zerokern.estimate_muon import gpt_block_numels, muon_held, muon_stage3
 from zerokern.optim.muon_plan import plan_muon
 
 STAGE0 = ("muon_grad_buffer", "muon_param_buffer")
@@ -101,25 +102,37 @@ def accounting_case(rank: int, world: int) -> None:
 
 def gpt_case(rank: int, world: int) -> None:
     """The planner's Muon section for L=2, H=8 is what the engine holds and moves for the
-    demo GPT of that shape (its blocks' matrices under Muon) at stage 1, on this rank."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_embd=8, n_head=2, vocab=16, seq=4))
-    muon = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
-    om = zerokern.ZeroOptimizer(muon, torch.optim.Muon, stage=1, lr=0.02)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, 16, (2, 4), generator=g)
-    model(x, x)[1].backward()
-    om.step()
-    plan = om._rule_state.plan
-    assert _held(om, plan, world) == muon_held([tuple(p.shape) for p in muon], world)
-    row = estimate(float(sum(p.numel() for p in muon)), gpus=[world], layers=2, hidden=8,
-                   optimizer="muon")["muon"]["rows"][0]
-    assert _muon(om.memory_stats()) == row["memory_bytes"]["stage1"][rank], (
-        om.memory_stats(), row)
-    kinds = om.comm_stats()["per_kind"]
-    moved = row["bytes_per_step"]["stage1"][rank]
-    assert kinds["all_to_all"]["bytes"] == moved["all_to_all"] > 0, (kinds, row)
-    assert kinds["all_gather"]["bytes"] == om.layout.flat_numel * 4, (kinds, row)
+    demo GPT of that shape (its blocks' matrices under Muon) at stage 1 and at stage 3
+    (``shard_model(unit_classes=(Block,))``: the exchange's buffers and bytes, and the
+    momentum), on this rank."""
+    row = estimate(1536.0, gpus=[world], layers=2, hidden=8, optimizer="muon")["muon"]["rows"][0]
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_embd=8, n_head=2, vocab=16, seq=4))
+        if stage == 3:
+            assert [p.numel() for p in model.blocks[0].parameters()] == gpt_block_numels(8)
+            model = zerokern.shard_model(model, unit_classes=(Block,))
+        muon = [p for n, p in model.named_parameters()
+                if p.ndim == 2 and n.startswith("blocks.")]
+        om = zerokern.ZeroOptimizer(muon, torch.optim.Muon, stage=stage, lr=0.02)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randint(0, 16, (2, 4), generator=g)
+        model(x, x)[1].backward()
+        om.step()
+        plan = om._rule_state.plan
+        shapes = [(24, 8), (8, 8), (32, 8), (8, 32)] * 2
+        held = muon_held(shapes, world) if stage == 1 else muon_stage3(2, 8, world)[0]
+        assert _held(om, plan, world) == held, stage
+        stats, key = om.memory_stats(), f"stage{stage}"
+        assert _muon(stats) == row["memory_bytes"][key][rank], (stage, stats, row)
+        kinds = om.comm_stats()["per_kind"]
+        moved = row["bytes_per_step"][key][rank]
+        assert kinds["all_to_all"]["bytes"] == moved["all_to_all"] > 0, (stage, kinds, row)
+        if stage == 1:
+            assert kinds["all_gather"]["bytes"] == om.layout.flat_numel * 4, (kinds, row)
+        else:  # the momentum: this rank's own elements of the matrices, compact
+            assert stats["momentum_buffer"] == row["momentum_bytes"][key][rank] > 0, (
+                stats, row)
 
 
 def test_muon_exchange_memory_and_bytes_match_the_formulas(tmp_path):
@@ -167,7 +180,11 @@ def test_cli_optimizer_muon(capsys):
                      "--optimizer", "muon"]) == 0
     text = capsys.readouterr().out
     assert "Muon owner exchange" in text and "8 hidden matrices, 1,536 parameters" in text
-    assert "stages 1-2 GB held" in text
+    assert "stages 1-2 GB held" in text and "stage 3 GB held" in text
+    # The stage-3 columns of the 2-GPU line: the largest rank's exchange buffers, bytes per
+    # step and momentum, as the JSON below gives them.
+    line = next(ln.split() for ln in text.splitlines() if ln.split()[:2] == ["2", "768"])
+    assert line[-3:] == ["9.216e-06", "2.432e-06", "3.584e-06"], line
     assert cli.main(["--layers", "2", "--hidden", "8", "--gpus", "2", "--optimizer", "muon",
                      "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)["muon"]
@@ -188,6 +205,16 @@ def test_cli_optimizer_muon(capsys):
         assert moved["stage1"][r]["all_to_all"] == 4 * away + 2 * home, (r, row)
         assert sum(mem["stage1"][r].values()) == 6 * (768 + away + home), (r, row)
     assert row["max_bytes_per_step"]["stage1"] == max(d["total"] for d in moved["stage1"])
+    # Stage 3: a unit per block, each split in two: rank 0 holds the first half of each
+    # block (qkv, proj, the first 192 of fc: 448), rank 1 the rest (64 + 256); the owners
+    # split each rank's share evenly. Momentum: each rank's own elements, fp32.
+    held3, momentum = muon_stage3(2, 8, 2)
+    assert held3 == [[448, 448], [320, 320]] and momentum == [896, 640], (held3, momentum)
+    for r in range(2):
+        away, home = held3[r][1 - r], held3[1 - r][r]
+        assert moved["stage3"][r]["all_to_all"] == 4 * away + 2 * home, (r, row)
+        assert sum(mem["stage3"][r].values()) == 6 * (768 + away + home), (r, row)
+    assert row["momentum_bytes"]["stage3"] == [4 * 896, 4 * 640], row
     # Without the option, no Muon section; with it but without the shapes, a clear error.
     assert cli.main(["--params", "1e9"]) == 0
     assert "Muon" not in capsys.readouterr().out

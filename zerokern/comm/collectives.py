@@ -482,12 +482,15 @@ class Comm:
         return self._async("all_to_all", label, [work], handed, async_op)
 
     def all_to_all_uneven(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
-                          in_splits: list[int], label: str = "pieces") -> None:
+                          in_splits: list[int], label: str = "pieces",
+                          async_op: bool = False) -> Handle | None:
         """``inp``'s consecutive chunks of ``in_splits[r]`` elements go to rank r; ``out``'s
         chunks of ``out_splits[r]`` elements come from rank r (``all_to_all_single`` with
         split sizes; gloo and NCCL both take them). Counted as ``all_to_all`` of the
         elements this rank sends to other ranks, exactly (elements and wire alike: nothing
-        is padded, and this rank's own chunk, normally 0, never travels)."""
+        is padded, and this rank's own chunk, normally 0, never travels). ``async_op``:
+        return a :class:`Handle` at once (``out`` holds the result after its ``wait()``;
+        neither tensor may be written until then)."""
         if len(out_splits) != self.world_size or len(in_splits) != self.world_size:
             raise ValueError(f"all_to_all of {label}: {len(in_splits)} input and "
                              f"{len(out_splits)} output splits for {self.world_size} ranks")
@@ -497,7 +500,7 @@ class Comm:
         if self.world_size == 1:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
-            return
+            return self._async("all_to_all", label, [], (), async_op)
         handed = (_hand(out), _hand(inp))
         with self._guard("all_to_all", label):
             work = dist.all_to_all_single(*handed, list(out_splits), list(in_splits),
@@ -505,7 +508,7 @@ class Comm:
         sent = inp.numel() - in_splits[self.rank]
         self.stats.add("all_to_all", sent, inp.element_size())
         self.stats.wire["all_to_all"] += sent
-        self._async("all_to_all", label, [work], handed, False)
+        return self._async("all_to_all", label, [work], handed, async_op)
 
     def all_gather_object(self, obj: Any, label: str = "objects") -> list[Any]:
         """Every rank's picklable ``obj``, in rank order. Built on all_gather (sizes, then the

@@ -18,6 +18,9 @@ Every rank must know where every other rank's runs go: the runs of every rank ar
 once (:meth:`ShardExchange.gather_pieces`, an uncounted object all-gather) and the routes of
 each step follow from them and the ``active`` flags (agreed on every rank: the gradient
 flags are all-reduced), so the split sizes of sender and receiver always match.
+
+The same two directions asynchronous, overlapped with the step's computation:
+zerokern.comm.shard_pipeline.
 """
 
 from __future__ import annotations
@@ -168,6 +171,23 @@ class ShardExchange:
                              "units")
         return [p for p in self.pieces[self.rank] if active[p.unit]]
 
+    def _pack(self, values: Iterable[torch.Tensor], active: Sequence[bool]) -> _Routes:
+        """This step's routes, with this rank's runs placed: its own units' in
+        :attr:`grad_segment`, the rest in the send buffer."""
+        live = self._check(active)
+        rt = self.routes(active)
+        count = 0
+        for (here, at), p, v in zip(rt.put, live, values):
+            if v.numel() != p.numel:
+                raise ValueError(f"values[{count}] has {v.numel()} elements, its piece "
+                                 f"{p.numel}")
+            (self.grad_segment if here else self._send).narrow(0, at, p.numel).copy_(
+                v.reshape(-1))
+            count += 1
+        if count != len(live):
+            raise ValueError(f"values has {count} tensors for {len(live)} active pieces")
+        return rt
+
     @torch.no_grad()
     def to_owners(self, values: Iterable[torch.Tensor], active: Sequence[bool],
                   label: str = "Muon updates to owners") -> torch.Tensor:
@@ -188,18 +208,7 @@ class ShardExchange:
             ValueError: ``active`` or ``values`` does not match the plan and the runs
                 (raised before anything is sent).
         """
-        live = self._check(active)
-        rt = self.routes(active)
-        count = 0
-        for (here, at), p, v in zip(rt.put, live, values):
-            if v.numel() != p.numel:
-                raise ValueError(f"values[{count}] has {v.numel()} elements, its piece "
-                                 f"{p.numel}")
-            (self.grad_segment if here else self._send).narrow(0, at, p.numel).copy_(
-                v.reshape(-1))
-            count += 1
-        if count != len(live):
-            raise ValueError(f"values has {count} tensors for {len(live)} active pieces")
+        rt = self._pack(values, active)
         self.comm.all_to_all_uneven(self._recv.narrow(0, 0, sum(rt.recv_splits)),
                                     self._send.narrow(0, 0, sum(rt.send_splits)),
                                     rt.recv_splits, rt.send_splits, label)

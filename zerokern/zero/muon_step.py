@@ -20,7 +20,14 @@ values, bit for bit), the owner runs NS once per matrix (batched over same-shape
 zerokern.optim.muon.newton_schulz), and one all-to-all sends each rank back exactly its
 elements of the bfloat16 results, which it applies to its elements. At stage 0 every rank
 holds every element, so the owner reads its matrices locally and one all-gather of the
-owners' segments (zerokern.comm.owner_exchange) hands every rank every result. The owners
+owners' segments (zerokern.comm.owner_exchange) hands every rank every result.
+
+At stages 1-3 the two all-to-alls overlap the step (zerokern.comm.shard_pipeline): while the
+updates travel to their owners every rank applies the weight decay (``mul_``, needing
+nothing from the owner) and the owner orthogonalizes the matrices it holds whole; the results
+come back in up to ``chunks`` all-to-alls, each sent while NS runs on the next chunk and
+applied while the next travels. Only when each line runs moves, not what it computes: the
+same bits as the synchronous schedule (``set_chunks(0)``). The owners
 and segments are zerokern.optim.muon_plan's, rebuilt from the shapes and the group size (so
 a checkpoint loads at any world size: nothing about the owners is saved). With offload the
 element-wise lines run on the host state, the exchange and NS on the engine's device.
@@ -43,7 +50,8 @@ import torch
 
 from ..comm import Comm
 from ..comm.owner_exchange import OwnerExchange, batch_view, segment_view
-from ..comm.shard_exchange import ShardExchange, ShardPiece
+from ..comm.shard_exchange import ShardPiece
+from ..comm.shard_pipeline import PipelinedShardExchange
 from ..formulas import muon_exchange_memory_bytes
 from ..optim.muon import _addmm, adjust_lr, newton_schulz
 from ..optim.muon_plan import MuonPlan, plan_muon
@@ -55,6 +63,10 @@ from .stages import Engine, Run
 
 _NS_KEYS = ("ns_coefficients", "ns_steps", "eps")
 MOMENTUM = "momentum_buffer"
+# Stages 1-3: how many all-to-alls bring the results back (fewer if no owner has that many
+# batches). A few let Newton-Schulz of the next chunk hide the transfer of the last one; each
+# more is one more collective call (latency) for a smaller share to hide.
+DEFAULT_CHUNKS = 4
 
 
 class MuonRuleState(RuleState):
@@ -66,8 +78,26 @@ class MuonRuleState(RuleState):
         self._key: Any = None
         self._plan: MuonPlan | None = None
         self._exchange: OwnerExchange | None = None
-        self._shard: ShardExchange | None = None
+        self._shard: PipelinedShardExchange | None = None
         self._shard_layout: Layout | None = None
+        self.chunks = DEFAULT_CHUNKS
+
+    def set_chunks(self, chunks: int) -> None:
+        """The exchange's schedule at stages 1-3, the same on every rank (each chunk is a
+        collective): ``chunks >= 1`` overlaps it with the step (the owner-bound all-to-all
+        with the weight decay and Newton-Schulz of the matrices the owner holds whole; the
+        results back in up to ``chunks`` all-to-alls, each with Newton-Schulz of the next);
+        0 runs it synchronously (two blocking all-to-alls). The results are the same bits.
+
+        Args:
+            chunks: an int >= 0 (default :data:`DEFAULT_CHUNKS`).
+
+        Raises:
+            ValueError: ``chunks`` is not an int >= 0.
+        """
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
+            raise ValueError(f"chunks must be an int >= 0 (0: synchronous), got {chunks!r}")
+        self.chunks = chunks
 
     @property
     def plan(self) -> MuonPlan:
@@ -87,7 +117,8 @@ class MuonRuleState(RuleState):
                                            device)
         return self._exchange
 
-    def shard_exchange(self, layout: Layout, device: torch.device) -> ShardExchange:
+    def shard_exchange(self, layout: Layout, device: torch.device
+                       ) -> PipelinedShardExchange:
         """Stages 1-3's exchange: every rank's runs of the matrices, routed to and from
         their owners (the runs are gathered once per layout: a collective, on every rank
         at the same step since a layout changes on every rank at once)."""
@@ -96,9 +127,9 @@ class MuonRuleState(RuleState):
                 or self._shard.plan is not plan or self._shard.device != device):
             mine = [ShardPiece(pc.param, pc.param_offset, pc.numel) for pc in layout.pieces
                     if pc.param >= 0]
-            pieces = ShardExchange.gather_pieces(self.comm, mine)
-            self._shard = ShardExchange(plan, self.comm, pieces, torch.float32,
-                                        torch.bfloat16, device)
+            pieces = PipelinedShardExchange.gather_pieces(self.comm, mine)
+            self._shard = PipelinedShardExchange(plan, self.comm, pieces, torch.float32,
+                                                 torch.bfloat16, device)
             self._shard_layout = layout
         return self._shard
 
@@ -109,7 +140,7 @@ class MuonRuleState(RuleState):
         (zerokern.formulas ``muon_exchange_memory_bytes``, from this rank's pieces alone:
         no collective, nothing allocated by asking)."""
         plan = self.plan  # first: a plan of other shapes drops its exchange
-        ex: OwnerExchange | ShardExchange | None
+        ex: OwnerExchange | PipelinedShardExchange | None
         if layout.stage == 0:
             ex = self._exchange
         else:
@@ -144,7 +175,24 @@ class MuonRuleState(RuleState):
                 buf.lerp_(grad, 1 - g["momentum"])
                 yield grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
 
+        def decay(pc: Any) -> None:  # torch's param.mul_(1 - lr * weight_decay)
+            g = groups[group_of[pc.param]]
+            engine.values(pc.local_start, pc.numel).mul_(1 - float(g["lr"]) * g["weight_decay"])
+
+        def apply(pc: Any, ortho: torch.Tensor) -> None:  # param.add_(update, alpha=-lr')
+            g = groups[group_of[pc.param]]
+            values = engine.values(pc.local_start, pc.numel)
+            if ortho.device != values.device:  # offload: the master is on the host
+                ortho = ortho.to(values.device)
+            values.add_(ortho, alpha=-adjust_lr(float(g["lr"]), g["adjust_lr_fn"],
+                                                plan.units[pc.param].shape))
+
         with torch.no_grad():
+            if layout.stage >= 1 and self.chunks:
+                self._pipelined(self.shard_exchange(layout, engine.device), updates(), pieces,
+                                decay, apply, groups, group_of, active)
+                engine.sync_params(gather=True)
+                return
             if layout.stage >= 1:
                 sx = self.shard_exchange(layout, engine.device)
                 src = sx.to_owners(updates(), active)
@@ -163,24 +211,54 @@ class MuonRuleState(RuleState):
                                           + plan.units[pc.param].offset + pc.param_offset,
                                           pc.numel) for pc in pieces]
             for pc, ortho in zip(pieces, orthos):
-                g = groups[group_of[pc.param]]
-                u = plan.units[pc.param]
-                lr = float(g["lr"])
-                values = engine.values(pc.local_start, pc.numel)
-                if ortho.device != values.device:  # offload: the master is on the host
-                    ortho = ortho.to(values.device)
-                values.mul_(1 - lr * g["weight_decay"])
-                values.add_(ortho, alpha=-adjust_lr(lr, g["adjust_lr_fn"], u.shape))
+                decay(pc)
+                apply(pc, ortho)
         engine.sync_params(gather=True)
+
+    def _pipelined(self, sx: PipelinedShardExchange, updates: Iterator[torch.Tensor],
+                   pieces: list[Any], decay: Any, apply: Any, groups: list[dict[str, Any]],
+                   group_of: list[int], active: list[bool]) -> None:
+        """Stages 1-3, overlapped (zerokern.comm.shard_pipeline): while the updates travel to
+        their owners, every rank decays its own elements and the owner orthogonalizes the
+        batches it holds whole; then, chunk by chunk, Newton-Schulz of the chunk, its results
+        sent back, and the chunk before it applied while this one travels. Each element sees
+        the same operations on the same values as in the synchronous schedule."""
+        plan = self.plan
+        chunks = min(self.chunks, max(1, max(len(b) for b in plan.batches)))
+        pending = sx.start_to_owners(updates, active)
+        for pc in pieces:
+            decay(pc)
+        sx.note("decay")
+        early = sx.local_batches()
+        self._orthogonalize(sx.grad_segment, sx.param_segment, groups, group_of, active,
+                            early, sx.note)
+        pending.wait()
+        mine, _ = sx.chunk_batches(chunks)
+        sent: list[Any] = []
+        for c in range(chunks):
+            self._orthogonalize(sx.grad_segment, sx.param_segment, groups, group_of, active,
+                                [b for b in mine[c] if b not in early], sx.note)
+            sent.append(sx.start_back(c, chunks, active))
+            if c:
+                for i, ortho in sent[c - 1].wait():
+                    apply(pieces[i], ortho)
+        for i, ortho in sent[-1].wait():
+            apply(pieces[i], ortho)
 
     def _orthogonalize(self, src: torch.Tensor, dst: torch.Tensor,
                        groups: list[dict[str, Any]], group_of: list[int],
-                       active: list[bool]) -> None:
-        """NS of every matrix this rank owns that is stepped, from its segment ``src`` (the
-        updates) into its segment ``dst``: one batched NS per batch of same-shape matrices
-        with the same NS settings."""
+                       active: list[bool], which: list[int] | None = None,
+                       note: Any = None) -> None:
+        """NS of every matrix this rank owns that is stepped (of its batches ``which``, by
+        index; default all), from its segment ``src`` (the updates) into its segment
+        ``dst``: one batched NS per batch of same-shape matrices with the same NS settings.
+        ``note("ns", index)`` before each batch, if given."""
         plan = self.plan
-        for b in plan.batches[self.comm.rank]:
+        mine = plan.batches[self.comm.rank]
+        for bi in range(len(mine)) if which is None else which:
+            b = mine[bi]
+            if note is not None:
+                note("ns", bi)
             units = [plan.units[k] for k in b.units]
             live = [u for u in units if active[u.matrix]]
             if not live:
