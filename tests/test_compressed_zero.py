@@ -535,11 +535,32 @@ def test_master_none_needs_bf16_params(dtype):
 @pytest.mark.parametrize(("kw", "name"), [
     (dict(moments="int4"), "moments"), (dict(moments="INT8"), "moments"),
     (dict(master="fp16"), "master"), (dict(seed=-1), "seed"), (dict(seed=2**63), "seed"),
-    (dict(seed=1.0), "seed")])
+    (dict(seed=1.0), "seed"), (dict(int8_format=1), "int8_format"),
+    (dict(int8_format=4), "int8_format"), (dict(int8_format=True), "int8_format"),
+    (dict(int8_format="3"), "int8_format"), (dict(int8_format=3.0), "int8_format")])
 def test_bad_format_arguments_refused(kw, name):
     model = _make_model(torch.bfloat16)
     with pytest.raises(ValueError, match=name):
         zerokern.ZeroAdamW(model.parameters(), stage=2, backend=BACKEND, **kw)
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_int8_format_3_refused_where_the_backend_cannot_run_it(monkeypatch, offload):
+    """A backend outside V3_BACKENDS (the GPU kernels until they implement version 3) is
+    refused at construction, naming the option and the backend, before anything changes;
+    version 2, and moments that are not int8, build."""
+    from zerokern.ops import adamw_compressed
+
+    monkeypatch.setattr(adamw_compressed, "V3_BACKENDS", ("cpu",))
+    model = _make_model(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"int8_format=3 .*backend 'torch'"):
+        zerokern.ZeroAdamW(model.parameters(), stage=1, moments="int8", int8_format=3,
+                           backend="torch", offload=offload)
+    assert all(p.grad is None for p in model.parameters())
+    for kw in (dict(moments="int8", int8_format=2), dict(moments="bf16", int8_format=3)):
+        model = _make_model(torch.bfloat16)
+        zerokern.ZeroAdamW(model.parameters(), stage=1, backend="torch", offload=offload,
+                           **kw)
 
 
 # -- master="none": stochastic rounding through the optimizer ---------------------------------

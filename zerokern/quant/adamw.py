@@ -90,10 +90,10 @@ def _check_name(arg: str, value: object, allowed: tuple[str, ...]) -> str:
 def check_int8_format(value: object, arg: str = "int8_format") -> int:
     """``value`` if it is one of :data:`INT8_FORMATS` (an int, not a bool), else ValueError
     naming ``arg``."""
-    if isinstance(value, bool) or value not in INT8_FORMATS:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in INT8_FORMATS:
         raise ValueError(f"{arg} must be one of {', '.join(map(str, INT8_FORMATS))} (the int8 "
                          f"moments' format version), got {value!r}")
-    return int(value)  # type: ignore[call-overload]
+    return value
 
 
 def effective_moments_format(moments: str, total_numel: int) -> str:
