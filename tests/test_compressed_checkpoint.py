@@ -255,7 +255,7 @@ def test_shards_hold_fp32_and_the_stored_form(moments, master):
             raw = state.stored(s, r.numel)["exp_avg"]
             assert r.stored.exp_avg.data_ptr() == raw.data.data_ptr()
             if want == "int8":
-                assert r.stored.exp_avg_map == SIGNED_MAP_ID
+                assert r.stored.exp_avg_map == MAPS["exp_avg"]
                 assert torch.equal(r.stored.exp_avg_absmax, raw.absmax)
         if master == "none":  # the values are the bf16 parameter's own
             assert torch.equal(whole(sh, "values"), sh.param.detach().reshape(-1).float())
