@@ -196,7 +196,8 @@ class ZeroCore(torch.optim.Optimizer):
 
     @property
     def state_format(self) -> StateFormat:
-        """How the state is stored: ``moments`` and ``master`` as given at construction."""
+        """How the state is stored: ``moments``, ``master`` and ``int8_format`` as given at
+        construction."""
         return self._slot.fmt
 
     @property
