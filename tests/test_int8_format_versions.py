@@ -20,6 +20,7 @@ from test_compressed_checkpoint import (
     MAPS,
     MORE,
     SAVE_AT,
+    _edited,
     _one,
     assert_converted,
     assert_same,
@@ -62,6 +63,18 @@ def test_checkpoint_converts_between_int8_versions(tmp_path, saved, loaded):
     load_checkpoint(tmp_path / "ck", m2, o2)
     assert_converted(snapshot(m2, o2), snapshot(model, opt), loaded)
     _converted_resume(model, opt, m2, o2, loaded)
+
+
+def test_version_1_checkpoint_converts_into_version_3(tmp_path):
+    """A version 1 checkpoint (the version 2 maps' values under the version 1 ids, absmax
+    >= 0) converts into version 3 as version 2 does: decoded on its maps."""
+    model, opt = _one("int8", "fp32", int8_format=2)
+    save_checkpoint(tmp_path / "ck", model, opt)
+    _edited(tmp_path / "ck", lambda m: m["state_format"]["maps"].update(
+        exp_avg="dynamic-signed-v1", exp_avg_sq="dynamic-unsigned-v1"))
+    m2, o2 = build(2, "int8", "fp32", init=1, int8_format=3)
+    load_checkpoint(tmp_path / "ck", m2, o2)
+    assert_converted(snapshot(m2, o2), snapshot(model, opt), 3)
 
 
 @pytest.mark.parametrize("saved,loaded", VERSION_PAIRS)
