@@ -35,11 +35,14 @@ from torch import nn
 import zerokern
 from zerokern.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from zerokern.checkpoint.format import META, meta_digest, rank_file
+from zerokern.quant.adamw import DEFAULT_INT8_FORMAT
+from zerokern.quant.fmt_v3 import quantize_blockwise_v3
 from zerokern.quant.maps import (
     SIGNED_MAP_ID,
     UNSIGNED_MAP_ID,
     code_map,
     dequantize_blockwise,
+    versioned_map_id,
 )
 from zerokern.quant.requantize import requantize_blockwise
 
@@ -49,7 +52,15 @@ HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SHAPES = {"small": (7, 13), "odd.w": (61, 71), "big.w": (48, 256)}
 SEED = 1234
 SAVE_AT, MORE = 2, 2  # steps before a save, and after it
-MAPS = {"exp_avg": SIGNED_MAP_ID, "exp_avg_sq": UNSIGNED_MAP_ID}
+V2_MAPS = {"exp_avg": SIGNED_MAP_ID, "exp_avg_sq": UNSIGNED_MAP_ID}
+
+
+def maps_of(version: int) -> dict[str, str]:
+    """The code map ids of int8 format ``version``, by moment."""
+    return {k: versioned_map_id(v, version) for k, v in V2_MAPS.items()}
+
+
+MAPS = maps_of(DEFAULT_INT8_FORMAT)  # what a state of the default version names
 
 
 def _native_or_torch() -> str | None:
@@ -110,14 +121,15 @@ def coefs(step: int) -> dict[str, torch.Tensor]:
 
 
 def build(stage: int, moments: str, master: str, *, offload: str | None = None,
-          seed: int = SEED, init: int = 0) -> tuple[nn.Module, zerokern.ZeroAdamW]:
+          seed: int = SEED, init: int = 0, int8_format: int = DEFAULT_INT8_FORMAT,
+          ) -> tuple[nn.Module, zerokern.ZeroAdamW]:
     torch.manual_seed(init)
     model: nn.Module = Net().to(torch.bfloat16)
     if stage == 3:
         model = zerokern.shard_model(model, unit_classes=(Leaf,))
     opt = zerokern.ZeroAdamW(model.parameters(), **HP, stage=stage, bucket_numel=3000,
                              offload=offload, moments=moments, master=master, seed=seed,
-                             backend=BACKEND)
+                             backend=BACKEND, int8_format=int8_format)
     return model, opt
 
 
@@ -161,14 +173,49 @@ def assert_stored_same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert fa["master"] == "fp32" or fa["seed"] == fb["seed"]
 
 
-def requantized(x: torch.Tensor, key: str) -> torch.Tensor:
-    """What storing the fp32 values ``x`` (a whole parameter) as int8 and reading them back
-    gives: blocks of 256 of the flattened parameter (independent of any layout), stored by
-    ``requantize_blockwise`` (the oracle's quantizer, but a block of decoded values, such as
-    half of a decoded block, is stored exactly)."""
-    code = code_map(MAPS[key])
-    codes, absmax = requantize_blockwise(x.float().reshape(-1), code)
+def requantized(x: torch.Tensor, key: str, version: int = DEFAULT_INT8_FORMAT) -> torch.Tensor:
+    """What storing the fp32 values ``x`` (a whole parameter) as int8 of format ``version``
+    and reading them back gives: blocks of 256 of the flattened parameter (independent of any
+    layout), stored by ``requantize_blockwise`` (version 2: the oracle's quantizer, but a
+    block of decoded values, such as half of a decoded block, is stored exactly) or
+    ``quantize_blockwise_v3`` (version 3's oracle)."""
+    code = code_map(maps_of(version)[key])
+    flat = x.float().reshape(-1)
+    if version == 3:
+        codes, absmax = quantize_blockwise_v3(flat, key == "exp_avg")
+    else:
+        codes, absmax = requantize_blockwise(flat, code)
     return dequantize_blockwise(codes, absmax, code).reshape(x.shape)
+
+
+def assert_converted(got: dict[str, Any], saved: dict[str, Any], version: int) -> None:
+    """``got`` (a snapshot) is ``saved`` converted into int8 format ``version``: the same
+    parameters and steps, each int8 moment what storing the saved fp32 values in that
+    version gives (``requantized``, bit for bit), fp32 moments (small parameters) as saved;
+    and, into version 3, within version 3's error bound of the saved values."""
+    assert all(torch.equal(got["params"][k], v) for k, v in saved["params"].items())
+    for i, name in enumerate(SHAPES):
+        a, b = got["opt"]["state"][i], saved["opt"]["state"][i]
+        assert float(a["step"]) == float(b["step"])
+        for key in MAPS:
+            big = math.prod(SHAPES[name]) >= 4096
+            want = requantized(b[key], key, version) if big else b[key]
+            assert torch.equal(a[key], want), (name, key, version)
+            if big and version == 3:
+                assert_v3_bound(a[key], b[key], key)
+
+
+def assert_v3_bound(y: torch.Tensor, x: torch.Tensor, key: str) -> None:
+    """Version 3's per-element bound (zerokern.quant.fmt_v3), in float64:
+    ``|y - x| <= |x| / 16 + s * mag(1) + 2**-21 |x| + 2**-149`` with ``s`` the block's
+    absmax and ``mag(1)`` the smallest nonzero magnitude of the moment's map."""
+    mag1 = 1.25 * 2.0**(-16 if key == "exp_avg" else -32)
+    xf, yf = x.double().reshape(-1), y.double().reshape(-1)
+    pad = -xf.numel() % 256
+    s = torch.nn.functional.pad(xf.abs(), (0, pad)).view(-1, 256).amax(1)
+    s = s.repeat_interleave(256)[:xf.numel()]
+    bound = xf.abs() / 16 + s * mag1 + 2.0**-21 * xf.abs() + 2.0**-149
+    assert bool(((yf - xf).abs() <= bound).all()), key
 
 
 # -- one process: opt.state, shards, edit_shards --------------------------------------------
@@ -208,7 +255,7 @@ def test_shards_hold_fp32_and_the_stored_form(moments, master):
             raw = state.stored(s, r.numel)["exp_avg"]
             assert r.stored.exp_avg.data_ptr() == raw.data.data_ptr()
             if want == "int8":
-                assert r.stored.exp_avg_map == SIGNED_MAP_ID
+                assert r.stored.exp_avg_map == MAPS["exp_avg"]
                 assert torch.equal(r.stored.exp_avg_absmax, raw.absmax)
         if master == "none":  # the values are the bf16 parameter's own
             assert torch.equal(whole(sh, "values"), sh.param.detach().reshape(-1).float())
@@ -451,16 +498,24 @@ def test_per_rank_state_dict_round_trips(tmp_path):
 SAVED4 = (("int8", "fp32"), ("int8", "none"), ("fp32", "fp32"))
 
 
+# The other int8 format version than the default, saved at world size 4 too (its name's tail):
+# resumed exactly at world sizes 2 and 3, and converted into the default version at 2.
+OTHER_VERSION = 5 - DEFAULT_INT8_FORMAT  # 3 while the default is 2, and the reverse
+OTHER = ("int8", "fp32", OTHER_VERSION)
+
+
 def _save4(rank: int, world: int, root: str) -> None:
-    for moments, master in SAVED4:
-        model, opt = build(2, moments, master)
+    for moments, master, *version in (*SAVED4, OTHER):
+        tail = f"_v{version[0]}" if version else ""
+        model, opt = build(2, moments, master, **({"int8_format": version[0]} if version
+                                                   else {}))
         train(model, opt, 0, SAVE_AT)
-        save_checkpoint(os.path.join(root, f"ck_{moments}_{master}"), model, opt)
+        save_checkpoint(os.path.join(root, f"ck_{moments}_{master}{tail}"), model, opt)
         ref = {"at_save": snapshot(model, opt)}
         train(model, opt, SAVE_AT, MORE)
         ref["after"] = snapshot(model, opt)
         if rank == 0:
-            torch.save(ref, os.path.join(root, f"ref_{moments}_{master}.pt"))
+            torch.save(ref, os.path.join(root, f"ref_{moments}_{master}{tail}.pt"))
 
 
 @pytest.fixture(scope="module")
@@ -471,16 +526,18 @@ def saved4(tmp_path_factory) -> str:
 
 
 def _resume(root: str, ck: str, stage: int, offload: str | None, moments: str, master: str,
-            start: int, steps: int) -> tuple[nn.Module, zerokern.ZeroAdamW]:
+            start: int, steps: int, int8_format: int = DEFAULT_INT8_FORMAT,
+            ) -> tuple[nn.Module, zerokern.ZeroAdamW]:
     """Load ``ck`` (saved after ``start`` steps) at this world size and stage and train on:
     the stored buffers equal the uninterrupted run's at ``start``, and ``steps`` steps later
     everything equals it again, bit for bit."""
-    um, uo = build(stage, moments, master, offload=offload)
+    um, uo = build(stage, moments, master, offload=offload, int8_format=int8_format)
     train(um, uo, 0, start)
     uninterrupted_sd = uo.state_dict()
     train(um, uo, start, steps)
     uninterrupted = snapshot(um, uo)
-    model, opt = build(stage, moments, master, offload=offload, seed=SEED + 1, init=1)
+    model, opt = build(stage, moments, master, offload=offload, seed=SEED + 1, init=1,
+                       int8_format=int8_format)
     load_checkpoint(os.path.join(root, ck), model, opt)
     assert opt.seed == (SEED if master == "none" else SEED + 1)
     assert_stored_same(opt.state_dict(), uninterrupted_sd)
@@ -501,6 +558,14 @@ def _resume2(rank: int, world: int, root: str) -> None:
     # The issue's case: saved at world size 2, stage 2 (to be loaded at 3, stage 3).
     model, opt = _resume(root, "ck_int8_none", 2, None, "int8", "none", SAVE_AT, MORE)
     save_checkpoint(os.path.join(root, "ck2_int8_none"), model, opt)
+    # The other int8 format version: exactly, with offload; then converted into the default
+    # version (decoded on its maps, stored by the default version's quantizer).
+    ck = f"ck_int8_fp32_v{OTHER_VERSION}"
+    _resume(root, ck, 1, "cpu", "int8", "fp32", SAVE_AT, MORE, int8_format=OTHER_VERSION)
+    ref = torch.load(os.path.join(root, f"ref_int8_fp32_v{OTHER_VERSION}.pt"))["at_save"]
+    model, opt = build(2, "int8", "fp32", init=1)
+    load_checkpoint(os.path.join(root, ck), model, opt)
+    assert_converted(snapshot(model, opt), ref, DEFAULT_INT8_FORMAT)
 
 
 @pytest.fixture(scope="module")
@@ -521,6 +586,8 @@ def _resume3(rank: int, world: int, root: str) -> None:
         assert_same(snapshot(model, opt), ref["at_save"])
         _resume(root, f"ck_{moments}_{master}", 3, None, moments, master, SAVE_AT, MORE)
     _resume(root, "ck2_int8_none", 3, None, "int8", "none", SAVE_AT + MORE, MORE)
+    _resume(root, f"ck_int8_fp32_v{OTHER_VERSION}", 3, None, "int8", "fp32", SAVE_AT, MORE,
+            int8_format=OTHER_VERSION)
     # Format switching through checkpoints: fp32 (world 4) -> int8 (world 3, stage 3) -> fp32.
     ref = torch.load(os.path.join(root, "ref_fp32_fp32.pt"))["at_save"]
     m8, o8 = build(3, "int8", "fp32", init=1)

@@ -11,24 +11,36 @@ stand for what the old writer produced."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
 from test_compressed_checkpoint import (
-    MAPS,
     SEED,
+    V2_MAPS,
     _edited,
-    _one,
     assert_stored_same,
-    build,
     train,
 )
+from test_compressed_checkpoint import build as _build
 
 from zerokern.checkpoint import load_checkpoint, save_checkpoint
 from zerokern.checkpoint.format import META
 from zerokern.quant.maps import LEGACY_MAP_IDS, code_map, dequantize_blockwise, quantize_blockwise
 
+MAPS = V2_MAPS
 V1 = {key: next(old for old, new in LEGACY_MAP_IDS.items() if new == MAPS[key]) for key in MAPS}
+
+
+def build(*args: Any, **kw: Any) -> Any:
+    """Version 2 states, whatever the default int8 format version is."""
+    return _build(*args, int8_format=2, **kw)
+
+
+def _one(moments: str, master: str) -> Any:
+    model, opt = build(0, moments, master)
+    train(model, opt, 0, 2)
+    return model, opt
 
 
 def test_checkpoints_name_the_version_2_maps(tmp_path):
@@ -81,5 +93,6 @@ def test_unknown_map_versions_are_still_refused():
         **sd["zerokern"]["state_format"], "maps": {"exp_avg": "dynamic-signed-v9",
                                                    "exp_avg_sq": MAPS["exp_avg_sq"]}}}}
     _, o2 = build(0, "int8", "none", init=1)
-    with pytest.raises(ValueError, match="code maps"):
+    with pytest.raises(ValueError, match=r"state_format\.maps\['exp_avg'\] is "
+                                         r"'dynamic-signed-v9', a code map"):
         o2.load_state_dict(bad)

@@ -68,6 +68,8 @@ from torch import nn
 import zerokern
 from zerokern.kernel_contract import adam_scalars
 from zerokern.quant.adamw import (
+    DEFAULT_INT8_FORMAT,
+    INT8_FORMATS,
     CompressedMoments,
     adamw_compressed_step_reference_,
     dequantize_moments,
@@ -188,8 +190,9 @@ class Oracle:
     expected bits of every run (world size, stage, offload). Parameters keep their own step
     counts (those added later start at 1), as the optimizer keeps them."""
 
-    def __init__(self, moments: str, master: str, seed: int = SEED) -> None:
-        self.moments, self.master, self.seed = moments, master, seed
+    def __init__(self, moments: str, master: str, seed: int = SEED,
+                 version: int = DEFAULT_INT8_FORMAT) -> None:
+        self.moments, self.master, self.seed, self.version = moments, master, seed, version
         self.values: dict[str, torch.Tensor] = {}  # fp32 master, or the bf16 parameter
         self.lp: dict[str, torch.Tensor | None] = {}  # the 16-bit copy (master="fp32")
         self.state: dict[str, CompressedMoments] = {}
@@ -220,7 +223,8 @@ class Oracle:
                 self.values[k], g.reshape(-1), self.state[k], s, moments=self.moments,
                 master=self.master, total_numel=n, param_lp=self.lp[k],
                 seed=self.seed if self.master == "none" else None,
-                step=self.steps[k] if self.master == "none" else None)
+                step=self.steps[k] if self.master == "none" else None,
+                format_version=self.version)
 
     def params(self) -> dict[str, torch.Tensor]:
         """The parameters' bits as the model holds them (16-bit)."""
@@ -231,10 +235,12 @@ class Oracle:
         return out
 
 
-def oracle_run(moments: str, master: str, steps: int = STEPS) -> list[Oracle]:
-    """The oracle after each of ``steps`` steps of the grid's training (copies)."""
+def oracle_run(moments: str, master: str, version: int = DEFAULT_INT8_FORMAT,
+               steps: int = STEPS) -> list[Oracle]:
+    """The oracle after each of ``steps`` steps of the grid's training (copies), int8 codes
+    in format ``version``."""
     model = _make_model(torch.bfloat16)
-    orc = Oracle(moments, master)
+    orc = Oracle(moments, master, version=version)
     orc.add(dict(model.state_dict()))
     out = []
     for step in range(steps):
@@ -296,25 +302,27 @@ def assert_state(opt: zerokern.ZeroAdamW, orc: Oracle, names: list[str], what: s
             continue
         k = names[pc.param]
         got = st.read_moments(pc.local_start, pc.numel)
-        want = dequantize_moments(orc.state[k])
+        want = dequantize_moments(orc.state[k], orc.version)
         for name, g, w in zip(("exp_avg", "exp_avg_sq"), got, want):
             w = w[pc.param_offset:pc.param_offset + pc.numel]
             assert torch.equal(_bits(g), _bits(w)), (
                 f"{what}: {k}[{pc.param_offset}:+{pc.numel}] {name}")
 
 
-def grid_case(rank: int, world: int, configs: list[tuple[int, str | None, str, str]],
-              expected: dict[tuple[str, str], list[Oracle]]) -> None:
-    """Each (stage, offload, moments, master) trained STEPS steps; after every step, every
-    rank's full parameters and its part of the state bitwise equal to the oracle's."""
-    for stage, offload, moments, master in configs:
-        what = f"world {world} stage {stage} offload {offload} {moments}+{master}"
-        model, opt = build(stage, offload, moments, master)
+def grid_case(rank: int, world: int, configs: list[tuple[Any, ...]],
+              expected: dict[tuple[Any, ...], list[Oracle]]) -> None:
+    """Each (stage, offload, moments, master[, int8 format version]) trained STEPS steps;
+    after every step, every rank's full parameters and its part of the state bitwise equal
+    to the oracle's (stepping that version; default: the optimizer's default)."""
+    for stage, offload, moments, master, *version in configs:
+        what = f"world {world} stage {stage} offload {offload} {moments}+{master} {version}"
+        kw = {"int8_format": version[0]} if version else {}
+        model, opt = build(stage, offload, moments, master, **kw)
         for step in range(STEPS):
             model(_coefs(step, rank, world, SHAPES)).backward()
             opt.step()
             opt.zero_grad()
-            orc = expected[(moments, master)][step]
+            orc = expected[(moments, master, *version)][step]
             _assert_bits(full_params(model), orc.params(), f"{what} step {step}")
             assert_state(opt, orc, list(SHAPES), f"{what} step {step}")
         if stage > 0 and world > 1:
@@ -323,10 +331,10 @@ def grid_case(rank: int, world: int, configs: list[tuple[int, str | None, str, s
             assert 0 < sum(r.numel for r in sh.ranges) < sh.numel, what
 
 
-_EXPECTED: dict[tuple[str, str], list[Oracle]] = {}
+_EXPECTED: dict[tuple[Any, ...], list[Oracle]] = {}
 
 
-def _expected(formats: tuple[tuple[str, str], ...]) -> dict:
+def _expected(formats: tuple[tuple[Any, ...], ...]) -> dict:
     for f in formats:
         if f not in _EXPECTED:
             _EXPECTED[f] = oracle_run(*f)
@@ -343,6 +351,22 @@ def _grid(world: int, stages: tuple[int, ...]) -> list[tuple[int, str | None, st
 def test_grid_bitwise_equal_to_oracle_and_world_size_1(world, stages, tmp_path):
     configs = _grid(world, stages)
     run_ranks(world, grid_case, configs, _expected(tuple({c[2:] for c in configs})),
+              tmp_path=tmp_path)
+
+
+# int8 format version 3 given explicitly (and, once the default is 3, version 2 too): stages
+# 1-3 each with both masters, with and without offload, at world size 2 (``big`` cut across
+# the ranks), against the one oracle stepping that version: so stage- and world-size-free.
+EXPLICIT_VERSIONS = sorted({3, *(v for v in INT8_FORMATS if v != DEFAULT_INT8_FORMAT)})
+VERSION_ENGINES = ((1, None, "int8", "fp32"), (1, "cpu", "int8", "none"),
+                   (2, None, "int8", "none"), (2, "cpu", "int8", "fp32"),
+                   (3, None, "int8", "fp32"), (3, "params", "int8", "none"))
+
+
+@pytest.mark.parametrize("version", EXPLICIT_VERSIONS)
+def test_int8_format_version_bitwise_equal_to_its_oracle(version, tmp_path):
+    configs = [(*c, version) for c in VERSION_ENGINES]
+    run_ranks(2, grid_case, configs, _expected(tuple({c[2:] for c in configs})),
               tmp_path=tmp_path)
 
 
@@ -511,11 +535,32 @@ def test_master_none_needs_bf16_params(dtype):
 @pytest.mark.parametrize(("kw", "name"), [
     (dict(moments="int4"), "moments"), (dict(moments="INT8"), "moments"),
     (dict(master="fp16"), "master"), (dict(seed=-1), "seed"), (dict(seed=2**63), "seed"),
-    (dict(seed=1.0), "seed")])
+    (dict(seed=1.0), "seed"), (dict(int8_format=1), "int8_format"),
+    (dict(int8_format=4), "int8_format"), (dict(int8_format=True), "int8_format"),
+    (dict(int8_format="3"), "int8_format"), (dict(int8_format=3.0), "int8_format")])
 def test_bad_format_arguments_refused(kw, name):
     model = _make_model(torch.bfloat16)
     with pytest.raises(ValueError, match=name):
         zerokern.ZeroAdamW(model.parameters(), stage=2, backend=BACKEND, **kw)
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_int8_format_3_refused_where_the_backend_cannot_run_it(monkeypatch, offload):
+    """A backend outside V3_BACKENDS (the GPU kernels until they implement version 3) is
+    refused at construction, naming the option and the backend, before anything changes;
+    version 2, and moments that are not int8, build."""
+    from zerokern.ops import adamw_compressed
+
+    monkeypatch.setattr(adamw_compressed, "V3_BACKENDS", ("cpu",))
+    model = _make_model(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"int8_format=3 .*backend 'torch'"):
+        zerokern.ZeroAdamW(model.parameters(), stage=1, moments="int8", int8_format=3,
+                           backend="torch", offload=offload)
+    assert all(p.grad is None for p in model.parameters())
+    for kw in (dict(moments="int8", int8_format=2), dict(moments="bf16", int8_format=3)):
+        model = _make_model(torch.bfloat16)
+        zerokern.ZeroAdamW(model.parameters(), stage=1, backend="torch", offload=offload,
+                           **kw)
 
 
 # -- master="none": stochastic rounding through the optimizer ---------------------------------

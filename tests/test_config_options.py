@@ -63,6 +63,20 @@ def test_model_options_are_validated(kw, exc, match):
         cfg.validate()
 
 
+def test_int8_format_is_a_checked_and_agreed_option():
+    """The int8 format version: validated naming it, compared across ranks, carried by the
+    state format (what new int8 states are created in), default the one constant."""
+    from zerokern.quant.adamw import DEFAULT_INT8_FORMAT
+
+    assert ZeroConfig().int8_format == DEFAULT_INT8_FORMAT
+    assert ZeroConfig().state_format.int8_format == DEFAULT_INT8_FORMAT
+    cfg = ZeroConfig(moments="int8", int8_format=3).validate()
+    assert cfg.agreed()["int8_format"] == 3 and cfg.state_format.int8_format == 3
+    for bad in (1, 4, True, "3", 3.0, None):
+        with pytest.raises(ValueError, match="int8_format must be one of 2, 3"):
+            ZeroConfig(int8_format=bad).validate()
+
+
 def test_parallelize_config_with_model_options_equals_keywords():
     cfg = ZeroConfig(stage=3, unit_classes=("Block",), prefetch=2, reshard_after_forward=False,
                      gather_timeout=60.0, max_grad_norm=0.05, bucket_numel=61)

@@ -48,14 +48,19 @@ def _one_step(model: nn.Module, opt: zerokern.ZeroAdamW, rank: int) -> None:
 
 # -- items 1-3: the options that must agree --------------------------------------------------
 def _differing_state_options(rank: int, world: int) -> None:
-    """The three silent differences of the issue, at every stage: a seed (master="none"),
-    the master format, the moments format, each given differently by each rank."""
+    """The silent differences of the issue, at every stage: a seed (master="none"), the
+    master format, the moments format and its int8 version, each given differently by each
+    rank."""
     cases = [
         (dict(master="none", seed=rank), ["seed is 0 on rank 0, 1 on rank 1"]),
         (dict(master="none" if rank == 0 else "fp32"),
          ["master is 'none' on rank 0, 'fp32' on rank 1"]),
         (dict(moments="int8" if rank == 0 else "fp32"),
          ["moments is 'int8' on rank 0, 'fp32' on rank 1"]),
+        # The int8 format version: the same layout, other codes (replicas apart, shards in
+        # two encodings).
+        (dict(moments="int8", int8_format=2 + rank),
+         ["int8_format is 2 on rank 0, 3 on rank 1"]),
     ]
     for stage in (0, 1, 2, 3):
         model = _model(torch.bfloat16, stage)

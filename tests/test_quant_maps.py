@@ -38,6 +38,9 @@ _UNSIGNED_HASH = "305f002cc11278fb769d13b25b9fd0c7c83c8402c40a878fe086f4039fde63
 PINNED = {
     SIGNED_MAP_ID: _SIGNED_HASH, "dynamic-signed-v1": _SIGNED_HASH,
     UNSIGNED_MAP_ID: _UNSIGNED_HASH, "dynamic-unsigned-v1": _UNSIGNED_HASH,
+    # Format version 3's computed maps (zerokern.quant.fmt_v3), as checkpoints name them.
+    "computed-signed-v3": "782a08dba46804731357c09bdd89ece0381a70f825432dfcbe0cb90e00e76f93",
+    "computed-unsigned-v3": "fac492af806ee84864d5c54bb45b2830f720200435e58ad836b0c0b045b89387",
 }
 
 
@@ -124,9 +127,9 @@ def test_map_ids() -> None:
     # These strings go into checkpoints: changing them breaks every saved int8 state.
     assert SIGNED_MAP_ID == "dynamic-signed-v2"
     assert UNSIGNED_MAP_ID == "dynamic-unsigned-v2"
-    # Version 1 checkpoints name these and still load.
+    # Version 1 checkpoints name these and still load; version 3 names its computed maps.
     assert set(MAP_IDS) == {SIGNED_MAP_ID, UNSIGNED_MAP_ID, "dynamic-signed-v1",
-                            "dynamic-unsigned-v1"}
+                            "dynamic-unsigned-v1", "computed-signed-v3", "computed-unsigned-v3"}
     assert torch.equal(_bits(code_map(SIGNED_MAP_ID)), _bits(SIGNED))
     assert torch.equal(_bits(code_map(UNSIGNED_MAP_ID)), _bits(UNSIGNED))
     assert torch.equal(_bits(code_map("dynamic-signed-v1")), _bits(SIGNED))
@@ -138,6 +141,32 @@ def test_map_ids() -> None:
     with pytest.raises(ValueError, match="dynamic-signed-v2"):
         code_map("dynamic-signed-v3")
     assert code_map(SIGNED_MAP_ID) is not code_map(SIGNED_MAP_ID)  # callers may mutate theirs
+
+
+def test_version_3_ids_name_the_computed_maps() -> None:
+    """Version 3's ids decode on fmt_v3's maps, never alike version 1/2's (their codes are
+    re-encoded, not copied, across versions); each id knows its version and its sign."""
+    from zerokern.quant import fmt_v3
+    from zerokern.quant.maps import map_version, step_version, versioned_map_id
+
+    v3 = {True: fmt_v3.SIGNED_MAP_ID_V3, False: fmt_v3.UNSIGNED_MAP_ID_V3}
+    for signed, map_id in v3.items():
+        assert map_id in MAP_IDS and map_version(map_id) == step_version(map_id) == 3
+        assert torch.equal(_bits(code_map(map_id)), _bits(fmt_v3.code_map_v3(signed)))
+        assert code_map(map_id) is not fmt_v3.code_map_v3(signed)  # not the shared cache
+        v2 = SIGNED_MAP_ID if signed else UNSIGNED_MAP_ID
+        assert versioned_map_id(v2, 3) == map_id and versioned_map_id(map_id, 2) == v2
+        assert versioned_map_id(f"dynamic-{'un' * (not signed)}signed-v1", 3) == map_id
+        for old in (v2, f"dynamic-{'un' * (not signed)}signed-v1"):
+            assert not decodes_alike(old, map_id) and not decodes_alike(map_id, old)
+        assert decodes_alike(map_id, map_id)
+    assert not decodes_alike(v3[True], v3[False])
+    assert (map_version("dynamic-signed-v1"), step_version("dynamic-signed-v1")) == (1, 2)
+    for bad in (1, 4, True):
+        with pytest.raises(ValueError, match="version must be 2 or 3"):
+            versioned_map_id(SIGNED_MAP_ID, bad)
+    with pytest.raises(ValueError, match="unknown quantization map id 'computed-signed-v4'"):
+        map_version("computed-signed-v4")
 
 
 def test_package_stays_internal() -> None:

@@ -5,11 +5,14 @@ A checkpoint of a ZeroAdamW whose state is not the default (fp32 moments and fp3
 names the format in a top-level ``"state_format"`` entry of meta.json::
 
     {"moments": "int8", "master": "none", "seed": 7, "block": 256,
-     "maps": {"exp_avg": "dynamic-signed-v1", "exp_avg_sq": "dynamic-unsigned-v1"}}
+     "maps": {"exp_avg": "dynamic-signed-v2", "exp_avg_sq": "dynamic-unsigned-v2"}}
 
-(``block`` and ``maps`` with int8 moments only). The values tensor ``master`` of each rank file
-holds the fp32 master, or with ``master="none"`` the bf16 parameters themselves: there is no
-master, the parameters are the values, and ``seed`` keys their stochastic rounding.
+(``block`` and ``maps`` with int8 moments only). The map ids name the int8 format version
+too: ``dynamic-*-v1`` / ``-v2`` (versions 1 and 2, the same maps) or ``computed-*-v3``
+(version 3); an id this zerokern does not know is refused, naming the field. The values
+tensor ``master`` of each rank file holds the fp32 master, or with ``master="none"`` the bf16
+parameters themselves: there is no master, the parameters are the values, and ``seed`` keys
+their stochastic rounding.
 
 With ``moments="fp32"`` the moments stay where a default checkpoint has them (``exp_avg`` and
 ``exp_avg_sq`` beside ``master``, fp32, at the piece's offset). Otherwise each rank file's entry
@@ -40,8 +43,14 @@ from typing import Any
 
 import torch
 
-from ..quant.adamw import MASTER_MODES, MOMENT_FORMATS, effective_moments_format
-from ..quant.maps import BLOCK, MAP_IDS
+from ..quant.adamw import (
+    DEFAULT_INT8_FORMAT,
+    INT8_FORMATS,
+    MASTER_MODES,
+    MOMENT_FORMATS,
+    effective_moments_format,
+)
+from ..quant.maps import BLOCK, MAP_IDS, decodes_alike
 from ..zero.rules import ADAMW
 from ..zero.state_format import StateFormat
 from ..zero.stored import STORED_TYPES, Int8Stored, stored_type
@@ -51,7 +60,6 @@ STATE_FORMAT = "state_format"  # meta.json's top-level entry
 MOMENTS_TABLE = "moments"  # a file entry's table of moment rows
 MOMENTS = ADAMW.state_names  # the buffers a checkpoint holds (AdamW's two moments)
 MOMENT_DTYPES = {fmt: t.dtype for fmt, t in STORED_TYPES.items()}
-MAPS = {key: ADAMW.map_id(key) for key in MOMENTS}
 MOMENT_ROW = "[param name, param offset, numel, format, offset, block]"
 FORMAT_KEYS = frozenset({"moments", "master", "seed", "block", "maps"})
 
@@ -79,15 +87,16 @@ def blocks(n: int) -> int:
     return -(-n // BLOCK)
 
 
-def format_entry(moments: str, master: str, seed: int) -> dict[str, Any] | None:
+def format_entry(moments: str, master: str, seed: int,
+                 int8_format: int = DEFAULT_INT8_FORMAT) -> dict[str, Any] | None:
     """meta.json's ``state_format`` of a state stored so (None: the default, fp32 and fp32,
-    written as before)."""
+    written as before); ``int8_format`` picks the maps named for int8 moments."""
     if moments == "fp32" and master == "fp32":
         return None
     out: dict[str, Any] = {"moments": moments, "master": master, "seed": int(seed)}
     if blockwise(moments):
         out["block"] = BLOCK
-        out["maps"] = dict(MAPS)
+        out["maps"] = {key: ADAMW.map_id(key, int8_format) for key in MOMENTS}
     return out
 
 
@@ -141,7 +150,10 @@ def check_state_format(sf: Any, param_dtype: Any, error: Callable[[str, str], Ex
             if v not in MAP_IDS:
                 raise error(f"{STATE_FORMAT}.maps.{k}",
                             f"is {v!r:.80}, a code map this zerokern does not know (known: "
-                            f"{', '.join(MAP_IDS)}; written by a newer zerokern?)")
+                            f"{', '.join(MAP_IDS)}; an int8 format version written by a "
+                            f"newer zerokern?)")
+            if not any(decodes_alike(v, ADAMW.map_id(k, ver)) for ver in INT8_FORMATS):
+                raise error(f"{STATE_FORMAT}.maps.{k}", f"is {v!r}, not a map of {k}")
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,7 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
     if entry is not None:  # another rule than AdamW's: its buffers and scalars
         meta[OPTIMIZER] = entry
     fmt = opt.state_format
-    sf = format_entry(fmt.moments, fmt.master, opt.seed)
+    sf = format_entry(fmt.moments, fmt.master, opt.seed, fmt.int8_format)
     if sf is not None:  # a compressed state: stored as the optimizer stores it (moments.py)
         meta[STATE_FORMAT] = sf
     return Plan(ranges, frozen, names.buffers if rank == 0 else {}, meta)

@@ -56,6 +56,7 @@ from .maps import (
     UNSIGNED_MAP_ID,
     code_map,
     dequantize_blockwise,
+    versioned_map_id,
 )
 
 MOMENT_FORMATS = ("fp32", "bf16", "int8")
@@ -63,6 +64,16 @@ MOMENT_FORMATS = ("fp32", "bf16", "int8")
 
 MASTER_MODES = ("fp32", "none")
 """The accepted ``master=`` names."""
+
+INT8_FORMATS = (2, 3)
+"""The int8 moment encodings a new state can be created with (``ZeroAdamW(int8_format=)``):
+2 (``zerokern.quant.blockwise``, the dynamic maps) and 3 (``zerokern.quant.fmt_v3``, computed
+maps). Version 1 states load and step as version 2."""
+
+DEFAULT_INT8_FORMAT = 2
+"""The int8 format version new states use when ``int8_format`` is not given, and that this
+module's oracle steps by default: the ONE constant that moves the project to version 3, once
+every backend (``zerokern.ops.adamw_compressed.V3_BACKENDS``) runs it."""
 
 MIN_COMPRESSED_NUMEL = 4096
 """Parameters with fewer elements than this (in total) keep fp32 moments."""
@@ -73,6 +84,15 @@ _STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 def _check_name(arg: str, value: object, allowed: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"{arg} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+    return value
+
+
+def check_int8_format(value: object, arg: str = "int8_format") -> int:
+    """``value`` if it is one of :data:`INT8_FORMATS` (an int, not a bool), else ValueError
+    naming ``arg``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in INT8_FORMATS:
+        raise ValueError(f"{arg} must be one of {', '.join(map(str, INT8_FORMATS))} (the int8 "
+                         f"moments' format version), got {value!r}")
     return value
 
 
@@ -142,11 +162,14 @@ def init_compressed_moments(
     return state
 
 
-def dequantize_moments(state: CompressedMoments) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantize_moments(state: CompressedMoments, format_version: int = DEFAULT_INT8_FORMAT,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 values of ``state``'s moments (new tensors), in any format.
 
     Args:
         state: moments as stored.
+        format_version: int8 only: the encoding of the codes (1 and 2 decode alike, 3 on
+            version 3's maps).
 
     Returns:
         ``(exp_avg, exp_avg_sq)`` as 1-D fp32 tensors.
@@ -155,11 +178,13 @@ def dequantize_moments(state: CompressedMoments) -> tuple[torch.Tensor, torch.Te
         if state.exp_avg_absmax is None or state.exp_avg_sq_absmax is None:
             raise ValueError("state: int8 moments need exp_avg_absmax and exp_avg_sq_absmax")
         device = state.exp_avg.device
+        version = 2 if format_version == 1 else check_int8_format(format_version,
+                                                                   "format_version")
         return (
             dequantize_blockwise(state.exp_avg.reshape(-1), state.exp_avg_absmax,
-                                 code_map(SIGNED_MAP_ID, device)),
+                                 code_map(versioned_map_id(SIGNED_MAP_ID, version), device)),
             dequantize_blockwise(state.exp_avg_sq.reshape(-1), state.exp_avg_sq_absmax,
-                                 code_map(UNSIGNED_MAP_ID, device)),
+                                 code_map(versioned_map_id(UNSIGNED_MAP_ID, version), device)),
         )
     # .float() of fp32 returns the tensor itself: clone so the result is always new.
     return (state.exp_avg.reshape(-1).float().clone(),
@@ -219,6 +244,7 @@ def adamw_compressed_step_reference_(
     param_lp: torch.Tensor | None = None,
     seed: int | None = None,
     step: int | None = None,
+    format_version: int = DEFAULT_INT8_FORMAT,
 ) -> None:
     """One AdamW step over elements ``[start, start + n)`` of one parameter, in place.
 
@@ -239,6 +265,8 @@ def adamw_compressed_step_reference_(
             nearest even (None: no copy).
         seed: ``master="none"`` only: the run's seed for ``sr_bits16``, in [0, 2**64).
         step: ``master="none"`` only: the optimizer step for ``sr_bits16``, in [0, 2**32).
+        format_version: int8 only: the encoding the codes are read and written with, one of
+            :data:`INT8_FORMATS` (default :data:`DEFAULT_INT8_FORMAT`).
 
     Raises:
         ValueError: naming the bad argument: an unknown ``moments`` or ``master`` name,
@@ -249,6 +277,7 @@ def adamw_compressed_step_reference_(
     """
     fmt = effective_moments_format(moments, total_numel)
     _check_name("master", master, MASTER_MODES)
+    check_int8_format(format_version, "format_version")
     n = param.numel()
     _check_shard(start, n, total_numel, fmt)
     _check_state(state, fmt, n)
@@ -278,4 +307,4 @@ def adamw_compressed_step_reference_(
     adamw_compressed_torch_(
         p, g, state.exp_avg.view(-1), state.exp_avg_sq.view(-1), state.exp_avg_absmax,
         state.exp_avg_sq_absmax, lp, sr_index, 0 if seed is None else seed,
-        0 if step is None else step, scalars)
+        0 if step is None else step, scalars, format_version)

@@ -82,16 +82,67 @@ id of the same map. The 256 values are the same, so version 1 codes decode to th
 and a version 1 state is a valid version 2 state as stored: it loads unchanged, and the next
 step re-encodes it with version 2's rule."""
 
+SIGNED_MAP_ID_V3 = "computed-signed-v3"
+"""Id of format version 3's signed map (``exp_avg``; ``zerokern.quant.fmt_v3``): other values
+than version 2's, so codes under it are re-encoded, never copied, into a version 2 state."""
+
+UNSIGNED_MAP_ID_V3 = "computed-unsigned-v3"
+"""Id of format version 3's unsigned map (``exp_avg_sq``), as ``SIGNED_MAP_ID_V3``."""
+
 _MAP_SIGNED = {SIGNED_MAP_ID: True, UNSIGNED_MAP_ID: False, "dynamic-signed-v1": True,
-               "dynamic-unsigned-v1": False}
+               "dynamic-unsigned-v1": False, SIGNED_MAP_ID_V3: True, UNSIGNED_MAP_ID_V3: False}
+# The int8 format version each id was written by: 1 and 2 share the dynamic maps' values, 3 has
+# its own (computed) values.
+_MAP_VERSION = {SIGNED_MAP_ID: 2, UNSIGNED_MAP_ID: 2, "dynamic-signed-v1": 1,
+                "dynamic-unsigned-v1": 1, SIGNED_MAP_ID_V3: 3, UNSIGNED_MAP_ID_V3: 3}
+_MAP_OF_VERSION = {(True, 2): SIGNED_MAP_ID, (False, 2): UNSIGNED_MAP_ID,
+                   (True, 3): SIGNED_MAP_ID_V3, (False, 3): UNSIGNED_MAP_ID_V3}
 MAP_IDS = tuple(_MAP_SIGNED)
 """Every map id this version can read, the ids a checkpoint may name."""
 
 
+def _values_family(map_id: str) -> str:
+    # Versions 1 and 2 decode on the same 256 values; version 3 on others.
+    return "computed" if _MAP_VERSION[map_id] == 3 else "dynamic"
+
+
 def decodes_alike(a: str | None, b: str | None) -> bool:
     """Whether codes stored under map id ``a`` mean the same values under map id ``b`` (the
-    same map, whatever the format version), so they can be copied instead of re-encoded."""
-    return a in _MAP_SIGNED and b in _MAP_SIGNED and _MAP_SIGNED[a] == _MAP_SIGNED[b]
+    same map: versions 1 and 2 share theirs, version 3 has its own), so they can be copied
+    instead of re-encoded."""
+    return (a in _MAP_SIGNED and b in _MAP_SIGNED and _MAP_SIGNED[a] == _MAP_SIGNED[b]
+            and _values_family(a) == _values_family(b))  # type: ignore[arg-type]
+
+
+def map_version(map_id: str) -> int:
+    """The int8 format version that wrote codes under ``map_id`` (1, 2 or 3).
+
+    Raises:
+        ValueError: an unknown id.
+    """
+    if map_id not in _MAP_VERSION:
+        raise ValueError(f"unknown quantization map id {map_id!r}; known: {', '.join(MAP_IDS)}")
+    return _MAP_VERSION[map_id]
+
+
+def step_version(map_id: str) -> int:
+    """The ``format_version`` the fused step runs codes under ``map_id`` with: 3 for version
+    3's maps, else 2 (a version 1 state decodes like version 2 and is re-encoded by it)."""
+    return 3 if map_version(map_id) == 3 else 2
+
+
+def versioned_map_id(map_id: str, version: int) -> str:
+    """The id of the map of format ``version`` (2 or 3) with ``map_id``'s sign (signed for
+    ``exp_avg``, unsigned for ``exp_avg_sq``).
+
+    Raises:
+        ValueError: an unknown id or version.
+    """
+    map_version(map_id)
+    key = (_MAP_SIGNED[map_id], version)
+    if isinstance(version, bool) or key not in _MAP_OF_VERSION:
+        raise ValueError(f"int8 format version must be 2 or 3, got {version!r}")
+    return _MAP_OF_VERSION[key]
 
 
 _CODES = 256
@@ -154,7 +205,7 @@ def code_map(map_id: str, device: torch.device | str | None = None) -> torch.Ten
     """The map a checkpoint names by its id.
 
     Args:
-        map_id: one of :data:`MAP_IDS`.
+        map_id: one of :data:`MAP_IDS` (version 3's ids give ``fmt_v3.code_map_v3``).
         device: where to put the tensor (default CPU).
 
     Returns:
@@ -163,8 +214,10 @@ def code_map(map_id: str, device: torch.device | str | None = None) -> torch.Ten
     Raises:
         ValueError: the id is unknown (written by a newer version, or corrupt).
     """
-    if map_id not in _MAP_SIGNED:
-        raise ValueError(f"unknown quantization map id {map_id!r}; known: {', '.join(MAP_IDS)}")
+    if map_version(map_id) == 3:
+        from .fmt_v3 import code_map_v3  # imports this module: looked up on use
+
+        return code_map_v3(_MAP_SIGNED[map_id], device).clone()
     return create_dynamic_map(_MAP_SIGNED[map_id]).to(device)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..quant.adamw import DEFAULT_INT8_FORMAT
 from .config import ZeroConfig
 from .core import ZeroCore
 from .interchange import check_adamw_flags
@@ -72,6 +73,7 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
         moments: ``"fp32"``; ``"bf16"`` and ``"int8"`` only for ``torch.optim.AdamW``.
         master: ``"fp32"``; ``"none"`` only for ``torch.optim.AdamW``.
         seed: the stochastic rounding key of ``master="none"``.
+        int8_format: the format version of new int8 moments (2 or 3), as ``ZeroAdamW``.
         mesh: a ``DeviceMesh`` instead of ``process_group`` (2-D: hybrid sharding, as
             ``ZeroAdamW``).
         reduce_dtype: None, ``torch.float32``, or ``"int8"`` / ``"int4"`` (quantized
@@ -117,6 +119,7 @@ class ZeroOptimizer(StateSurface, TrainingLoop, ZeroCore):
         moments: str = "fp32",
         master: str = "fp32",
         seed: int = 0,
+        int8_format: int = DEFAULT_INT8_FORMAT,
         mesh: Any = None,
         reduce_dtype: torch.dtype | str | None = None,
         gather_dtype: str | None = None,

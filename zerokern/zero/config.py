@@ -13,10 +13,10 @@ otherwise ignores them. Two steps, in this order, before anything is modified:
 - ``agree(comm)``: the one gathered comparison across ranks (zero/agreement.py). The options
   in ``AGREED`` must be the same on every rank: a stage, bucket size, offload or moments
   format that differs gives different layouts and collectives (a hang, or gloo aborting the
-  process); a seed, master format, loss scaling or clipping norm that differs trains the
-  replicas (stage 0, or the replicas of a 2-D mesh) apart, or stores the shards in mixed
-  formats, without a word. ``overlap_comm`` and ``backend`` are this rank's own choices: the
-  collectives are the same either way and the kernels agree bit for bit
+  process); a seed, master format, int8 format version, loss scaling or clipping norm that
+  differs trains the replicas (stage 0, or the replicas of a 2-D mesh) apart, or stores the
+  shards in mixed formats, without a word. ``overlap_comm`` and ``backend`` are this rank's
+  own choices: the collectives are the same either way and the kernels agree bit for bit
   (docs/numerics.md).
 """
 
@@ -32,6 +32,7 @@ import torch
 
 from ..comm.quantized_parts import WireFormat
 from ..ops._backend import BACKENDS
+from ..quant.adamw import DEFAULT_INT8_FORMAT
 from . import gather_timeout as told
 from .scaler import LossScaler
 from .state_format import StateFormat
@@ -66,6 +67,8 @@ class ZeroConfig:
         moments: ``"fp32"``, ``"bf16"`` or ``"int8"``.
         master: ``"fp32"`` or ``"none"`` (bf16 parameters only).
         seed: the stochastic rounding key of ``master="none"``, in [0, 2**63).
+        int8_format: the format version of new int8 moments, 2 or 3 (default
+            ``zerokern.quant.adamw.DEFAULT_INT8_FORMAT``); the other formats ignore it.
         reduce_dtype: None, ``torch.float32``, or ``"int8"`` / ``"int4"``: the gradient
             reduce-scatter quantized on the wire (stages 1-3; docs/reference/quantized-comm.md).
         gather_dtype: None or ``"int8"``: the parameter all-gather quantized on the wire
@@ -95,6 +98,7 @@ class ZeroConfig:
     moments: str = "fp32"
     master: str = "fp32"
     seed: int = 0
+    int8_format: int = DEFAULT_INT8_FORMAT
     reduce_dtype: torch.dtype | str | None = None
     gather_dtype: str | None = None
     error_feedback: bool = False
@@ -111,8 +115,8 @@ class ZeroConfig:
     """The stage-3 model options (``shard_model``'s); ZeroAdamW has no keywords for them."""
 
     AGREED: ClassVar[tuple[str, ...]] = (
-        "stage", "bucket_numel", "offload", "moments", "master", "seed", "reduce_dtype",
-        "gather_dtype", "error_feedback", "loss_scale", "max_grad_norm", "hpz")
+        "stage", "bucket_numel", "offload", "moments", "master", "seed", "int8_format",
+        "reduce_dtype", "gather_dtype", "error_feedback", "loss_scale", "max_grad_norm", "hpz")
     """The options every rank must give alike (compared by ``agree``)."""
 
     def __post_init__(self) -> None:
@@ -175,7 +179,8 @@ class ZeroConfig:
             ValueError: an option out of its range, named (``stage`` that is not an int
                 0-3, ``True`` and ``2.0`` included; ``offload`` other than None or "cpu",
                 or at stage 0; ``bucket_numel``, ``max_grad_norm``, ``loss_scale``,
-                ``moments``, ``master``, ``seed``, ``reduce_dtype``, ``backend``;
+                ``moments``, ``master``, ``seed``, ``int8_format`` (2 or 3),
+                ``reduce_dtype``, ``backend``;
                 ``gather_dtype`` other than None or ``"int8"``; a quantized
                 ``reduce_dtype`` / ``gather_dtype`` at stage 0 or with ``offload``, and
                 ``gather_dtype`` with ``master="none"`` at stages 1-2 (not built);
@@ -190,7 +195,7 @@ class ZeroConfig:
         """
         check_zero_args(self.stage, self.offload, self.bucket_numel, self.max_grad_norm)
         LossScaler.from_arg(self.loss_scale)  # ValueError naming loss_scale
-        StateFormat(self.moments, self.master)  # ValueError naming moments or master
+        StateFormat(self.moments, self.master, self.int8_format)  # ValueError naming each
         check_seed(self.seed)
         check_reduce_dtype(self.reduce_dtype, self.offload)
         check_quantized_comm(self.reduce_dtype, self.gather_dtype, self.stage, self.offload,
@@ -234,8 +239,8 @@ class ZeroConfig:
 
     @property
     def state_format(self) -> StateFormat:
-        """``moments`` and ``master`` as a StateFormat (validated)."""
-        return StateFormat(self.moments, self.master)
+        """``moments``, ``master`` and ``int8_format`` as a StateFormat (validated)."""
+        return StateFormat(self.moments, self.master, self.int8_format)
 
     def agreed(self) -> dict[str, Any]:
         """The options of ``AGREED`` as plain values every rank compares (validated)."""
@@ -248,7 +253,7 @@ class ZeroConfig:
                 v = None if v is None else float(v)
             elif name == "loss_scale":
                 v = v if v is None or v == "dynamic" else float(v)
-            elif name in ("stage", "seed"):
+            elif name in ("stage", "seed", "int8_format"):
                 v = int(v)
             out[name] = v
         return out

@@ -54,6 +54,7 @@ from .stages import Engine
 from .state_format import StateFormat
 from .validate import (
     check_gather_dtype_params,
+    check_int8_format_backend,
     check_master_dtype,
     check_offload_params,
     check_seed,
@@ -116,6 +117,7 @@ class ZeroCore(torch.optim.Optimizer):
                     owners.check_offload_alone(rt, cfg.offload, replaced)
                 dtype, device = common_dtype_device(table.params)  # meta parameters refused
                 check_master_dtype(cfg.state_format, dtype)
+                check_int8_format_backend(cfg.state_format, cfg.backend, device, cfg.offload)
                 check_gather_dtype_params(cfg.wire.gather_bits, cfg.stage, dtype)
         except (ValueError, TypeError, RuntimeError) as exc:
             failure = exc
@@ -194,7 +196,8 @@ class ZeroCore(torch.optim.Optimizer):
 
     @property
     def state_format(self) -> StateFormat:
-        """How the state is stored: ``moments`` and ``master`` as given at construction."""
+        """How the state is stored: ``moments``, ``master`` and ``int8_format`` as given at
+        construction."""
         return self._slot.fmt
 
     @property

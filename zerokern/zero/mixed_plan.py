@@ -17,12 +17,11 @@ optimizers on one runtime, stage3/owners.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from .state_format import StateFormat
 from .validate import _DTYPES, check_gather_dtype_params, check_master_dtype
 
 MASTER_CHOICES = ("fp32", "none")
@@ -111,7 +110,7 @@ def plan_parts(param_groups: list[dict[str, Any]], cfg: Any, runtime: Any,
                 sub["param_names"].append(names[j])
     index = {id(p): i for i, (_, p) in enumerate(trained)}
     for part in parts.values():
-        fmt = StateFormat(cfg.state_format.moments, part.master)
+        fmt = replace(cfg.state_format, master=part.master)
         check_master_dtype(fmt, part.dtype)
         check_gather_dtype_params(cfg.wire.gather_bits, cfg.stage, part.dtype)
         part.managed = [index[id(p)] for g in part.groups for p in g["params"]]

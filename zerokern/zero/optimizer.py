@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..quant.adamw import DEFAULT_INT8_FORMAT
 from .any_optimizer import ZeroOptimizer, _options, adamw_defaults
 from .config import ZeroConfig
 from .rules import ADAMW, UpdateRule
@@ -82,6 +83,13 @@ class ZeroAdamW(ZeroOptimizer):
             index in its parameter), the same bits on every backend, world size and stage).
         seed: the stochastic rounding key of ``master="none"``, in [0, 2**63); saved with
             the state.
+        int8_format: the format version of the int8 moments a new state is created with:
+            2 (the dynamic maps above) or 3 (computed maps, ``zerokern.quant.fmt_v3``;
+            faster to encode and decode on CPUs). Default
+            ``zerokern.quant.adamw.DEFAULT_INT8_FORMAT``. Version 3 is refused (ValueError
+            naming ``int8_format``) where the step's backend cannot run it
+            (``zerokern.ops.adamw_compressed.V3_BACKENDS``). A loaded state is converted to
+            this version (docs/compressed-state.md); the other formats ignore it.
         mesh: instead of ``process_group``, a ``torch.distributed.device_mesh.DeviceMesh``.
             2-D: hybrid sharding (FSDP2's HSDP convention, dim 0 replicate, dim 1 shard,
             whatever the dims are named): the state (stage 2: and the gradients) is split
@@ -120,10 +128,11 @@ class ZeroAdamW(ZeroOptimizer):
             default, is refused.
 
     Every rank must give the same ``stage``, ``bucket_numel``, ``offload``, ``moments``,
-    ``master``, ``seed``, ``reduce_dtype``, ``gather_dtype``, ``error_feedback``, ``loss_scale``,
-    ``max_grad_norm``, mesh, per-group ``lr``, ``betas``, ``eps`` and ``weight_decay``, and
-    the same parameters (shapes and dtypes): the constructor compares them across ranks in
-    one gather, before any other collective, and raises ValueError on every rank naming each
+    ``master``, ``seed``, ``int8_format``, ``reduce_dtype``, ``gather_dtype``,
+    ``error_feedback``, ``loss_scale``, ``max_grad_norm``, mesh, per-group ``lr``,
+    ``betas``, ``eps`` and ``weight_decay``, and the same parameters (shapes and dtypes):
+    the constructor compares them across ranks in one gather, before any other collective,
+    and raises ValueError on every rank naming each
     one that differs and every rank's value. An argument refused on one rank is raised on
     every rank. ``overlap_comm`` and ``backend`` may differ (the collectives are the same,
     and the kernels agree bit for bit).
@@ -170,6 +179,7 @@ class ZeroAdamW(ZeroOptimizer):
         moments: str = "fp32",
         master: str = "fp32",
         seed: int = 0,
+        int8_format: int = DEFAULT_INT8_FORMAT,
         mesh: Any = None,
         reduce_dtype: torch.dtype | str | None = None,
         gather_dtype: str | None = None,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
-from ..quant.maps import decodes_alike
+from ..quant.maps import MAP_IDS, decodes_alike
 from .engine_slot import EngineSlot
 from .param_table import ParamTable
 from .rules import UpdateRule
@@ -27,24 +27,44 @@ from .scaler import LossScaler
 from .shards import ParamShard, ShardRange, StoredRange
 from .state_format import StateFormat
 from .state_view import ShardedStateView
+from .stored import Int8Stored
 
 # The top-level keys of a per-rank state dict (state_dict() below writes exactly these).
 _RANK_KEYS = frozenset({"state", "param_groups", "scaler", "zerokern"})
 
 
-def code_maps(rule: UpdateRule) -> dict[str, str]:
-    """The int8 code map of each of the rule's buffers, as state dicts and checkpoints name
-    them."""
-    return {name: rule.map_id(name) for name in rule.state_names}
+def code_maps(rule: UpdateRule, version: int) -> dict[str, str]:
+    """The int8 code map of each of the rule's buffers in format ``version``, as state dicts
+    and checkpoints name them (the ids name the format version too)."""
+    return {name: rule.map_id(name, version) for name in rule.state_names}
 
 
 def _format_entry(fmt: StateFormat, seed: int, rule: UpdateRule) -> dict[str, Any]:
     """How a state is stored, as state dicts and checkpoints name it: moments, master, the
-    stochastic rounding seed and, for int8, the code maps' ids."""
+    stochastic rounding seed and, for int8, the code maps' ids (which say what the codes
+    mean: format version 1/2's dynamic maps or version 3's computed ones)."""
     out: dict[str, Any] = {"moments": fmt.moments, "master": fmt.master, "seed": int(seed)}
     if fmt.blockwise:
-        out["maps"] = code_maps(rule)
+        out["maps"] = code_maps(rule, fmt.int8_format)
     return out
+
+
+def convert_codes(state: Any, saved_maps: dict[str, str]) -> None:
+    """Codes copied into ``state`` (a ShardState) as saved under ``saved_maps`` and meant
+    otherwise here (another int8 format version): each int8 run decoded on the saved map and
+    stored again on this state's (``Int8Stored.write``). Codes of maps that decode alike
+    (versions 1 and 2) stay as copied."""
+    if state.runs is None:
+        return
+    for name, buf in state.buffers.items():
+        if not isinstance(buf.main, Int8Stored) or decodes_alike(saved_maps[name],
+                                                                 buf.main.map_id):
+            continue
+        for r in state.runs.runs:
+            if r.side_start < 0 and r.fmt == "int8":
+                part = buf.at(r, 0, r.numel)
+                assert part.absmax is not None
+                part.write(Int8Stored.decode(part.data, part.absmax, saved_maps[name]))
 
 
 def set_seed(slot: EngineSlot, seed: int) -> None:
@@ -208,7 +228,7 @@ class StateAccess:
                 "state dict loads only on the rank (world size and stage) that saved it: save "
                 "opt.state_dict() on every rank, or use opt.full_state_dict() (torch AdamW "
                 "format, loadable anywhere) or zerokern.save_checkpoint")
-        saved_fmt = self._check_format(meta)
+        saved_fmt, saved_maps = self._check_format(meta)
         if st:
             self.slot.build(param_groups, list(meta.get("ready_order") or []) or None)
             mine = self.meta()
@@ -228,6 +248,7 @@ class StateAccess:
                 for key, t in self._stored_buffers().items():  # as saved (checked above)
                     if t is not None:
                         t.copy_(st[key])
+                convert_codes(eng.state, saved_maps)
                 if eng.master is not None and st.get("master") is not None:
                     eng.master.copy_(st["master"])
                 elif eng.master is not None:
@@ -248,11 +269,13 @@ class StateAccess:
         self.slot.mark_params()  # the loaded master is the one to train from
         self.view.refresh_steps()
 
-    def _check_format(self, meta: dict[str, Any]) -> dict[str, Any]:
+    def _check_format(self, meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         """The saved state's format (state dicts of zerokern before issue 27 have none: fp32
         moments and master), refused unless it is this optimizer's: the per-rank state dict
         holds the buffers as stored, in a layout that depends on the format (int8 pads
-        parameters to 256-element blocks), so it is not converted here."""
+        parameters to 256-element blocks), so it is not converted here. The int8 format
+        version may differ (the same layout): with it the saved code maps (those of
+        version 2 when the state dict names none), checked to be known."""
         saved = meta.get("state_format") or {"moments": "fp32", "master": "fp32", "seed": 0}
         fmt = self.slot.fmt
         if not isinstance(saved, dict) or any(k not in saved for k in ("moments", "master")):
@@ -266,20 +289,31 @@ class StateAccess:
                 "that saved it (its buffers are kept as stored); to change the format load "
                 "opt.full_state_dict() (fp32, quantized on load) or use "
                 "zerokern.save_checkpoint / load_checkpoint, which convert through fp32")
-        maps, mine = saved.get("maps"), code_maps(self.slot.rule)
+        mine = code_maps(self.slot.rule, 2)
+        maps = saved.get("maps", mine)
         # Version 1 and 2 map ids decode alike (the same codes, the same scale rule): a state
-        # saved by either loads into the other as stored.
-        if fmt.blockwise and maps is not None and (
-                not isinstance(maps, dict) or set(maps) != set(mine)
-                or not all(decodes_alike(maps[k], mine[k]) for k in mine)):
-            raise ValueError(f"state_dict: int8 moments quantized with the code maps {maps}, "
-                             f"this zerokern uses {mine}")
+        # saved by either loads into the other as stored; one of version 3 into a state of
+        # version 2 (or the reverse) is converted after the copy (convert_codes).
+        if fmt.blockwise:
+            if not isinstance(maps, dict) or set(maps) != set(mine):
+                raise ValueError(f"state_dict: state_format's maps must name the code maps "
+                                 f"of {', '.join(mine)}, got {maps!r:.80}")
+            for k, v in maps.items():
+                if v not in MAP_IDS:
+                    raise ValueError(
+                        f"state_dict: state_format.maps[{k!r}] is {v!r:.80}, a code map this "
+                        f"zerokern does not know (known: {', '.join(MAP_IDS)}; an int8 format "
+                        "version written by a newer zerokern?)")
+                if not decodes_alike(v, mine[k]) and not decodes_alike(
+                        v, self.slot.rule.map_id(k, 3)):
+                    raise ValueError(f"state_dict: state_format.maps[{k!r}] is {v!r}, not a "
+                                     f"map of {k} ({mine[k]!r} or its other versions)")
         if fmt.in_place:
             seed = saved.get("seed")
             if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
                 raise ValueError(f"state_dict: the seed must be an int in [0, 2**63), got "
                                  f"{seed!r}")
-        return saved
+        return saved, maps
 
     def _stored_buffers(self) -> dict[str, torch.Tensor | None]:
         """The state's stored tensors besides the master, by per-rank state dict key: the

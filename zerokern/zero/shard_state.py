@@ -92,7 +92,7 @@ class ShardState:
         self.buffers: dict[str, StateBuffer] = {}
         for name in self.rule.state_names:
             main = typ.make({p: got[part_kind(name, p)] for p, _, _ in typ.parts(numel)},
-                            self.rule.map_id(name))
+                            self.rule.map_id(name, self.fmt.int8_format))
             side = got.get(part_kind(name, "side"))
             self.buffers[name] = StateBuffer(name, main,
                                              None if side is None else Fp32Stored(side))

@@ -27,8 +27,10 @@ class StoredRange:
     the rule's buffers (``state``: name -> ``Stored`` view, zero/stored.py), for consumers
     that must move the state without changing a bit (checkpoints, resharding). int8 codes
     travel as codes with their absmax; ``write`` stores fp32 values as the buffer stores them
-    (``requantize_blockwise`` for int8), so values read here and written back unchanged keep
-    their decoded values bit for bit (and, but for ties in the subnormal range, their codes).
+    (int8: its format version's quantizer, ``requantize_blockwise`` for version 2,
+    ``quantize_blockwise_v3`` for 3), so values read here and written back unchanged keep
+    their decoded values bit for bit (and, but for ties in the subnormal range, their codes;
+    version 3: blocks whose decoded values are zero or normal).
 
     ``master``: "fp32" (``values`` is the fp32 master) or "none" (``values`` is the bf16
     parameter's own elements, or under offload their host copy). ``moments``: the format the

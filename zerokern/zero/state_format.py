@@ -29,7 +29,13 @@ from typing import Any
 
 import torch
 
-from ..quant.adamw import MASTER_MODES, MIN_COMPRESSED_NUMEL, MOMENT_FORMATS
+from ..quant.adamw import (
+    DEFAULT_INT8_FORMAT,
+    MASTER_MODES,
+    MIN_COMPRESSED_NUMEL,
+    MOMENT_FORMATS,
+    check_int8_format,
+)
 from ..quant.adamw import effective_moments_format as _effective
 from ..quant.maps import BLOCK
 from .stored import stored_type
@@ -54,10 +60,13 @@ def quant_align(numel: int) -> int:
 
 @dataclass(frozen=True)
 class StateFormat:
-    """``ZeroAdamW(moments=, master=)``: what the optimizer state is stored as."""
+    """``ZeroAdamW(moments=, master=, int8_format=)``: what the optimizer state is stored as.
+    ``int8_format``: the int8 moments' format version (2 or 3), which picks the code maps of
+    a new state (``UpdateRule.map_id``); the other moment formats ignore it."""
 
     moments: str = "fp32"
     master: str = "fp32"
+    int8_format: int = DEFAULT_INT8_FORMAT
 
     def __post_init__(self) -> None:
         if not isinstance(self.moments, str) or self.moments not in MOMENT_FORMATS:
@@ -66,6 +75,7 @@ class StateFormat:
         if not isinstance(self.master, str) or self.master not in MASTER_MODES:
             raise ValueError(f"master must be one of {', '.join(map(repr, MASTER_MODES))}, "
                              f"got {self.master!r}")
+        check_int8_format(self.int8_format)
 
     @classmethod
     def of(cls, entry: Any) -> StateFormat:

@@ -6,9 +6,12 @@ checkpoint as.
 - ``Bf16Stored``: bf16 values; reading widens (exact), writing rounds to nearest even
   ([Note: 16-bit values are rounded to nearest even] in zerokern/ops/adamw.py).
 - ``Int8Stored``: uint8 codes on a code map (``map_id``) with one fp32 signed scale per
-  256-element block (``zerokern.quant.maps``, format version 2); reading dequantizes, writing
-  quantizes with ``requantize_blockwise`` (version 2's quantizer; a decoded block gets its own
-  codes back), the one path by which fp32 values from outside the step are stored into int8.
+  256-element block (``zerokern.quant.maps``). The map id names the int8 format version too:
+  version 2's dynamic maps (1's decode alike) or version 3's computed maps
+  (``zerokern.quant.fmt_v3``). Reading dequantizes on the map; writing quantizes with the
+  version's quantizer (``requantize_blockwise`` for version 2: a decoded block gets its own
+  codes back; ``quantize_blockwise_v3`` for version 3, which re-encodes decoded normal values
+  exactly), the one path by which fp32 values from outside the step are stored into int8.
 
 The format name ("fp32", "bf16", "int8") is looked up once, in ``stored_type``; everything
 else asks the type. A ``Stored`` is a view: ``narrow`` gives a range of it (an int8 range
@@ -22,7 +25,14 @@ from typing import ClassVar
 
 import torch
 
-from ..quant.maps import BLOCK, code_map, dequantize_blockwise
+from ..quant.fmt_v3 import quantize_blockwise_v3
+from ..quant.maps import (
+    BLOCK,
+    SIGNED_MAP_ID_V3,
+    code_map,
+    dequantize_blockwise,
+    step_version,
+)
 from ..quant.requantize import requantize_blockwise
 
 
@@ -150,10 +160,19 @@ class Int8Stored(Stored):
 
     def write(self, x: torch.Tensor) -> None:
         assert self.absmax is not None and self.map_id is not None
-        codes, absmax = requantize_blockwise(x.to(self.data.device, torch.float32).reshape(-1),
-                                             code_map(self.map_id, self.data.device))
+        flat = x.to(self.data.device, torch.float32).reshape(-1)
+        if self.version == 3:
+            codes, absmax = quantize_blockwise_v3(flat, self.map_id == SIGNED_MAP_ID_V3)
+        else:  # a version 1 state is written as version 2 (the same map's values)
+            codes, absmax = requantize_blockwise(flat, code_map(self.map_id, self.data.device))
         self.data.copy_(codes)
         self.absmax.copy_(absmax)
+
+    @property
+    def version(self) -> int:
+        """The format version the fused step runs these codes with (2 or 3)."""
+        assert self.map_id is not None
+        return step_version(self.map_id)
 
     def assign_from(self, x: torch.Tensor) -> None:
         self.write(x.float())

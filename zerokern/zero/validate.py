@@ -177,6 +177,25 @@ def check_offload_backend(backend: Any, offload: Any) -> None:
             "or drop offload to step on the device")
 
 
+def check_int8_format_backend(fmt: Any, backend: str | None, device: torch.device,
+                              offload: str | None) -> None:
+    """``int8_format=3`` with int8 moments needs a step backend that runs version 3
+    (``V3_BACKENDS``): the one ``backend`` resolves to for the state's device (the host with
+    ``offload``). Refused at construction rather than at the first step."""
+    if fmt.moments != "int8" or fmt.int8_format != 3:
+        return
+    from ..ops._backend import resolve_backend
+    from ..ops.adamw_compressed import V3_BACKENDS
+
+    where = torch.device("cpu") if offload is not None else torch.device(device)
+    chosen = resolve_backend(backend, where)
+    if chosen not in V3_BACKENDS:
+        raise ValueError(
+            f"int8_format=3 with moments='int8': the step's backend {chosen!r} (backend="
+            f"{backend!r} on {where.type} tensors) runs int8 format version 2 only; version 3 "
+            f"runs on {', '.join(V3_BACKENDS)}. Pass int8_format=2, or a backend that runs it")
+
+
 QUANTIZED_REDUCE = ("int8", "int4")
 QUANTIZED_GATHER = ("int8",)
 

@@ -12,6 +12,7 @@ import torch
 from ... import ops
 from ...quant.maps import SIGNED_MAP_ID, UNSIGNED_MAP_ID
 from ..state_format import StateFormat
+from ..stored import Int8Stored
 from ..validate import check_eps_moments, check_hparams
 from .base import RangeStep, UpdateRule, register_rule
 
@@ -43,10 +44,13 @@ class AdamWRule(UpdateRule):
             ops.fused_adamw_(r.values, r.grad, m.data, v.data, **hp)
             return
         sr = r.values.dtype == torch.bfloat16  # no master: stochastic rounding
+        # The codes' own format version (their map id says it), run by run: a state keeps
+        # the version it was created or loaded with.
+        version = m.version if isinstance(m, Int8Stored) else 2
         ops.fused_adamw_compressed_(
             r.values, r.grad, m.data, v.data, exp_avg_absmax=m.absmax,
             exp_avg_sq_absmax=v.absmax, sr_index=r.sr_index if sr else None,
-            seed=r.seed if sr else None, **hp)
+            seed=r.seed if sr else None, format_version=version, **hp)
 
 
 ADAMW = register_rule(AdamWRule())

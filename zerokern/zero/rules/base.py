@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ...quant.maps import SIGNED_MAP_ID
+from ...quant.adamw import DEFAULT_INT8_FORMAT
+from ...quant.maps import SIGNED_MAP_ID, versioned_map_id
 from ..state_format import StateFormat
 from ..stored import Fp32Stored, Stored
 
@@ -60,7 +61,8 @@ class UpdateRule(ABC):
     defaults: ClassVar[dict[str, Any]]
     """Its hyperparameters' default values (the keys of a param group it reads)."""
     code_maps: ClassVar[dict[str, str]] = {}
-    """The int8 code map of each buffer (default: the signed dynamic map)."""
+    """The int8 code map of each buffer (default: the signed map), as format version 2 names
+    it; ``map_id`` gives the same map in another version."""
     torch_class: ClassVar[type[torch.optim.Optimizer]]
     """torch's optimizer of the same update: its state dicts are the interchange format."""
 
@@ -81,8 +83,9 @@ class UpdateRule(ABC):
             raise ValueError(f"{where} holds negative values ({float(t.min()):.3g}); it is "
                              "a sum of squares, never negative: the state is corrupt")
 
-    def map_id(self, name: str) -> str:
-        return self.code_maps.get(name, SIGNED_MAP_ID)
+    def map_id(self, name: str, version: int = DEFAULT_INT8_FORMAT) -> str:
+        """The id of buffer ``name``'s int8 code map in format ``version`` (2 or 3)."""
+        return versioned_map_id(self.code_maps.get(name, SIGNED_MAP_ID), version)
 
     @property
     def torch_keys(self) -> tuple[str, ...]:
