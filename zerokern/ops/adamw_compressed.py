@@ -57,7 +57,7 @@ __all__ = ["fused_adamw_compressed_", "moments_format"]
 MOMENT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.uint8: "int8"}
 FORMAT_VERSIONS = (2, 3)
 """The int8 encodings the range op runs (``format_version=``); 2 is the default."""
-V3_BACKENDS = ("cpu", "torch")
+V3_BACKENDS = ("cpu", "torch", "triton")
 """The backends that run int8 format version 3."""
 
 
@@ -141,7 +141,8 @@ def _run(backend: str, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
     elif backend == "triton":
         from ..kernels.triton.adamw_compressed import adamw_compressed_triton_
 
-        adamw_compressed_triton_(*args, kernel_tables(param.device), s)
+        adamw_compressed_triton_(*args, kernel_tables(param.device), s,
+                                 format_version=format_version)
     else:  # cpu and cuda share one native entry point that dispatches on the device
         _native.require(backend).adamw_compressed(*args, kernel_tables(param.device),
                                                   format_version, *s)

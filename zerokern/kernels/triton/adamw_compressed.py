@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from zerokern.kernel_contract import AdamScalars
+from zerokern.quant import fmt_v3
 
 from . import check_interpreter
 from .adamw import _round_lp, adamw_update, kernel_scalars
@@ -79,6 +80,9 @@ _MOMENTS = {torch.float32: MOMENTS_FP32, torch.bfloat16: MOMENTS_BF16, torch.uin
 # zerokern.quant.maps.kernel_tables: four 256-entry parts, at offsets 0 (signed map), 256 (its
 # thresholds), 512 (unsigned map) and 768 (its thresholds); the kernel uses these literals.
 TABLE_SIZE = 1024
+# Format version 3 (V3): the biases of zerokern.quant.fmt_v3's computed maps; no table is read.
+V3_SIGNED_BIAS = tl.constexpr(fmt_v3.SIGNED_BIAS)
+V3_UNSIGNED_BIAS = tl.constexpr(fmt_v3.UNSIGNED_BIAS)
 
 
 @triton.jit
@@ -117,11 +121,12 @@ def _dequantize(codes, absmax, tables_ptr, CODES_AT: tl.constexpr):
 
 
 @triton.jit
-def _block_scale(x, mask, ROWS: tl.constexpr, MASKED: tl.constexpr):
+def _block_scale(x, mask, ROWS: tl.constexpr, MASKED: tl.constexpr, V3: tl.constexpr):
     """Per block (row of 256 lanes) the signed scale of format version 2
     (zerokern.quant.blockwise.block_scales): A = max |x| over the valid lanes (NaN when any
     valid lane is NaN, as torch.amax), -A when A > 0 and no valid lane equals +A, else +A.
-    Returns (per block [ROWS], per element [ROWS * 256])."""
+    Version 3 (V3) stores A itself (its maps hold +-1). Returns (per block [ROWS], per
+    element [ROWS * 256])."""
     nan = x != x
     mag = tl.where(nan, 0.0, tl.abs(x))
     if MASKED:
@@ -129,13 +134,16 @@ def _block_scale(x, mask, ROWS: tl.constexpr, MASKED: tl.constexpr):
         mag = tl.where(mask, mag, 0.0)  # the oracle pads a partial block with zeros
     amax = tl.max(tl.reshape(mag, (ROWS, 256)), axis=1)
     any_nan = tl.max(tl.reshape(nan.to(tl.int32), (ROWS, 256)), axis=1)
-    per = tl.reshape(tl.broadcast_to(amax[:, None], (ROWS, 256)), (ROWS * 256,))
-    hit = x == per  # a lane holding +A (-0 == +0: an all-zero block counts as +0)
-    if MASKED:
-        hit = hit & mask
-    has_pos = tl.max(tl.reshape(hit.to(tl.int32), (ROWS, 256)), axis=1)
     qnan = tl.full(amax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    scale = tl.where(any_nan > 0, qnan, tl.where(has_pos > 0, amax, -amax))
+    if V3:
+        scale = tl.where(any_nan > 0, qnan, amax)
+    else:
+        per = tl.reshape(tl.broadcast_to(amax[:, None], (ROWS, 256)), (ROWS * 256,))
+        hit = x == per  # a lane holding +A (-0 == +0: an all-zero block counts as +0)
+        if MASKED:
+            hit = hit & mask
+        has_pos = tl.max(tl.reshape(hit.to(tl.int32), (ROWS, 256)), axis=1)
+        scale = tl.where(any_nan > 0, qnan, tl.where(has_pos > 0, amax, -amax))
     return scale, tl.reshape(tl.broadcast_to(scale[:, None], (ROWS, 256)), (ROWS * 256,))
 
 
@@ -156,6 +164,45 @@ def _quantize(x, scale, tables_ptr, THRESHOLDS_AT: tl.constexpr):
         t = tl.load(tables_ptr + THRESHOLDS_AT + (pos + ((128 >> k) - 1)))
         pos = tl.where((t < q) | (neg & (t == q)), pos + (128 >> k), pos)
     return pos.to(tl.uint8)
+
+
+@triton.jit
+def _dequantize_v3(codes, absmax, SIGNED: tl.constexpr):
+    """fp32 ``map_v3[c] * absmax`` per element, the map value built from the code's bits
+    (zerokern.quant.fmt_v3: magnitude q is the fp32 pattern (q + bias) << 20, q = 0 is 0)."""
+    c = codes.to(tl.int32)
+    if SIGNED:
+        k = c - 128
+        q = tl.abs(k)
+        mag = tl.where(q == 0, 0, (q + V3_SIGNED_BIAS) << 20).to(tl.float32, bitcast=True)
+        value = tl.where(k < 0, -mag, mag)  # a negation flips the sign bit only
+    else:
+        value = tl.where(c == 0, 0, (c + V3_UNSIGNED_BIAS) << 20).to(tl.float32, bitcast=True)
+    return value * absmax
+
+
+@triton.jit
+def _quantize_v3(x, scale, SIGNED: tl.constexpr):
+    """Version 3's code of each element of x under its block's absmax (per element): the
+    normalisation of version 2 (n = x * fl(1 / d) when 2**-126 <= d < 2**126, else x / d;
+    d = the absmax, 1 for 0), then the pattern of |n| rounded at bit 20 (half a step added,
+    ties away from zero), re-biased and clamped; NaN n takes the zero code."""
+    d = tl.where(scale == 0.0, 1.0, scale)  # >= 0 or NaN
+    fast = (d >= 1.1754943508222875e-38) & (d < 8.507059173023462e37)
+    r = tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+    n = tl.where(fast, x * r, tl.div_rn(x, d))
+    u = n.to(tl.uint32, bitcast=True)
+    # uint32: |n|'s pattern plus half a step stays below 2**32 even for a NaN pattern
+    e = (((u & 0x7FFFFFFF) + 0x80000) >> 20).to(tl.int32)
+    neg = (u >> 31) != 0
+    nan = n != n
+    if SIGNED:
+        q = tl.minimum(tl.maximum(e - V3_SIGNED_BIAS, 0), 127)
+        code = tl.where(nan, 128, tl.where(neg, 128 - q, 128 + q))
+    else:
+        q = tl.minimum(tl.maximum(e - V3_UNSIGNED_BIAS, 0), 255)
+        code = tl.where(nan | neg, 0, q)  # -0.0 and negative values: code 0
+    return code.to(tl.uint8)
 
 
 @triton.jit
@@ -199,6 +246,7 @@ def _tile(
     inv_grad_scale,
     ROWS: tl.constexpr, MASKED: tl.constexpr, MOMENTS: tl.constexpr, HAS_LP: tl.constexpr,
     SR: tl.constexpr, LERP_LOW: tl.constexpr, APPLY_SCALE: tl.constexpr, SOFT_FP: tl.constexpr,
+    V3: tl.constexpr,
 ):
     # offs, mask, eblk (the element's block) and col (its place in the block) are per element;
     # rblk and row_ok are per block (the absmax stores).
@@ -207,8 +255,14 @@ def _tile(
     if MOMENTS == 2:
         m_amax = _load(m_absmax_ptr, eblk, mask, MASKED)  # each block's scale, per element
         v_amax = _load(v_absmax_ptr, eblk, mask, MASKED)
-        m = _dequantize(_load(exp_avg_ptr, offs, mask, MASKED), m_amax, tables_ptr, 0)
-        v = _dequantize(_load(exp_avg_sq_ptr, offs, mask, MASKED), v_amax, tables_ptr, 512)
+        cm = _load(exp_avg_ptr, offs, mask, MASKED)
+        cv = _load(exp_avg_sq_ptr, offs, mask, MASKED)
+        if V3:
+            m = _dequantize_v3(cm, m_amax, True)
+            v = _dequantize_v3(cv, v_amax, False)
+        else:
+            m = _dequantize(cm, m_amax, tables_ptr, 0)
+            v = _dequantize(cv, v_amax, tables_ptr, 512)
     else:
         m = _widen(_load(exp_avg_ptr, offs, mask, MASKED), SOFT_FP)
         v = _widen(_load(exp_avg_sq_ptr, offs, mask, MASKED), SOFT_FP)
@@ -218,10 +272,16 @@ def _tile(
         bc2_sqrt, eps, inv_grad_scale, LERP_LOW, APPLY_SCALE, SOFT_FP)
 
     if MOMENTS == 2:
-        m_rows, m_amax = _block_scale(m, mask, ROWS, MASKED)
-        v_rows, v_amax = _block_scale(v, mask, ROWS, MASKED)
-        _store(exp_avg_ptr, offs, _quantize(m, m_amax, tables_ptr, 256), mask, MASKED)
-        _store(exp_avg_sq_ptr, offs, _quantize(v, v_amax, tables_ptr, 768), mask, MASKED)
+        m_rows, m_amax = _block_scale(m, mask, ROWS, MASKED, V3)
+        v_rows, v_amax = _block_scale(v, mask, ROWS, MASKED, V3)
+        if V3:
+            cm = _quantize_v3(m, m_amax, True)
+            cv = _quantize_v3(v, v_amax, False)
+        else:
+            cm = _quantize(m, m_amax, tables_ptr, 256)
+            cv = _quantize(v, v_amax, tables_ptr, 768)
+        _store(exp_avg_ptr, offs, cm, mask, MASKED)
+        _store(exp_avg_sq_ptr, offs, cv, mask, MASKED)
         _store(m_absmax_ptr, rblk, m_rows, row_ok, MASKED)
         _store(v_absmax_ptr, rblk, v_rows, row_ok, MASKED)
     elif MOMENTS == 1:
@@ -254,7 +314,7 @@ def adamw_compressed_kernel(
     inv_grad_scale,
     ROWS: tl.constexpr, MOMENTS: tl.constexpr, HAS_LP: tl.constexpr, SR: tl.constexpr,
     LERP_LOW: tl.constexpr, APPLY_SCALE: tl.constexpr, USE_INT64: tl.constexpr,
-    SOFT_FP: tl.constexpr,
+    SOFT_FP: tl.constexpr, V3: tl.constexpr,
 ):
     pid = tl.program_id(0)
     lane = tl.arange(0, ROWS * 256)
@@ -274,7 +334,7 @@ def adamw_compressed_kernel(
             lp_ptr, sr_index_ptr, tables_ptr, seed_lo_bits, seed_hi_bits, step_bits,
             decay, w, neg_one_minus_w_bits, beta2, one_minus_beta2, neg_step_size_bits,
             bc2_sqrt, eps, inv_grad_scale,
-            ROWS, False, MOMENTS, HAS_LP, SR, LERP_LOW, APPLY_SCALE, SOFT_FP,
+            ROWS, False, MOMENTS, HAS_LP, SR, LERP_LOW, APPLY_SCALE, SOFT_FP, V3,
         )
     else:
         _tile(
@@ -283,7 +343,7 @@ def adamw_compressed_kernel(
             lp_ptr, sr_index_ptr, tables_ptr, seed_lo_bits, seed_hi_bits, step_bits,
             decay, w, neg_one_minus_w_bits, beta2, one_minus_beta2, neg_step_size_bits,
             bc2_sqrt, eps, inv_grad_scale,
-            ROWS, True, MOMENTS, HAS_LP, SR, LERP_LOW, APPLY_SCALE, SOFT_FP,
+            ROWS, True, MOMENTS, HAS_LP, SR, LERP_LOW, APPLY_SCALE, SOFT_FP, V3,
         )
 
 
@@ -324,6 +384,7 @@ def adamw_compressed_triton_(
     s: AdamScalars,
     *,
     rows: int = ROWS,
+    format_version: int = 2,
 ) -> None:
     """One in-place AdamW step over a flat range with compressed state (the range contract of
     zerokern.ops.adamw_compressed; its validate_compressed_args has checked the tensors).
@@ -337,6 +398,8 @@ def adamw_compressed_triton_(
         s: zerokern.kernel_contract.adam_scalars(...) of the step.
         rows: quantization blocks per program, a power of two (the result does not depend on
             it; the interpreter tests use more to launch fewer programs).
+        format_version: the int8 encoding, 2 (``zerokern.quant.blockwise``) or 3
+            (``zerokern.quant.fmt_v3``: ``tables`` is then not read); other moments ignore it.
 
     Raises:
         ValueError: a bad seed, step or tables (nothing is modified).
@@ -353,6 +416,8 @@ def adamw_compressed_triton_(
                          f"{tables.dtype} {tuple(tables.shape)} on {tables.device}")
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two, got {rows!r}")
+    if isinstance(format_version, bool) or format_version not in (2, 3):
+        raise ValueError(f"format_version must be 2 or 3, got {format_version!r}")
     check_interpreter()
     n = param.numel()
     if n == 0:
@@ -379,6 +444,7 @@ def adamw_compressed_triton_(
         SR=sr,
         USE_INT64=n >= 2**31 - tile,
         SOFT_FP=_INTERPRETED,
+        V3=quantized and format_version == 3,
         **COMPILE_OPTIONS,
         **compressed_scalars(s, seed if sr else 0, step),
     )
