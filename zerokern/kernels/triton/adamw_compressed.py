@@ -6,7 +6,10 @@ docstring first) and equals its torch oracle, ``adamw_compressed_torch_``, bit f
 * moments fp32 (in place), bf16 (widened exactly, stored rounded to nearest even) or uint8
   codes with one fp32 scale per 256-element block (``zerokern.quant.maps``): dequantize
   ``code[c] * scale``, update, then requantize with format version 2
-  (``zerokern.quant.blockwise``: the block's signed scale, one reciprocal per block);
+  (``zerokern.quant.blockwise``: the block's signed scale, one reciprocal per block), or with
+  format version 3 (the ``V3`` constexpr, ``zerokern.quant.fmt_v3``: the map value built
+  from the code's bits, the absmax as scale, the code from the normalised value's bits; no
+  table is read);
 * the fp32 update of the kernel contract (three explicit fma, the rest rounded op by op,
   IEEE sqrt/div), shared with the fp32 kernel in ``adamw.py``;
 * the parameter: an fp32 master (``param_lp`` optionally receives it rounded to nearest even)
@@ -33,6 +36,11 @@ Why each exact step is written as it is:
 * **Normalisation.** ``n = x * r`` with ``r = tl.div_rn(1, d)`` (one IEEE division; fp fusion
   is off, so the product rounds on its own), or ``tl.div_rn(x, d)`` outside
   ``[2**-126, 2**126)``; ``d`` is the scale, 1 for an all-zero block.
+* **Version 3's codes.** Integer operations on ``n``'s fp32 pattern (uint32, so adding half
+  a step cannot overflow even for a NaN pattern): ``((|n| bits + 2**19) >> 20) - bias``,
+  clamped; NaN takes the zero code. Decoding assembles ``(q + bias) << 20`` and negates it
+  for the signed map's negative codes (a negation flips the sign bit only). Exact by
+  construction, on the GPU and in the interpreter alike.
 * **Code search.** ``code = #{t_k < n}`` for ``n >= 0`` and ``#{t_k <= n}`` for ``n < 0``,
   over the 256-entry threshold table padded with +inf: a branch-free binary search of eight
   ``tl.load`` gathers (halves 128, 64, ..., 1). The predicate is monotone in ``k`` (the
