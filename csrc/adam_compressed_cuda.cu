@@ -51,6 +51,7 @@
 #include <type_traits>
 
 #include "adam_update.cuh"
+#include "fmt_v3.cuh"
 #include "kernels.h"
 
 namespace zk {
@@ -280,39 +281,6 @@ __device__ __forceinline__ float quantize_lane(const float* thresholds, const fl
 
 // ---- 8-bit block quantization, format version 3 -------------------------------------------
 
-// zerokern.quant.fmt_v3's maps: magnitude q means the fp32 pattern (q + bias) << 20.
-constexpr uint32_t kV3SignedBias = 889, kV3UnsignedBias = 761, kV3Half = 1u << 19;
-
-// The map value of code c (0..255): signed map 128 +- q, unsigned map q.
-template <bool kSigned>
-__device__ __forceinline__ float v3_value(uint32_t c) {
-  if constexpr (kSigned) {
-    const uint32_t q = c >= 128u ? c - 128u : 128u - c;
-    const uint32_t mag = q ? (q + kV3SignedBias) << 20 : 0u;
-    return __uint_as_float(c < 128u ? mag | 0x80000000u : mag);
-  } else {
-    return __uint_as_float(c ? (c + kV3UnsignedBias) << 20 : 0u);
-  }
-}
-
-// The code of a normalised value n: |n|'s pattern rounded at bit 20 (ties away from zero),
-// re-biased, clamped; NaN -> the zero code; on the unsigned map a set sign bit -> 0.
-template <bool kSigned>
-__device__ __forceinline__ uint32_t v3_code(float n) {
-  const uint32_t u = __float_as_uint(n);
-  const uint32_t a = u & 0x7FFFFFFFu;
-  const bool neg = (u >> 31) != 0u;
-  const int e = int((a + kV3Half) >> 20);  // a <= 2^31 - 1: no overflow in uint32
-  if constexpr (kSigned) {
-    const uint32_t q = uint32_t(min(max(e - int(kV3SignedBias), 0), 127));
-    if (a > 0x7F800000u) return 128u;
-    return neg ? 128u - q : 128u + q;
-  } else {
-    const uint32_t q = uint32_t(min(max(e - int(kV3UnsignedBias), 0), 255));
-    return (neg || a > 0x7F800000u) ? 0u : q;
-  }
-}
-
 // Version 3's requantization of a lane's 8 new values: the scale is A = the largest |x|
 // pattern over the warp (NaN-propagating as in warp_scale), n = x * fl(1 / d) when
 // 2^-126 <= d < 2^126, else x / d (d = A, 1 for A = 0). Writes the codes, returns A.
@@ -327,7 +295,7 @@ __device__ __forceinline__ float quantize_lane_v3(const float (&x)[kPer], uint32
   const float r = __fdiv_rn(1.0f, d);
 #pragma unroll
   for (int e = 0; e < kPer; ++e)
-    c[e] = v3_code<kSigned>(recip ? __fmul_rn(x[e], r) : __fdiv_rn(x[e], d));
+    c[e] = v3::code<kSigned>(recip ? __fmul_rn(x[e], r) : __fdiv_rn(x[e], d));
   return scale;
 }
 
@@ -415,8 +383,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < kPer; ++e) {
         if constexpr (V3) {
-          m[e] = __fmul_rn(v3_value<true>(cm[e]), am);
-          v[e] = __fmul_rn(v3_value<false>(cv[e]), av);
+          m[e] = __fmul_rn(v3::value<true>(cm[e]), am);
+          v[e] = __fmul_rn(v3::value<false>(cv[e]), av);
         } else {
           m[e] = __fmul_rn(table[cm[e]], am);                 // signed map
           v[e] = __fmul_rn(table[2 * kBlock + cv[e]], av);    // unsigned map
