@@ -233,34 +233,34 @@ def test_refusals_name_the_argument_and_modify_nothing(monkeypatch):
 # ----------------------------------------------------------------------------------------
 
 
-_kc = None  # zerokern.kernels.triton.adamw_compressed, once _triton_codes imported it
+_kv3 = None  # zerokern.kernels.triton.fmt_v3, once _triton_codes imported it
 
 
 def _triton_codes() -> None:
-    """The kernel's encoder and decoder (``_quantize_v3``, ``_dequantize_v3``) on every map
+    """The kernel's encoder and decoder (``kernels.triton.fmt_v3``) on every map
     value, midpoint and their fp32 neighbours (the probe values) under scales 1 (n = x),
     random, subnormal, huge, zero, inf and NaN, against codes_v3 of the oracle's
     normalisation and code_map_v3[c] * scale."""
     import triton
     import triton.language as tl
 
-    from zerokern.kernels.triton import adamw_compressed as kc
+    from zerokern.kernels.triton import fmt_v3 as kv3
     from zerokern.quant.blockwise import normalise
 
-    global _kc  # the jit function below finds the kernel's helpers as a module global
-    _kc = kc
+    global _kv3  # the jit function below finds the kernel's helpers as a module global
+    _kv3 = kv3
 
     @triton.jit
     def probe(x_ptr, s_ptr, cm_ptr, cv_ptr, ym_ptr, yv_ptr, N: tl.constexpr):
         i = tl.arange(0, N)
         x = tl.load(x_ptr + i)
         s = tl.load(s_ptr + i)
-        cm = _kc._quantize_v3(x, s, True)
-        cv = _kc._quantize_v3(x, s, False)
+        cm = _kv3.quantize_v3(x, s, True)
+        cv = _kv3.quantize_v3(x, s, False)
         tl.store(cm_ptr + i, cm)
         tl.store(cv_ptr + i, cv)
-        tl.store(ym_ptr + i, _kc._dequantize_v3(cm, s, True))
-        tl.store(yv_ptr + i, _kc._dequantize_v3(cv, s, False))
+        tl.store(ym_ptr + i, _kv3.dequantize_v3(cm, s, True))
+        tl.store(yv_ptr + i, _kv3.dequantize_v3(cv, s, False))
 
     x = _probe_values()
     n = 1 << (2 * x.numel() - 1).bit_length()

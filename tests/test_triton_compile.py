@@ -266,8 +266,9 @@ def _script_compile_compressed(out):
     kernels["compressed moments=u8 param=fp32+fp16 grad=fp16 int64 w>=0.5 unscaled"] = (
         compressed(kc.MOMENTS_INT8, "fp32+fp16", gd="fp16", lerp_low=False, scale=False,
                    i64=True))
-    # int8 format version 3 (computed maps): every param mode
-    for param in ("fp32", "fp32+bf16", "bf16-sr"):
+    # int8 format version 3 (computed maps): the master with a copy, the master-free param,
+    # and (below) the fp32 master with an fp32 grad
+    for param in ("fp32+bf16", "bf16-sr"):
         kernels[f"compressed moments=u8 v3 param={param} grad=bf16"] = compressed(
             kc.MOMENTS_INT8, param, v3=True)
     kernels["compressed moments=u8 v3 param=fp32 grad=fp32"] = compressed(

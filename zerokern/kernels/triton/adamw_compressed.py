@@ -36,11 +36,8 @@ Why each exact step is written as it is:
 * **Normalisation.** ``n = x * r`` with ``r = tl.div_rn(1, d)`` (one IEEE division; fp fusion
   is off, so the product rounds on its own), or ``tl.div_rn(x, d)`` outside
   ``[2**-126, 2**126)``; ``d`` is the scale, 1 for an all-zero block.
-* **Version 3's codes.** Integer operations on ``n``'s fp32 pattern (uint32, so adding half
-  a step cannot overflow even for a NaN pattern): ``((|n| bits + 2**19) >> 20) - bias``,
-  clamped; NaN takes the zero code. Decoding assembles ``(q + bias) << 20`` and negates it
-  for the signed map's negative codes (a negation flips the sign bit only). Exact by
-  construction, on the GPU and in the interpreter alike.
+* **Version 3's codes** (``fmt_v3.py``): integer operations on fp32 bit patterns both ways,
+  exact on the GPU and in the interpreter alike; the scale is the NaN-propagating absmax.
 * **Code search.** ``code = #{t_k < n}`` for ``n >= 0`` and ``#{t_k <= n}`` for ``n < 0``,
   over the 256-entry threshold table padded with +inf: a branch-free binary search of eight
   ``tl.load`` gathers (halves 128, 64, ..., 1). The predicate is monotone in ``k`` (the
@@ -65,10 +62,10 @@ import triton
 import triton.language as tl
 
 from zerokern.kernel_contract import AdamScalars
-from zerokern.quant import fmt_v3
 
 from . import check_interpreter
 from .adamw import _round_lp, adamw_update, kernel_scalars
+from .fmt_v3 import dequantize_v3, quantize_v3
 
 QBLOCK = 256  # elements per quantization block (zerokern.quant.maps.BLOCK)
 # 4 quantization blocks per program over 8 warps: 4 elements per thread, as in adamw.py, so
@@ -88,9 +85,6 @@ _MOMENTS = {torch.float32: MOMENTS_FP32, torch.bfloat16: MOMENTS_BF16, torch.uin
 # zerokern.quant.maps.kernel_tables: four 256-entry parts, at offsets 0 (signed map), 256 (its
 # thresholds), 512 (unsigned map) and 768 (its thresholds); the kernel uses these literals.
 TABLE_SIZE = 1024
-# Format version 3 (V3): the biases of zerokern.quant.fmt_v3's computed maps; no table is read.
-V3_SIGNED_BIAS = tl.constexpr(fmt_v3.SIGNED_BIAS)
-V3_UNSIGNED_BIAS = tl.constexpr(fmt_v3.UNSIGNED_BIAS)
 
 
 @triton.jit
@@ -175,45 +169,6 @@ def _quantize(x, scale, tables_ptr, THRESHOLDS_AT: tl.constexpr):
 
 
 @triton.jit
-def _dequantize_v3(codes, absmax, SIGNED: tl.constexpr):
-    """fp32 ``map_v3[c] * absmax`` per element, the map value built from the code's bits
-    (zerokern.quant.fmt_v3: magnitude q is the fp32 pattern (q + bias) << 20, q = 0 is 0)."""
-    c = codes.to(tl.int32)
-    if SIGNED:
-        k = c - 128
-        q = tl.abs(k)
-        mag = tl.where(q == 0, 0, (q + V3_SIGNED_BIAS) << 20).to(tl.float32, bitcast=True)
-        value = tl.where(k < 0, -mag, mag)  # a negation flips the sign bit only
-    else:
-        value = tl.where(c == 0, 0, (c + V3_UNSIGNED_BIAS) << 20).to(tl.float32, bitcast=True)
-    return value * absmax
-
-
-@triton.jit
-def _quantize_v3(x, scale, SIGNED: tl.constexpr):
-    """Version 3's code of each element of x under its block's absmax (per element): the
-    normalisation of version 2 (n = x * fl(1 / d) when 2**-126 <= d < 2**126, else x / d;
-    d = the absmax, 1 for 0), then the pattern of |n| rounded at bit 20 (half a step added,
-    ties away from zero), re-biased and clamped; NaN n takes the zero code."""
-    d = tl.where(scale == 0.0, 1.0, scale)  # >= 0 or NaN
-    fast = (d >= 1.1754943508222875e-38) & (d < 8.507059173023462e37)
-    r = tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
-    n = tl.where(fast, x * r, tl.div_rn(x, d))
-    u = n.to(tl.uint32, bitcast=True)
-    # uint32: |n|'s pattern plus half a step stays below 2**32 even for a NaN pattern
-    e = (((u & 0x7FFFFFFF) + 0x80000) >> 20).to(tl.int32)
-    neg = (u >> 31) != 0
-    nan = n != n
-    if SIGNED:
-        q = tl.minimum(tl.maximum(e - V3_SIGNED_BIAS, 0), 127)
-        code = tl.where(nan, 128, tl.where(neg, 128 - q, 128 + q))
-    else:
-        q = tl.minimum(tl.maximum(e - V3_UNSIGNED_BIAS, 0), 255)
-        code = tl.where(nan | neg, 0, q)  # -0.0 and negative values: code 0
-    return code.to(tl.uint8)
-
-
-@triton.jit
 def _stochastic_round_bf16(p, r):
     """zerokern.quant.rounding.stochastic_round_bf16(p, r) on the fp32 bit pattern."""
     u = p.to(tl.uint32, bitcast=True)
@@ -266,8 +221,8 @@ def _tile(
         cm = _load(exp_avg_ptr, offs, mask, MASKED)
         cv = _load(exp_avg_sq_ptr, offs, mask, MASKED)
         if V3:
-            m = _dequantize_v3(cm, m_amax, True)
-            v = _dequantize_v3(cv, v_amax, False)
+            m = dequantize_v3(cm, m_amax, True)
+            v = dequantize_v3(cv, v_amax, False)
         else:
             m = _dequantize(cm, m_amax, tables_ptr, 0)
             v = _dequantize(cv, v_amax, tables_ptr, 512)
@@ -283,8 +238,8 @@ def _tile(
         m_rows, m_amax = _block_scale(m, mask, ROWS, MASKED, V3)
         v_rows, v_amax = _block_scale(v, mask, ROWS, MASKED, V3)
         if V3:
-            cm = _quantize_v3(m, m_amax, True)
-            cv = _quantize_v3(v, v_amax, False)
+            cm = quantize_v3(m, m_amax, True)
+            cv = quantize_v3(v, v_amax, False)
         else:
             cm = _quantize(m, m_amax, tables_ptr, 256)
             cv = _quantize(v, v_amax, tables_ptr, 768)
