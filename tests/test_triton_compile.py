@@ -266,11 +266,10 @@ def _script_compile_compressed(out):
     kernels["compressed moments=u8 param=fp32+fp16 grad=fp16 int64 w>=0.5 unscaled"] = (
         compressed(kc.MOMENTS_INT8, "fp32+fp16", gd="fp16", lerp_low=False, scale=False,
                    i64=True))
-    # int8 format version 3 (computed maps): the master with a copy, the master-free param,
-    # and (below) the fp32 master with an fp32 grad
-    for param in ("fp32+bf16", "bf16-sr"):
-        kernels[f"compressed moments=u8 v3 param={param} grad=bf16"] = compressed(
-            kc.MOMENTS_INT8, param, v3=True)
+    # int8 format version 3 (computed maps): the master-free param (the most registers) and
+    # the fp32 master with an fp32 grad (128-bit accesses of both)
+    kernels["compressed moments=u8 v3 param=bf16-sr grad=bf16"] = compressed(
+        kc.MOMENTS_INT8, "bf16-sr", v3=True)
     kernels["compressed moments=u8 v3 param=fp32 grad=fp32"] = compressed(
         kc.MOMENTS_INT8, "fp32", gd="fp32", v3=True)
     out["compressed_kernels"] = kernels
