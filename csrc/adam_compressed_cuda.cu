@@ -27,6 +27,12 @@
 //     the code is #{t_k < n} for n >= 0, #{t_k <= n} for n < 0, counted by an 8-step
 //     branch-free binary search over the 256-entry threshold table (255 thresholds and +inf);
 //     NaN compares false at every step, so it takes code 0.
+//   * uint8 moments, format version 3 (zerokern.quant.fmt_v3, the V3 template flag): a code's
+//     value is built from its bits (magnitude q is the fp32 pattern (q + bias) << 20, q = 0 is
+//     0; no table, no shared memory). The scale is A itself (the same NaN-propagating
+//     maximum of patterns), n is normalised as above with d = A, and the code is the pattern
+//     of |n| plus half a step, shifted right by 20, re-biased and clamped; a NaN n takes the
+//     zero code (128 signed, 0 unsigned), a negative one code 0 on the unsigned map.
 //   * bf16 moments: round to nearest even. fp32 moments: stored as they are.
 //   * fp32 param: stored, and param_lp (bf16/fp16) rounded to nearest even when given.
 //   * bf16 param: stochastic rounding with 16 bits of Philox4x32-10 of the counter
@@ -45,6 +51,7 @@
 #include <type_traits>
 
 #include "adam_update.cuh"
+#include "fmt_v3.cuh"
 #include "kernels.h"
 
 namespace zk {
@@ -272,6 +279,26 @@ __device__ __forceinline__ float quantize_lane(const float* thresholds, const fl
   return scale;
 }
 
+// ---- 8-bit block quantization, format version 3 -------------------------------------------
+
+// Version 3's requantization of a lane's 8 new values: the scale is A = the largest |x|
+// pattern over the warp (NaN-propagating as in warp_scale), n = x * fl(1 / d) when
+// 2^-126 <= d < 2^126, else x / d (d = A, 1 for A = 0). Writes the codes, returns A.
+template <bool kSigned>
+__device__ __forceinline__ float quantize_lane_v3(const float (&x)[kPer], uint32_t (&c)[kPer]) {
+  uint32_t mx = 0;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) mx = max(mx, __float_as_uint(x[e]) & 0x7FFFFFFFu);
+  const float scale = __uint_as_float(__reduce_max_sync(0xFFFFFFFFu, mx));
+  const float d = scale == 0.0f ? 1.0f : scale;
+  const bool recip = d >= 0x1p-126f && d < 0x1p126f;  // warp-uniform; false for NaN
+  const float r = __fdiv_rn(1.0f, d);
+#pragma unroll
+  for (int e = 0; e < kPer; ++e)
+    c[e] = v3::code<kSigned>(recip ? __fmul_rn(x[e], r) : __fdiv_rn(x[e], d));
+  return scale;
+}
+
 // ---- stochastic rounding ------------------------------------------------------------------
 
 // Philox4x32-10 of the counter (c0, c1, 0, 0) under the key (k0, k1): the four words
@@ -319,16 +346,17 @@ __device__ __forceinline__ uint32_t stochastic_round_bf16(float x, uint32_t bits
 
 // ---- the kernel ---------------------------------------------------------------------------
 
-template <typename G, typename P, typename L, typename M>
+template <typename G, typename P, typename L, typename M, bool V3>
 __global__ void __launch_bounds__(kThreads)
     adamw_compressed_kernel(const KArgs<G, P, L, M> a) {
   constexpr bool kU8 = std::is_same_v<M, uint8_t>;
+  static_assert(kU8 || !V3, "format version 3 is an 8-bit format");
   constexpr bool kSr = std::is_same_v<P, __nv_bfloat16>;
   constexpr bool kLp = !std::is_same_v<L, NoLp>;
   static_assert(!(kSr && kLp), "a bf16 param has no param_lp");
 
   const float* table = nullptr;
-  if constexpr (kU8) {
+  if constexpr (kU8 && !V3) {  // version 3 reads no table
     __shared__ float smem_table[kTable];
     for (int i = threadIdx.x; i < kTable; i += kThreads) smem_table[i] = a.tables[i];
     __syncthreads();
@@ -354,8 +382,13 @@ __global__ void __launch_bounds__(kThreads)
       const float am = a.exp_avg_absmax[b], av = a.exp_avg_sq_absmax[b];
 #pragma unroll
       for (int e = 0; e < kPer; ++e) {
-        m[e] = __fmul_rn(table[cm[e]], am);                 // signed map
-        v[e] = __fmul_rn(table[2 * kBlock + cv[e]], av);    // unsigned map
+        if constexpr (V3) {
+          m[e] = __fmul_rn(v3::value<true>(cm[e]), am);
+          v[e] = __fmul_rn(v3::value<false>(cv[e]), av);
+        } else {
+          m[e] = __fmul_rn(table[cm[e]], am);                 // signed map
+          v[e] = __fmul_rn(table[2 * kBlock + cv[e]], av);    // unsigned map
+        }
       }
     } else {
       load_lane(a.exp_avg + base, lane, vec, len, m);
@@ -412,8 +445,14 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       uint32_t cm[kPer], cv[kPer];
-      const float am = quantize_lane(table + kBlock, m, cm);
-      const float av = quantize_lane(table + 3 * kBlock, v, cv);
+      float am, av;
+      if constexpr (V3) {
+        am = quantize_lane_v3<true>(m, cm);
+        av = quantize_lane_v3<false>(v, cv);
+      } else {
+        am = quantize_lane(table + kBlock, m, cm);
+        av = quantize_lane(table + 3 * kBlock, v, cv);
+      }
       store_codes(a.exp_avg + base, lane, vec, len, cm);
       store_codes(a.exp_avg_sq + base, lane, vec, len, cv);
       if (lane == 0) {
@@ -443,7 +482,7 @@ bool aligned_to(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-template <typename G, typename P, typename L, typename M>
+template <typename G, typename P, typename L, typename M, bool V3 = false>
 void launch(const CompressedArgs& c, const Coeffs& k, cudaStream_t stream) {
   KArgs<G, P, L, M> a;
   a.param = static_cast<P*>(c.param);
@@ -474,7 +513,7 @@ void launch(const CompressedArgs& c, const Coeffs& k, cudaStream_t stream) {
   static const int per_sm = [] {
     int v = 0;
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-              &v, adamw_compressed_kernel<G, P, L, M>, kThreads, 0),
+              &v, adamw_compressed_kernel<G, P, L, M, V3>, kThreads, 0),
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
     return v;
   }();
@@ -485,7 +524,7 @@ void launch(const CompressedArgs& c, const Coeffs& k, cudaStream_t stream) {
   const int64_t cap = int64_t(sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
   const int64_t need = (a.nblocks + kWarps - 1) / kWarps;
   const int grid = int(need < cap ? need : cap);
-  adamw_compressed_kernel<G, P, L, M><<<grid, kThreads, 0, stream>>>(a);
+  adamw_compressed_kernel<G, P, L, M, V3><<<grid, kThreads, 0, stream>>>(a);
   check(cudaGetLastError(), "kernel launch");
 }
 
@@ -495,8 +534,9 @@ void by_moments(const CompressedArgs& c, const Coeffs& k, cudaStream_t st) {
     case MomentFmt::F32: return launch<G, P, L, float>(c, k, st);
     case MomentFmt::BF16: return launch<G, P, L, __nv_bfloat16>(c, k, st);
     case MomentFmt::U8: return launch<G, P, L, uint8_t>(c, k, st);
+    case MomentFmt::U8V3: return launch<G, P, L, uint8_t, true>(c, k, st);
   }
-  refuse("mfmt must be F32, BF16 or U8");
+  refuse("mfmt must be F32, BF16, U8 or U8V3");
 }
 
 template <typename G>
@@ -520,13 +560,14 @@ void adamw_compressed_cuda(const CompressedArgs& c, const AdamScalars& s, void* 
   if (c.pdt != DType::F32 && c.pdt != DType::BF16) refuse("pdt (param) must be F32 or BF16");
   if (c.gdt != DType::F32 && c.gdt != DType::BF16 && c.gdt != DType::F16)
     refuse("gdt (grad) must be F32, BF16 or F16");
-  if (c.mfmt == MomentFmt::U8V3)
-    refuse("int8 format version 3 is implemented on the CPU kernel and the torch oracle only");
-  if (c.mfmt != MomentFmt::F32 && c.mfmt != MomentFmt::BF16 && c.mfmt != MomentFmt::U8)
-    refuse("mfmt must be F32, BF16 or U8");
+  if (c.mfmt != MomentFmt::F32 && c.mfmt != MomentFmt::BF16 && c.mfmt != MomentFmt::U8 &&
+      c.mfmt != MomentFmt::U8V3)
+    refuse("mfmt must be F32, BF16, U8 or U8V3");
   if (c.mfmt == MomentFmt::U8 &&
       (c.exp_avg_absmax == nullptr || c.exp_avg_sq_absmax == nullptr || c.tables == nullptr))
     refuse("uint8 moments need exp_avg_absmax, exp_avg_sq_absmax and tables");
+  if (c.mfmt == MomentFmt::U8V3 && (c.exp_avg_absmax == nullptr || c.exp_avg_sq_absmax == nullptr))
+    refuse("uint8 moments need exp_avg_absmax and exp_avg_sq_absmax");
   if (c.pdt == DType::BF16) {
     if (c.param_lp != nullptr) refuse("param_lp must be null with a bf16 param");
     if (c.sr_index == nullptr) refuse("sr_index is required with a bf16 param");

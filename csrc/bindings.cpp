@@ -120,11 +120,7 @@ void adamw_compressed(at::Tensor param, const at::Tensor& grad, at::Tensor exp_a
   const bool u8 = a.mfmt == zk::MomentFmt::U8;
   TORCH_CHECK(format_version == 2 || format_version == 3,
               "format_version must be 2 or 3, got ", format_version);
-  if (u8 && format_version == 3) {
-    TORCH_CHECK(dev.is_cpu(), "int8 format version 3 runs on the CPU kernel (and the torch "
-                "oracle) only, not on ", dev);
-    a.mfmt = zk::MomentFmt::U8V3;
-  }
+  if (u8 && format_version == 3) a.mfmt = zk::MomentFmt::U8V3;
   for (auto* opt : {&exp_avg_absmax, &exp_avg_sq_absmax}) {
     const char* name = opt == &exp_avg_absmax ? "exp_avg_absmax" : "exp_avg_sq_absmax";
     TORCH_CHECK(opt->has_value() == u8, name,

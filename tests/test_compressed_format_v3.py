@@ -1,8 +1,13 @@
 """Format version 3 of the int8 moments (zerokern.quant.fmt_v3, issue 39): its computed maps,
 its codes against an independent float64 nearest-value reference, its error bound, exact
-re-encoding, the CPU kernel bit for bit against the oracle (``backend="torch"``) over chained
-steps, every param mode, partial blocks and the scalar path's scales, block-split
-independence, and the refusals (Triton and CUDA run version 2 only)."""
+re-encoding, the CPU and Triton kernels bit for bit against the oracle (``backend="torch"``)
+over chained steps, every param mode, partial blocks, subnormal and zero scales, an inf block
+and the NaN block it decodes to, block-split independence, and the refusals.
+
+The Triton kernel runs the same cases (:data:`CASES`, :func:`chained_vs_oracle`) under the
+interpreter, in the subprocess of triton_common (``CHECKS["interp"]``), plus its encoder and
+decoder on every map value, midpoint and their fp32 neighbours; the CUDA kernel runs them in
+test_gpu_adamw_compressed.py (on a GPU only)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,9 @@ import math
 
 import pytest
 import torch
+import triton_common
+from triton_common import Group, assert_group
+from triton_common import start_scripts as start_scripts  # conftest starts the subprocess
 
 from zerokern import _native
 from zerokern.ops import adamw_compressed as opmod
@@ -121,69 +129,182 @@ def _step(st: dict, grad: torch.Tensor, step: int, backend: str, beta1: float = 
 def _same(a: dict, b: dict) -> None:
     for k, t in a.items():
         if isinstance(t, torch.Tensor) and k != "sr_index":
-            u = b[k]
+            t, u = t.cpu(), b[k].cpu()
             assert torch.equal(torch.isnan(t.float()), torch.isnan(u.float())), k
             ok = ~torch.isnan(t.float())
             assert torch.equal(t[ok], u[ok]), f"{k}: {(t[ok] != u[ok]).sum().item()} differ"
 
 
-@native
-@pytest.mark.parametrize("pdtype,lp,gdtype,n,beta1", [
+# (param dtype, param_lp dtype, grad dtype, n, beta1): every param mode, partial last blocks,
+# both lerp forms; the last one spans several of the CPU kernel's OpenMP chunks (2**15).
+CASES = [
     (torch.float32, torch.bfloat16, torch.bfloat16, 5 * BLOCK + 77, 0.9),
     (torch.float32, None, torch.float32, 3 * BLOCK, 0.3),
     (torch.float32, torch.float16, torch.float16, BLOCK + 13, 0.9),
     (torch.bfloat16, None, torch.bfloat16, 4 * BLOCK + 100, 0.9),
-    (torch.float32, torch.bfloat16, torch.float32, 130 * BLOCK + 9, 0.9),  # OpenMP split (2**15)
-])
-def test_cpu_kernel_equals_the_oracle(pdtype, lp, gdtype, n, beta1):
-    st = _state(n, pdtype, lp, seed=n)
-    ref = {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in st.items()}
+    (torch.float32, torch.bfloat16, torch.float32, 130 * BLOCK + 9, 0.9),
+]
+
+
+def chained_vs_oracle(backend: str, pdtype: torch.dtype, lp: torch.dtype | None,
+                      gdtype: torch.dtype, n: int, beta1: float, device: str = "cpu") -> None:
+    """Four chained steps of ``backend`` on ``device`` against the oracle on CPU, compared
+    after each: a block whose gradient vanishes (step 2), a block of tiny gradients
+    (subnormal scales: the divided normalisation), an inf gradient (step 3: inf scales, the
+    element's moments NaN) and the NaN block that state decodes to (step 4)."""
+    st = {k: (t.to(device) if isinstance(t, torch.Tensor) else t)
+          for k, t in _state(n, pdtype, lp, seed=n).items()}
+    ref = {k: (t.cpu().clone() if isinstance(t, torch.Tensor) else t) for k, t in st.items()}
     gen = torch.Generator().manual_seed(3)
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):
         g = (torch.randn(n, generator=gen) * torch.exp2(-12 * torch.rand(n, generator=gen)))
         if n > 2 * BLOCK:
             g[:BLOCK] = 0.0 if step == 2 else g[:BLOCK]  # a block that decays
             g[BLOCK:2 * BLOCK] *= 2.0**-140  # tiny: subnormal scales, the divided path
         if step == 3 and n > 3 * BLOCK:
-            g[2 * BLOCK + 7] = float("inf")  # a non-finite block: NaN scale, codes by rule
+            g[2 * BLOCK + 7] = float("inf")  # a non-finite block: inf scale, codes by rule
         g = g.to(gdtype)
-        _step(st, g, step, "cpu", beta1)
+        _step(st, g.to(device), step, backend, beta1)
         _step(ref, g, step, "torch", beta1)
         _same(st, ref)
+        if step == 4 and n > 3 * BLOCK:
+            assert torch.isnan(ref["exp_avg_absmax"][2]), "the NaN block was not reached"
     if n > 2 * BLOCK and gdtype != torch.float16:  # (fp16 flushes the tiny gradient to 0)
-        tiny = st["exp_avg_absmax"][1]
+        tiny = ref["exp_avg_absmax"][1]
         assert 0 < tiny < 2.0**-126, "the divided path was not reached"
 
 
 @native
-def test_blocks_are_independent_of_the_split():
+@pytest.mark.parametrize("pdtype,lp,gdtype,n,beta1", CASES)
+def test_cpu_kernel_equals_the_oracle(pdtype, lp, gdtype, n, beta1):
+    chained_vs_oracle("cpu", pdtype, lp, gdtype, n, beta1)
+
+
+def split_vs_whole(backend: str) -> None:
+    """A range stepped whole equals its two parts stepped apart (blocks are independent)."""
     n = 6 * BLOCK + 50
     whole = _state(n, torch.float32, torch.bfloat16, seed=11)
     g = torch.randn(n, generator=torch.Generator().manual_seed(4))
     halves = {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in whole.items()}
-    _step(whole, g, 1, "cpu")
+    _step(whole, g, 1, backend)
     cut = 2 * BLOCK
     for lo, hi in ((0, cut), (cut, n)):
         part = {k: (t[lo:hi] if k in ("param", "exp_avg", "exp_avg_sq", "param_lp") else t)
                 for k, t in halves.items()}
         part["exp_avg_absmax"] = halves["exp_avg_absmax"][lo // BLOCK:-(-hi // BLOCK)]
         part["exp_avg_sq_absmax"] = halves["exp_avg_sq_absmax"][lo // BLOCK:-(-hi // BLOCK)]
-        _step(part, g[lo:hi], 1, "cpu")
+        _step(part, g[lo:hi], 1, backend)
     _same(whole, halves)
+
+
+@native
+def test_blocks_are_independent_of_the_split():
+    split_vs_whole("cpu")
 
 
 def test_refusals_name_the_argument_and_modify_nothing(monkeypatch):
     st = _state(BLOCK, torch.float32, None, seed=1)
     before = {k: t.clone() for k, t in st.items() if isinstance(t, torch.Tensor)}
     g = torch.randn(BLOCK)
-    with pytest.raises(ValueError, match="format_version"):
-        fused_adamw_compressed_(st["param"], g, st["exp_avg"], st["exp_avg_sq"], lr=1e-3,
-                                beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
-                                exp_avg_absmax=st["exp_avg_absmax"],
-                                exp_avg_sq_absmax=st["exp_avg_sq_absmax"], format_version=4)
-    for backend in ("triton", "cuda"):  # their kernels implement version 2 only
-        monkeypatch.setattr(opmod, "resolve_backend", lambda b, d, _b=backend: _b)
-        with pytest.raises(ValueError, match=f"format_version=3.*not '{backend}'"):
-            _step(st, g, 1, backend)
+    for bad in (4, 1, True):
+        with pytest.raises(ValueError, match="format_version"):
+            fused_adamw_compressed_(st["param"], g, st["exp_avg"], st["exp_avg_sq"], lr=1e-3,
+                                    beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
+                                    exp_avg_absmax=st["exp_avg_absmax"],
+                                    exp_avg_sq_absmax=st["exp_avg_sq_absmax"],
+                                    format_version=bad)
+    assert set(opmod.V3_BACKENDS) == {"cpu", "torch", "triton", "cuda"}
+    # A backend without a version-3 kernel (none today) is refused before anything runs, by
+    # the public op and by the custom op its callers may reach directly.
+    monkeypatch.setattr(opmod, "V3_BACKENDS", ("cpu", "torch"))
+    monkeypatch.setattr(opmod, "resolve_backend", lambda b, d: "triton")
+    with pytest.raises(ValueError, match="format_version=3.*not 'triton'"):
+        _step(st, g, 1, "triton")
+    with pytest.raises(ValueError, match="format_version=3.*not 'triton'"):
+        opmod._run("triton", st["param"], g, st["exp_avg"], st["exp_avg_sq"],
+                   st["exp_avg_absmax"], st["exp_avg_sq_absmax"], None, None, 0, 1,
+                   None, format_version=3)
     for k, t in before.items():
         assert torch.equal(st[k], t), f"{k} was modified"
+
+
+# ----------------------------------------------------------------------------------------
+# The Triton kernel, under the interpreter (script side: run by triton_common)
+# ----------------------------------------------------------------------------------------
+
+
+_kv3 = None  # zerokern.kernels.triton.fmt_v3, once _triton_codes imported it
+
+
+def _triton_codes() -> None:
+    """The kernel's encoder and decoder (``kernels.triton.fmt_v3``) on every map
+    value, midpoint and their fp32 neighbours (the probe values) under scales 1 (n = x),
+    random, subnormal, huge, zero, inf and NaN, against codes_v3 of the oracle's
+    normalisation and code_map_v3[c] * scale."""
+    import triton
+    import triton.language as tl
+
+    from zerokern.kernels.triton import fmt_v3 as kv3
+    from zerokern.quant.blockwise import normalise
+
+    global _kv3  # the jit function below finds the kernel's helpers as a module global
+    _kv3 = kv3
+
+    @triton.jit
+    def probe(x_ptr, s_ptr, cm_ptr, cv_ptr, ym_ptr, yv_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        x = tl.load(x_ptr + i)
+        s = tl.load(s_ptr + i)
+        cm = _kv3.quantize_v3(x, s, True)
+        cv = _kv3.quantize_v3(x, s, False)
+        tl.store(cm_ptr + i, cm)
+        tl.store(cv_ptr + i, cv)
+        tl.store(ym_ptr + i, _kv3.dequantize_v3(cm, s, True))
+        tl.store(yv_ptr + i, _kv3.dequantize_v3(cv, s, False))
+
+    x = _probe_values()
+    n = 1 << (2 * x.numel() - 1).bit_length()
+    x = x.repeat(-(-n // x.numel()))[:n].contiguous()
+    gen = torch.Generator().manual_seed(9)
+    i = torch.arange(n)
+    s = torch.where(i < x.numel() // 2, 1.0, torch.rand(n, generator=gen) * 4)
+    for k, special in enumerate((2.0**-140, 2.0**127, 0.0, float("inf"), float("nan"))):
+        s[i % 97 == k] = special
+    s = s.contiguous()
+    cm, cv = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+    ym, yv = torch.empty(n), torch.empty(n)
+    probe[(1,)](x, s, cm, cv, ym, yv, N=n)
+    nn = normalise(x, s)
+    for signed, c, y in ((True, cm, ym), (False, cv, yv)):
+        want = codes_v3(nn, signed).to(torch.uint8)
+        bad = torch.nonzero(c != want).flatten()[:3].tolist()
+        assert not bad, f"signed={signed}: codes differ at x={x[bad].tolist()} " \
+                        f"s={s[bad].tolist()}: {c[bad].tolist()} vs {want[bad].tolist()}"
+        dec = code_map_v3(signed)[want.long()] * s
+        _same({"y": y}, {"y": dec})
+
+
+def _interp_v3(out: dict) -> None:
+    from zerokern.kernels.triton import adamw_compressed as kc
+
+    assert kc._INTERPRETED, "TRITON_INTERPRET=1 was not in effect"
+    grp = Group()
+    grp.check("codes", _triton_codes)
+    for case in CASES:
+        if case[3] < 2**15:  # (the longest case is the CPU kernel's OpenMP split)
+            grp.check(f"chained {case}", chained_vs_oracle, "triton", *case)
+    grp.check("split", split_vs_whole, "triton")
+    out["v3"] = grp.result()
+
+
+CHECKS = {"interp": (("v3", _interp_v3),)}
+
+
+@pytest.fixture(scope="module")
+def interp():
+    return triton_common.results("interp", __file__)
+
+
+def test_triton_kernel_equals_the_oracle(interp):
+    """The Triton kernel under the interpreter: its codes, the chained CASES, the split."""
+    assert_group(interp, "v3", len(CASES) + 1)

@@ -11,8 +11,10 @@ Inputs cover every moment format x param mode x grad dtype x lerp branch, and bl
 the values a kernel gets wrong first: zeros and -0.0, subnormals, values that overflow, one
 outlier per block, NaN/inf gradients, magnitudes over eight decades, NaN/inf state, values on
 the 8-bit maps' decision thresholds, unaligned views (the element-wise path) and a range past
-2**31 elements. Every test carries the ``gpu`` marker (conftest.py skips it without CUDA) and
-is skipped when zerokern._C has no CUDA kernels.
+2**31 elements. ``int8v3`` is the int8 format version 3 (zerokern.quant.fmt_v3, computed maps)
+through the same inputs, plus the chained cases of test_compressed_format_v3.py (the CPU and
+Triton kernels' v3 cases) on the device. Every test carries the ``gpu`` marker (conftest.py
+skips it without CUDA) and is skipped when zerokern._C has no CUDA kernels.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from itertools import product
 
 import pytest
 import torch
+from test_compressed_format_v3 import CASES as V3_CASES
+from test_compressed_format_v3 import chained_vs_oracle
 
+from zerokern.quant.fmt_v3 import quantize_blockwise_v3
 from zerokern.quant.maps import (
     BLOCK,
     SIGNED_MAP_ID,
@@ -34,7 +39,7 @@ from zerokern.quant.maps import (
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-MOMENTS = ("fp32", "bf16", "int8")
+MOMENTS = ("fp32", "bf16", "int8", "int8v3")  # int8v3: format_version=3
 # param mode: fp32 master alone, with a bf16 / fp16 param_lp, or the bf16 param itself (SR)
 PARAMS = ("fp32", "fp32+bf16", "fp32+fp16", "bf16")
 GRADS = (torch.float32, torch.bfloat16, torch.float16)
@@ -108,24 +113,30 @@ def _styled(n: int, shift: int, gen: torch.Generator) -> dict[str, torch.Tensor]
 
 
 def _state(mfmt: str, m: torch.Tensor, v: torch.Tensor, shift: int,
-           gen: torch.Generator) -> dict[str, torch.Tensor | None]:
+           gen: torch.Generator) -> dict[str, torch.Tensor | int | None]:
+    """The moments in format mfmt, with the op's format_version (an int, not a tensor)."""
     if mfmt == "fp32":
         return {"exp_avg": m.clone(), "exp_avg_sq": v.clone(), "exp_avg_absmax": None,
-                "exp_avg_sq_absmax": None}
+                "exp_avg_sq_absmax": None, "format_version": 2}
     if mfmt == "bf16":
         return {"exp_avg": m.bfloat16(), "exp_avg_sq": v.bfloat16(), "exp_avg_absmax": None,
-                "exp_avg_sq_absmax": None}
-    cm, am = quantize_blockwise(m, code_map(SIGNED_MAP_ID))
-    cv, av = quantize_blockwise(v, code_map(UNSIGNED_MAP_ID))
+                "exp_avg_sq_absmax": None, "format_version": 2}
+    if mfmt == "int8v3":
+        cm, am = quantize_blockwise_v3(m, True)
+        cv, av = quantize_blockwise_v3(v, False)
+    else:
+        cm, am = quantize_blockwise(m, code_map(SIGNED_MAP_ID))
+        cv, av = quantize_blockwise(v, code_map(UNSIGNED_MAP_ID))
     nb = am.numel()
     odd = (torch.arange(nb) + shift) % STYLES == 7  # style-7 blocks: NaN / inf absmax
     am = torch.where(odd, float("nan"), am)
     av = torch.where(odd, float("inf"), av)
-    return {"exp_avg": cm, "exp_avg_sq": cv, "exp_avg_absmax": am, "exp_avg_sq_absmax": av}
+    return {"exp_avg": cm, "exp_avg_sq": cv, "exp_avg_absmax": am, "exp_avg_sq_absmax": av,
+            "format_version": 3 if mfmt == "int8v3" else 2}
 
 
 def _inputs(n: int, mfmt: str, pmode: str, gdt: torch.dtype, shift: int, seed: int
-            ) -> dict[str, torch.Tensor | None]:
+            ) -> dict[str, torch.Tensor | int | None]:
     """CPU tensors of one range: param, grad, the state, param_lp and sr_index."""
     gen = torch.Generator().manual_seed(seed)
     x = _styled(n, shift, gen)
@@ -197,7 +208,8 @@ def _step_both(zops, dev_args: dict, ref_args: dict, hp: dict, seed: int | None)
 
 
 def _to_dev(args: dict) -> dict:
-    return {k: None if t is None else t.to(DEV, copy=True) for k, t in args.items()}
+    return {k: t.to(DEV, copy=True) if isinstance(t, torch.Tensor) else t
+            for k, t in args.items()}
 
 
 def _run(zops, n: int, mfmt: str, pmode: str, gdt: torch.dtype, beta1: float, idx: int,
@@ -267,6 +279,53 @@ def test_values_on_decision_thresholds(zops, pmode):
     assert torch.equal(codes, torch.where(t < 0, k + 1, k))
 
 
+@pytest.mark.parametrize("pmode", ("fp32", "bf16"))
+def test_v3_midpoints_and_every_code(zops, pmode):
+    """Format version 3. beta1 = 0 makes the new exp_avg the gradient itself, so with a 1.0
+    in each block (absmax 1) n is exactly g: the blocks put n on every midpoint between the
+    signed map's values (ties go away from zero), one fp32 step either side, and their
+    negations. The state starts from random codes (every code of both maps, code 0 of the
+    signed map decoding to -1.125) under random, zero and subnormal scales."""
+    from zerokern.quant.fmt_v3 import code_map_v3
+
+    t = code_map_v3(True)[1:].double()  # -1.0 ... 1.0
+    mids = ((t[1:] + t[:-1]) / 2).float()
+    one = torch.tensor([1.0])
+    blocks = []
+    for x in (mids, torch.nextafter(mids, torch.tensor(2.0)),
+              torch.nextafter(mids, torch.tensor(-2.0))):
+        for sign in (1.0, -1.0):
+            blocks.append(torch.cat([one, sign * x, torch.zeros(BLOCK - 1 - x.numel())]))
+    g = torch.cat(blocks + [blocks[0][:77]])  # and a partial last block
+    n = g.numel()
+    nb = -(-n // BLOCK)
+    gen = torch.Generator().manual_seed(6)
+    scales = torch.rand(nb, generator=gen)
+    scales[1], scales[2] = 0.0, 2.0**-140
+    ref = {"param": torch.randn(n, generator=gen), "grad": g,
+           "exp_avg": torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
+           "exp_avg_sq": torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
+           "exp_avg_absmax": scales.clone(), "exp_avg_sq_absmax": scales.flip(0) * 1e-3,
+           "param_lp": None, "sr_index": None, "format_version": 3}
+    seed = None
+    if pmode == "bf16":
+        ref["param"] = ref["param"].bfloat16()
+        ref["sr_index"] = torch.arange(nb, dtype=torch.int64) * BLOCK
+        seed = 7
+    dev = _to_dev(ref)
+    hp = dict(lr=1e-3, beta1=0.0, beta2=0.999, eps=1e-8, weight_decay=0.0, step=3,
+              grad_scale=1.0)
+    _step_both(zops, dev, ref, hp, seed)
+    # the tie rule itself, independently of the oracle: the midpoint between codes k + 1 and
+    # k + 2 goes away from zero (k + 2 when positive, k + 1 when negative), except the two
+    # around 0, below the smallest magnitude, which truncate to 0 (code 128)
+    codes = dev["exp_avg"][1 : 1 + mids.numel()].cpu().long()
+    k = torch.arange(mids.numel())
+    want = torch.where(mids > 0, k + 2, k + 1)
+    want = torch.where(mids.abs() < 1.25 * 2.0**-16, 128, want)
+    assert torch.equal(codes, want), (codes != want).nonzero()[:8]
+
+
 @pytest.mark.parametrize("mfmt", MOMENTS)
 def test_stochastic_rounding_saturates_at_the_top_of_bf16(zops, mfmt):
     """lr = eps = 1, no weight decay, g = v = 0 and a step so late that both bias corrections
@@ -300,8 +359,8 @@ def test_unaligned_views_and_no_writes_outside(zops, mfmt, pmode):
     ref = _inputs(n, mfmt, pmode, torch.bfloat16, shift=idx, seed=77 + idx)
     bufs, dev = {}, {}
     for k, x in ref.items():
-        if x is None:
-            dev[k] = None
+        if not isinstance(x, torch.Tensor):  # None, format_version
+            dev[k] = x
             continue
         # a sentinel bit pattern 0x5A5A... around the range
         ity = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[x.element_size()]
@@ -316,6 +375,13 @@ def test_unaligned_views_and_no_writes_outside(zops, mfmt, pmode):
         got = buf.cpu()
         for part in (slice(0, 1), slice(got.numel() - 2, got.numel())):
             _assert_same(f"{k} outside the range", got[part], before[part], exact_nan=True)
+
+
+@pytest.mark.parametrize("case", range(len(V3_CASES)))
+def test_v3_chained_cases(zops, case):
+    """test_compressed_format_v3's chained cases (every param mode, partial blocks, subnormal
+    and zero scales, an inf block and the NaN block it decodes to) on the device."""
+    chained_vs_oracle("cuda", *V3_CASES[case], device=DEV)
 
 
 def _check_blocks_of_a_long_range(zops, n: int, picks: list[int]) -> None:

@@ -68,6 +68,8 @@ def _compile_one(fn, signature, constexprs, options, aligned_ptrs=(), sass=False
         "sm_90": ".target sm_90" in ptx,
         "ptx": {p: len(re.findall(re.escape(p), ptx)) for p in PTX_PATTERNS},
         "shared": int(getattr(k.metadata, "shared", -1)),
+        # the kernel arguments the PTX reads (by position): an unused pointer is never loaded
+        "params_read": sorted({int(i) for i in re.findall(r"_param_(\d+)\]", ptx)}),
         "resources": _resource_usage(cubin),
     }
     if sass:
@@ -219,10 +221,10 @@ def _script_compile_compressed(out):
     scalars = "decay w beta2 one_minus_beta2 bc2_sqrt eps inv_grad_scale"
     bit_scalars = "seed_lo_bits seed_hi_bits step_bits neg_one_minus_w_bits neg_step_size_bits"
     constexprs = ("ROWS", "MOMENTS", "HAS_LP", "SR", "LERP_LOW", "APPLY_SCALE", "USE_INT64",
-                  "SOFT_FP")
+                  "SOFT_FP", "V3")
     moment_types = {kc.MOMENTS_FP32: "fp32", kc.MOMENTS_BF16: "bf16", kc.MOMENTS_INT8: "u8"}
 
-    def compressed(moments, param, gd="bf16", lerp_low=True, scale=True, i64=False):
+    def compressed(moments, param, gd="bf16", lerp_low=True, scale=True, i64=False, v3=False):
         quantized = moments == kc.MOMENTS_INT8
         sr = param == "bf16-sr"
         lp = {"fp32+bf16": "bf16", "fp32+fp16": "fp16"}.get(param)
@@ -245,8 +247,9 @@ def _script_compile_compressed(out):
         order = list(kc.adamw_compressed_kernel.arg_names)
         sig = {a: sig[a] for a in order}
         cx = dict(ROWS=kc.ROWS, MOMENTS=moments, HAS_LP=lp is not None, SR=sr,
-                  LERP_LOW=lerp_low, APPLY_SCALE=scale, USE_INT64=i64, SOFT_FP=False)
-        ptrs = ["param_ptr", "grad_ptr", "exp_avg_ptr", "exp_avg_sq_ptr", "tables_ptr"]
+                  LERP_LOW=lerp_low, APPLY_SCALE=scale, USE_INT64=i64, SOFT_FP=False, V3=v3)
+        ptrs = ["param_ptr", "grad_ptr", "exp_avg_ptr", "exp_avg_sq_ptr"]
+        ptrs += [] if v3 else ["tables_ptr"]
         ptrs += ["m_absmax_ptr", "v_absmax_ptr"] if quantized else []
         ptrs += ["lp_ptr"] if lp else []
         ptrs += ["sr_index_ptr"] if sr else []
@@ -263,7 +266,14 @@ def _script_compile_compressed(out):
     kernels["compressed moments=u8 param=fp32+fp16 grad=fp16 int64 w>=0.5 unscaled"] = (
         compressed(kc.MOMENTS_INT8, "fp32+fp16", gd="fp16", lerp_low=False, scale=False,
                    i64=True))
+    # int8 format version 3 (computed maps): the master-free param (the most registers) and
+    # the fp32 master with an fp32 grad (128-bit accesses of both)
+    kernels["compressed moments=u8 v3 param=bf16-sr grad=bf16"] = compressed(
+        kc.MOMENTS_INT8, "bf16-sr", v3=True)
+    kernels["compressed moments=u8 v3 param=fp32 grad=fp32"] = compressed(
+        kc.MOMENTS_INT8, "fp32", gd="fp32", v3=True)
     out["compressed_kernels"] = kernels
+    out["compressed_tables_arg"] = list(kc.adamw_compressed_kernel.arg_names).index("tables_ptr")
     out["compressed_tile"] = kc.ROWS * kc.QBLOCK
     out["compressed_num_warps"] = kc.NUM_WARPS
 
@@ -338,7 +348,8 @@ def test_compile_sm90_adamw_compressed_codegen(compiled):
     contract's operations (exactly three fma.rn.f32 per element, IEEE sqrt and divisions,
     every other mul/add/sub rounded on its own, no fp64, no flush-to-zero), 128-bit accesses
     of the fp32 state in the full-tile path, and no layout conversion through shared memory
-    (only the int8 absmax reductions exchange a few bytes)."""
+    (only the int8 absmax reductions exchange a few bytes); int8 format version 3 never
+    reads the map table."""
     kernels = compiled["compressed_kernels"]
     per = 2 * compiled["compressed_tile"] // (32 * compiled["compressed_num_warps"])
     lines = []
@@ -376,4 +387,7 @@ def test_compile_sm90_adamw_compressed_codegen(compiled):
         assert ptx.get("ld.global.v4", 0) >= loads, (name, ptx)
         assert ptx.get("st.global.v4", 0) >= stores, (name, ptx)
         assert k["shared"] <= (64 if quantized else 0), (name, k["shared"])
+        # format version 3 computes its maps: the table of version 2 is never read
+        reads_tables = compiled["compressed_tables_arg"] in k["params_read"]
+        assert reads_tables == (quantized and " v3 " not in name), (name, k["params_read"])
     print("\n".join(lines))

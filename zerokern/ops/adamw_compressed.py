@@ -16,8 +16,8 @@ the others equal it bit for bit):
   format version 2: a signed scale and one reciprocal per block,
   ``zerokern.quant.blockwise``). A version-1 state (absmax >= 0) decodes the same way.
   ``format_version=3`` reads and writes version 3's computed maps instead
-  (``zerokern.quant.fmt_v3``: codes from bit patterns, no table); only the ``cpu`` and
-  ``torch`` backends run it (``triton`` and ``cuda`` refuse it).
+  (``zerokern.quant.fmt_v3``: an unsigned absmax per block, codes from bit patterns, no
+  table); every backend runs it.
 * The parameter, by ``param``'s dtype: fp32 is the master (``param_lp`` optionally receives
   it rounded to nearest even); bf16 is updated directly and written with
   ``stochastic_round_bf16(p, sr_bits16(seed, step, index))`` (format version 2: one Philox
@@ -26,8 +26,8 @@ the others equal it bit for bit):
 * The fp32 update between is the kernels' rounding contract (csrc/kernels.h),
   ``zerokern.quant.contract.adamw_contract_``.
 
-Native backends receive the code maps and decision thresholds as one fp32 table of 1024
-values (:func:`zerokern.quant.maps.kernel_tables`).
+Native backends receive version 2's code maps and decision thresholds as one fp32 table of
+1024 values (:func:`zerokern.quant.maps.kernel_tables`); version 3 does not read it.
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ __all__ = ["fused_adamw_compressed_", "moments_format"]
 MOMENT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.uint8: "int8"}
 FORMAT_VERSIONS = (2, 3)
 """The int8 encodings the range op runs (``format_version=``); 2 is the default."""
-V3_BACKENDS = ("cpu", "torch")
-"""The backends that run int8 format version 3."""
+V3_BACKENDS = ("cpu", "torch", "triton", "cuda")
+"""The backends that run int8 format version 3 (all of them; a new backend joins once its
+kernel equals the oracle, and is refused ``format_version=3`` until then)."""
 
 
 def moments_format(exp_avg: torch.Tensor) -> str:
@@ -141,7 +142,8 @@ def _run(backend: str, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
     elif backend == "triton":
         from ..kernels.triton.adamw_compressed import adamw_compressed_triton_
 
-        adamw_compressed_triton_(*args, kernel_tables(param.device), s)
+        adamw_compressed_triton_(*args, kernel_tables(param.device), s,
+                                 format_version=format_version)
     else:  # cpu and cuda share one native entry point that dispatches on the device
         _native.require(backend).adamw_compressed(*args, kernel_tables(param.device),
                                                   format_version, *s)
@@ -284,8 +286,8 @@ def fused_adamw_compressed_(
         seed: bf16 param only: the stochastic rounding seed, in [0, 2**64).
         backend: "cuda", "triton", "cpu", "torch" or None (fastest for the device).
         format_version: the int8 encoding, 2 (``zerokern.quant.blockwise``, the default) or
-            3 (``zerokern.quant.fmt_v3``, backends ``cpu`` and ``torch`` only); the other
-            moment formats ignore it.
+            3 (``zerokern.quant.fmt_v3``, computed maps; every backend); the other moment
+            formats ignore it.
 
     Raises:
         TypeError, ValueError: naming the first bad argument, with nothing modified.

@@ -6,7 +6,10 @@ docstring first) and equals its torch oracle, ``adamw_compressed_torch_``, bit f
 * moments fp32 (in place), bf16 (widened exactly, stored rounded to nearest even) or uint8
   codes with one fp32 scale per 256-element block (``zerokern.quant.maps``): dequantize
   ``code[c] * scale``, update, then requantize with format version 2
-  (``zerokern.quant.blockwise``: the block's signed scale, one reciprocal per block);
+  (``zerokern.quant.blockwise``: the block's signed scale, one reciprocal per block), or with
+  format version 3 (the ``V3`` constexpr, ``zerokern.quant.fmt_v3``: the map value built
+  from the code's bits, the absmax as scale, the code from the normalised value's bits; no
+  table is read);
 * the fp32 update of the kernel contract (three explicit fma, the rest rounded op by op,
   IEEE sqrt/div), shared with the fp32 kernel in ``adamw.py``;
 * the parameter: an fp32 master (``param_lp`` optionally receives it rounded to nearest even)
@@ -33,6 +36,8 @@ Why each exact step is written as it is:
 * **Normalisation.** ``n = x * r`` with ``r = tl.div_rn(1, d)`` (one IEEE division; fp fusion
   is off, so the product rounds on its own), or ``tl.div_rn(x, d)`` outside
   ``[2**-126, 2**126)``; ``d`` is the scale, 1 for an all-zero block.
+* **Version 3's codes** (``fmt_v3.py``): integer operations on fp32 bit patterns both ways,
+  exact on the GPU and in the interpreter alike; the scale is the NaN-propagating absmax.
 * **Code search.** ``code = #{t_k < n}`` for ``n >= 0`` and ``#{t_k <= n}`` for ``n < 0``,
   over the 256-entry threshold table padded with +inf: a branch-free binary search of eight
   ``tl.load`` gathers (halves 128, 64, ..., 1). The predicate is monotone in ``k`` (the
@@ -60,6 +65,7 @@ from zerokern.kernel_contract import AdamScalars
 
 from . import check_interpreter
 from .adamw import _round_lp, adamw_update, kernel_scalars
+from .fmt_v3 import dequantize_v3, quantize_v3
 
 QBLOCK = 256  # elements per quantization block (zerokern.quant.maps.BLOCK)
 # 4 quantization blocks per program over 8 warps: 4 elements per thread, as in adamw.py, so
@@ -117,11 +123,12 @@ def _dequantize(codes, absmax, tables_ptr, CODES_AT: tl.constexpr):
 
 
 @triton.jit
-def _block_scale(x, mask, ROWS: tl.constexpr, MASKED: tl.constexpr):
+def _block_scale(x, mask, ROWS: tl.constexpr, MASKED: tl.constexpr, V3: tl.constexpr):
     """Per block (row of 256 lanes) the signed scale of format version 2
     (zerokern.quant.blockwise.block_scales): A = max |x| over the valid lanes (NaN when any
     valid lane is NaN, as torch.amax), -A when A > 0 and no valid lane equals +A, else +A.
-    Returns (per block [ROWS], per element [ROWS * 256])."""
+    Version 3 (V3) stores A itself (its maps hold +-1). Returns (per block [ROWS], per
+    element [ROWS * 256])."""
     nan = x != x
     mag = tl.where(nan, 0.0, tl.abs(x))
     if MASKED:
@@ -129,13 +136,16 @@ def _block_scale(x, mask, ROWS: tl.constexpr, MASKED: tl.constexpr):
         mag = tl.where(mask, mag, 0.0)  # the oracle pads a partial block with zeros
     amax = tl.max(tl.reshape(mag, (ROWS, 256)), axis=1)
     any_nan = tl.max(tl.reshape(nan.to(tl.int32), (ROWS, 256)), axis=1)
-    per = tl.reshape(tl.broadcast_to(amax[:, None], (ROWS, 256)), (ROWS * 256,))
-    hit = x == per  # a lane holding +A (-0 == +0: an all-zero block counts as +0)
-    if MASKED:
-        hit = hit & mask
-    has_pos = tl.max(tl.reshape(hit.to(tl.int32), (ROWS, 256)), axis=1)
     qnan = tl.full(amax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    scale = tl.where(any_nan > 0, qnan, tl.where(has_pos > 0, amax, -amax))
+    if V3:
+        scale = tl.where(any_nan > 0, qnan, amax)
+    else:
+        per = tl.reshape(tl.broadcast_to(amax[:, None], (ROWS, 256)), (ROWS * 256,))
+        hit = x == per  # a lane holding +A (-0 == +0: an all-zero block counts as +0)
+        if MASKED:
+            hit = hit & mask
+        has_pos = tl.max(tl.reshape(hit.to(tl.int32), (ROWS, 256)), axis=1)
+        scale = tl.where(any_nan > 0, qnan, tl.where(has_pos > 0, amax, -amax))
     return scale, tl.reshape(tl.broadcast_to(scale[:, None], (ROWS, 256)), (ROWS * 256,))
 
 
@@ -199,6 +209,7 @@ def _tile(
     inv_grad_scale,
     ROWS: tl.constexpr, MASKED: tl.constexpr, MOMENTS: tl.constexpr, HAS_LP: tl.constexpr,
     SR: tl.constexpr, LERP_LOW: tl.constexpr, APPLY_SCALE: tl.constexpr, SOFT_FP: tl.constexpr,
+    V3: tl.constexpr,
 ):
     # offs, mask, eblk (the element's block) and col (its place in the block) are per element;
     # rblk and row_ok are per block (the absmax stores).
@@ -207,8 +218,14 @@ def _tile(
     if MOMENTS == 2:
         m_amax = _load(m_absmax_ptr, eblk, mask, MASKED)  # each block's scale, per element
         v_amax = _load(v_absmax_ptr, eblk, mask, MASKED)
-        m = _dequantize(_load(exp_avg_ptr, offs, mask, MASKED), m_amax, tables_ptr, 0)
-        v = _dequantize(_load(exp_avg_sq_ptr, offs, mask, MASKED), v_amax, tables_ptr, 512)
+        cm = _load(exp_avg_ptr, offs, mask, MASKED)
+        cv = _load(exp_avg_sq_ptr, offs, mask, MASKED)
+        if V3:
+            m = dequantize_v3(cm, m_amax, True)
+            v = dequantize_v3(cv, v_amax, False)
+        else:
+            m = _dequantize(cm, m_amax, tables_ptr, 0)
+            v = _dequantize(cv, v_amax, tables_ptr, 512)
     else:
         m = _widen(_load(exp_avg_ptr, offs, mask, MASKED), SOFT_FP)
         v = _widen(_load(exp_avg_sq_ptr, offs, mask, MASKED), SOFT_FP)
@@ -218,10 +235,16 @@ def _tile(
         bc2_sqrt, eps, inv_grad_scale, LERP_LOW, APPLY_SCALE, SOFT_FP)
 
     if MOMENTS == 2:
-        m_rows, m_amax = _block_scale(m, mask, ROWS, MASKED)
-        v_rows, v_amax = _block_scale(v, mask, ROWS, MASKED)
-        _store(exp_avg_ptr, offs, _quantize(m, m_amax, tables_ptr, 256), mask, MASKED)
-        _store(exp_avg_sq_ptr, offs, _quantize(v, v_amax, tables_ptr, 768), mask, MASKED)
+        m_rows, m_amax = _block_scale(m, mask, ROWS, MASKED, V3)
+        v_rows, v_amax = _block_scale(v, mask, ROWS, MASKED, V3)
+        if V3:
+            cm = quantize_v3(m, m_amax, True)
+            cv = quantize_v3(v, v_amax, False)
+        else:
+            cm = _quantize(m, m_amax, tables_ptr, 256)
+            cv = _quantize(v, v_amax, tables_ptr, 768)
+        _store(exp_avg_ptr, offs, cm, mask, MASKED)
+        _store(exp_avg_sq_ptr, offs, cv, mask, MASKED)
         _store(m_absmax_ptr, rblk, m_rows, row_ok, MASKED)
         _store(v_absmax_ptr, rblk, v_rows, row_ok, MASKED)
     elif MOMENTS == 1:
@@ -254,7 +277,7 @@ def adamw_compressed_kernel(
     inv_grad_scale,
     ROWS: tl.constexpr, MOMENTS: tl.constexpr, HAS_LP: tl.constexpr, SR: tl.constexpr,
     LERP_LOW: tl.constexpr, APPLY_SCALE: tl.constexpr, USE_INT64: tl.constexpr,
-    SOFT_FP: tl.constexpr,
+    SOFT_FP: tl.constexpr, V3: tl.constexpr,
 ):
     pid = tl.program_id(0)
     lane = tl.arange(0, ROWS * 256)
@@ -274,7 +297,7 @@ def adamw_compressed_kernel(
             lp_ptr, sr_index_ptr, tables_ptr, seed_lo_bits, seed_hi_bits, step_bits,
             decay, w, neg_one_minus_w_bits, beta2, one_minus_beta2, neg_step_size_bits,
             bc2_sqrt, eps, inv_grad_scale,
-            ROWS, False, MOMENTS, HAS_LP, SR, LERP_LOW, APPLY_SCALE, SOFT_FP,
+            ROWS, False, MOMENTS, HAS_LP, SR, LERP_LOW, APPLY_SCALE, SOFT_FP, V3,
         )
     else:
         _tile(
@@ -283,7 +306,7 @@ def adamw_compressed_kernel(
             lp_ptr, sr_index_ptr, tables_ptr, seed_lo_bits, seed_hi_bits, step_bits,
             decay, w, neg_one_minus_w_bits, beta2, one_minus_beta2, neg_step_size_bits,
             bc2_sqrt, eps, inv_grad_scale,
-            ROWS, True, MOMENTS, HAS_LP, SR, LERP_LOW, APPLY_SCALE, SOFT_FP,
+            ROWS, True, MOMENTS, HAS_LP, SR, LERP_LOW, APPLY_SCALE, SOFT_FP, V3,
         )
 
 
@@ -324,6 +347,7 @@ def adamw_compressed_triton_(
     s: AdamScalars,
     *,
     rows: int = ROWS,
+    format_version: int = 2,
 ) -> None:
     """One in-place AdamW step over a flat range with compressed state (the range contract of
     zerokern.ops.adamw_compressed; its validate_compressed_args has checked the tensors).
@@ -337,6 +361,8 @@ def adamw_compressed_triton_(
         s: zerokern.kernel_contract.adam_scalars(...) of the step.
         rows: quantization blocks per program, a power of two (the result does not depend on
             it; the interpreter tests use more to launch fewer programs).
+        format_version: the int8 encoding, 2 (``zerokern.quant.blockwise``) or 3
+            (``zerokern.quant.fmt_v3``: ``tables`` is then not read); other moments ignore it.
 
     Raises:
         ValueError: a bad seed, step or tables (nothing is modified).
@@ -353,6 +379,8 @@ def adamw_compressed_triton_(
                          f"{tables.dtype} {tuple(tables.shape)} on {tables.device}")
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two, got {rows!r}")
+    if isinstance(format_version, bool) or format_version not in (2, 3):
+        raise ValueError(f"format_version must be 2 or 3, got {format_version!r}")
     check_interpreter()
     n = param.numel()
     if n == 0:
@@ -379,6 +407,7 @@ def adamw_compressed_triton_(
         SR=sr,
         USE_INT64=n >= 2**31 - tile,
         SOFT_FP=_INTERPRETED,
+        V3=quantized and format_version == 3,
         **COMPILE_OPTIONS,
         **compressed_scalars(s, seed if sr else 0, step),
     )
