@@ -63,9 +63,10 @@ Quantized communication (ZeRO++ qwZ/qgZ, ``zerokern.comm.quantized``): a piece o
 travels as one fp32 scale per block of B elements and an int8 (b = 8) or int4 (b = 4) code per
 element, the codes padded to whole 4-byte words: ``4 ceil(n/B) + 4 ceil(ceil(n b/8) / 4)``
 bytes (:func:`quantized_payload_bytes`; B = 256 for int8 and 32 for int4 by default,
-``QUANT_BLOCKS``: 1.0156 and 0.625 bytes an element, against 2 for bf16). A quantized all-gather or reduce-scatter over N ranks counts N
-such payloads (:func:`quantized_all_gather_bytes`, :func:`quantized_reduce_scatter_bytes`), the
-two-hop reduce of a 2-D mesh one per hop and dim (:func:`quantized_2hop_bytes`).
+``QUANT_BLOCKS``: 1.0156 and 0.625 bytes an element, against 2 for bf16). A quantized
+all-gather or reduce-scatter over N ranks counts N such payloads
+(:func:`quantized_all_gather_bytes`, :func:`quantized_reduce_scatter_bytes`), the two-hop
+reduce of a 2-D mesh one per hop and dim (:func:`quantized_2hop_bytes`).
 """
 
 from __future__ import annotations
