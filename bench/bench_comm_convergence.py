@@ -18,6 +18,9 @@ the loss of a step is the mean over both ranks. Configs (ZeroAdamW's options):
   g8r8        gather_dtype="int8", reduce_dtype="int8"
   r4ef        reduce_dtype="int4", error_feedback=True
   r8ef        reduce_dtype="int8", error_feedback=True
+``--fp32-linear`` computes the bf16 linears and attention in fp32 from the same bf16 inputs,
+rounded once to bf16 (a CPU without AVX-512 BF16 runs torch's bf16 GEMM ~10x slower than
+fp32); the issue-38 runs of 2026-12-05 ``_issue38b*`` used it for every config.
 Each config is its own 2-rank launch whose rank 0 writes ``<out>/<name>_<config>.json``
 (every step's loss, eval loss, ms/step, comm_stats() bytes), so a long series can run in the
 background and be reported (``--report``: summary .md/.csv and the curve .png) at the end.
@@ -92,7 +95,8 @@ class _Fp32Linear(torch.overrides.TorchFunctionMode):
             return y.to(torch.bfloat16)
         if (func is torch.nn.functional.scaled_dot_product_attention
                 and args[0].dtype == torch.bfloat16):
-            return func(*(a.float() for a in args), **kwargs).to(torch.bfloat16)
+            return func(*(a.float() if isinstance(a, torch.Tensor) else a for a in args),
+                        **kwargs).to(torch.bfloat16)
         return func(*args, **kwargs)
 
 

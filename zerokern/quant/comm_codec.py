@@ -76,9 +76,9 @@ WIRE_BLOCK = {8: DEFAULT_BLOCK, 4: 32}
 parts, ``zerokern.formulas``) use by code width when none is given: 256 for int8; 32 for
 int4, whose 7 levels a side leave every element below ``absmax / 14`` of its block at zero, so
 a 256-element block (one outlier among them) zeroed most small gradients: measured on the demo
-GPT, int4 with 256-element blocks ended 1.4-1.6% above 16-bit communication in loss, with 32
-within 1% (bench/results/bench_comm_convergence_cpu_2026-12-05_issue38b*). Its cost: 4/32 byte
-of scale per element, 5 bits an element on the wire instead of 4.125."""
+GPT, int4 with 256-element blocks ended 1.4-1.6% above 16-bit communication in loss (error
+feedback did not help), with 32 within 0.2% (docs/quantized-comm.md, Convergence). Its cost:
+4/32 byte of scale per element, 5 bits an element on the wire instead of 4.125."""
 
 MIN_BLOCK, MAX_BLOCK = 16, 8192
 """The block sizes the kernels take: powers of two in this range."""
