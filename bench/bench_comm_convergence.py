@@ -18,6 +18,9 @@ the loss of a step is the mean over both ranks. Configs (ZeroAdamW's options):
   g8r8        gather_dtype="int8", reduce_dtype="int8"
   r4ef        reduce_dtype="int4", error_feedback=True
   r8ef        reduce_dtype="int8", error_feedback=True
+``--fp32-linear`` computes the bf16 linears and attention in fp32 from the same bf16 inputs,
+rounded once to bf16 (a CPU without AVX-512 BF16 runs torch's bf16 GEMM ~10x slower than
+fp32); the issue-38 runs of 2026-12-05 ``_issue38b*`` used it for every config.
 Each config is its own 2-rank launch whose rank 0 writes ``<out>/<name>_<config>.json``
 (every step's loss, eval loss, ms/step, comm_stats() bytes), so a long series can run in the
 background and be reported (``--report``: summary .md/.csv and the curve .png) at the end.
@@ -78,7 +81,33 @@ def _rank(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
         dist.destroy_process_group()
 
 
+class _Fp32Linear(torch.overrides.TorchFunctionMode):
+    """``--fp32-linear``: every bf16 ``F.linear`` and attention (forward and, through autograd,
+    backward) computed from the same bf16 inputs in fp32 and rounded once to bf16. The CPU's
+    bf16 GEMM without AVX-512 BF16 runs ~10x slower than fp32 and dominated the step; this one
+    also accumulates in fp32, only in another order (results differ in the last bf16 bit)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and args[0].dtype == torch.bfloat16:
+            x, w, b = (list(args) + [kwargs.get("bias")])[:3]
+            y = func(x.float(), w.float(), None if b is None else b.float())
+            return y.to(torch.bfloat16)
+        if (func is torch.nn.functional.scaled_dot_product_attention
+                and args[0].dtype == torch.bfloat16):
+            return func(*(a.float() if isinstance(a, torch.Tensor) else a for a in args),
+                        **kwargs).to(torch.bfloat16)
+        return func(*args, **kwargs)
+
+
 def _train(rank: int, c: dict[str, Any]) -> dict[str, Any]:
+    if c.get("fp32_linear"):
+        with _Fp32Linear():
+            return _train_loop(rank, c)
+    return _train_loop(rank, c)
+
+
+def _train_loop(rank: int, c: dict[str, Any]) -> dict[str, Any]:
     gcfg = GPTConfig(**c["model"])
     opts, offset = CONFIGS[c["config"]]
     seed = c["seed"] + offset
@@ -190,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--progress", type=int, default=0, help="print the loss every N steps")
     ap.add_argument("--quick", action="store_true", help="tiny model, 8 steps")
+    ap.add_argument("--fp32-linear", action="store_true",
+                    help="bf16 linears computed in fp32 and rounded to bf16 (CPU speed)")
     ap.add_argument("--report", action="store_true",
                     help="no training: tables and plot from the configs' JSON files")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -219,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             c = {"config": cname, "model": asdict(replace(gcfg)), "steps": steps,
                  "micro_batch": args.micro_batch, "lr": args.lr, "seed": args.seed,
                  "eval_batches": 2 if args.quick else args.eval_batches,
-                 "progress": args.progress, "stage": args.stage}
+                 "progress": args.progress, "stage": args.stage,
+                 "fp32_linear": args.fp32_linear}
             r = run_config(c, out / f"{name}_{cname}.json")
             print(f"# {cname}: final loss {statistics.fmean(r['losses'][-args.tail:]):.4f}, "
                   f"eval {r['eval_loss']:.4f}, {r['step_ms']:.1f} ms/step, "

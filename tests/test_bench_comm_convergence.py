@@ -48,3 +48,32 @@ def test_bad_steps_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         B.main(["--steps", "0"])
     assert "--steps" in capsys.readouterr().err
+
+
+def test_fp32_linear_mode_rounds_fp32_results_once() -> None:
+    """--fp32-linear: a bf16 linear / attention inside the mode equals the fp32 computation
+    from the same bf16 inputs rounded once to bf16, forward and backward (bf16 gradients);
+    other dtypes and functions pass through."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, 16, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(24, 16, generator=g).bfloat16().requires_grad_()
+    b = torch.randn(24, generator=g).bfloat16().requires_grad_()
+    with B._Fp32Linear():
+        y = F.linear(x, w, b)
+        q, k, v = y.reshape(4, 8, 3, 8).unbind(2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        z = F.linear(x.float(), w.float())  # fp32: untouched
+    (a.float().square().sum()).backward()
+    xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
+    yr = F.linear(xr, wr, br).bfloat16()
+    qr, kr, vr = yr.reshape(4, 8, 3, 8).unbind(2)
+    ar = F.scaled_dot_product_attention(qr.float(), kr.float(), vr.float(),
+                                        is_causal=True).bfloat16()
+    (ar.float().square().sum()).backward()
+    assert y.dtype == a.dtype == torch.bfloat16 and z.dtype == torch.float32
+    assert torch.equal(y, yr) and torch.equal(a, ar)
+    for t, r in ((x, xr), (w, wr), (b, br)):
+        assert t.grad.dtype == torch.bfloat16 and torch.equal(t.grad, r.grad.bfloat16())

@@ -220,15 +220,21 @@ def _two_hop(rank: int, world: int, bits: int, gather_bits: int) -> None:
     s, r = comm.world_size, comm.replicate.world_size
     me, rep = comm.rank, comm.replicate.rank
     assert (s, r, me, rep) == (2, 2, rank % 2, rank // 2)  # mesh [[0, 1], [2, 3]]
+    # block None: each hop at its width's default block (cc.WIRE_BLOCK: int4 finer than int8)
     for c, block, dt, od in ((38, 16, torch.bfloat16, torch.float32),
                              (600, 256, torch.float32, torch.bfloat16),
-                             (2, 16, torch.float16, torch.float16)):
+                             (2, 16, torch.float16, torch.float16),
+                             (600, None, torch.bfloat16, torch.bfloat16)):
         comm.reset_stats()
         fulls = _inputs(world, s * c, dt, seed=c)  # global rank g = replica * s + shard
         out = torch.full((c,), math.nan, dtype=od)
         quantized_reduce_scatter_2hop(comm, out, fulls[rank].clone(), bits=bits,
                                       gather_bits=gather_bits, block=block)
         what = f"c={c} block={block} {dt}->{od} bits={bits}/{gather_bits}"
+        default = block is None
+        gblock, block = cc.wire_block(gather_bits, block), cc.wire_block(bits, block)
+        if default:
+            assert (block, gblock) == ({8: 256, 4: 32}[bits], 256), what
         # Hop 1, per replica i: the shard group's reduce of chunk `me`.
         chunk = [[fulls[i * s + k][me * c:(me + 1) * c] for k in range(s)] for i in range(r)]
         hop1 = [_sim_reduce(chunk[i], bits, block) for i in range(r)]
@@ -239,18 +245,20 @@ def _two_hop(rank: int, world: int, bits: int, gather_bits: int) -> None:
             value, bound = _sim_reduce([v[k * p:(k + 1) * p] for v, _ in hop1], bits, block)
             hop2.append((value, bound + sum(b[k * p:(k + 1) * p] for _, b in hop1)))
         # Hop 3: every replica decodes every part.
-        payload = torch.cat([cc.quantize(v, 1, gather_bits, block) for v, _ in hop2])
-        fp32 = cc.dequantize(payload, p, r, gather_bits, block)
+        payload = torch.cat([cc.quantize(v, 1, gather_bits, gblock) for v, _ in hop2])
+        fp32 = cc.dequantize(payload, p, r, gather_bits, gblock)
         assert torch.equal(_bits(out), _bits(cc.to_dtype(fp32, od))), what
-        bound = torch.cat([b + cc.error_bound(cc.block_absmax(v, 1, block), gather_bits)
+        bound = torch.cat([b + cc.error_bound(cc.block_absmax(v, 1, gblock), gather_bits)
                            for v, b in hop2]) + _cast_bound(fp32, od)
         exact = sum(f[me * c:(me + 1) * c].double() for f in fulls)
         assert ((out.double() - exact).abs() <= bound).all(), what
         _same_on_every_rank(comm.replicate, out)
-        want = formulas.quantized_2hop_bytes(c, s, r, bits, gather_bits, block)
+        # the formulas' defaults are the collectives' (and explicit blocks give the same)
+        want = formulas.quantized_2hop_bytes(c, s, r, bits, gather_bits,
+                                             None if default else block)
         _check_stats(comm, {quantized_kind("reduce_scatter", bits): (s * c, want["shard"])})
         rs = formulas.quantized_reduce_scatter_bytes(p, r, bits, block)
-        ag = formulas.quantized_all_gather_bytes(p, r, gather_bits, block)
+        ag = formulas.quantized_all_gather_bytes(p, r, gather_bits, gblock)
         assert rs + ag == want["replicate"]
         _check_stats(comm.replicate, {quantized_kind("reduce_scatter", bits): (c, rs),
                                       quantized_kind("all_gather", gather_bits): (c, ag)})

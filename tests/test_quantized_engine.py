@@ -246,7 +246,7 @@ def _reduce_parts(rank: int, world: int, comm: Comm) -> None:
     hybrid = comm.replicate is not None
     s, r = comm.world_size, (comm.replicate.world_size if hybrid else 1)
     for bits in (8, 4):
-        for c in (38, 300):  # per-rank chunk; 300: two blocks, the second partial
+        for c in (38, 300):  # per-rank chunk; 300: several blocks, the last partial
             g = torch.Generator().manual_seed(c)
             ins = [torch.randn(s * c, generator=g) * 10.0 ** torch.randint(-3, 3, (s * c,),
                                                                             generator=g)
@@ -271,7 +271,8 @@ def _reduce_parts(rank: int, world: int, comm: Comm) -> None:
             exact = _fold(lambda a, b: a + b, [x.double() for x in chunks])
             # hop 1 over every rank's chunk (each replica's partial), hops 2-3 bounded by the
             # blocks' magnitudes with hop 1's error added (as the collectives' test does).
-            b1 = sum(cc.error_bound(cc.block_absmax(x, 1), bits) for x in chunks)
+            b1 = sum(cc.error_bound(cc.block_absmax(x, 1, cc.wire_block(bits)), bits)
+                     for x in chunks)
             bound = b1 + 1e-6 * sum(x.double().abs() for x in chunks)
             if hybrid:
                 big = max(float(x.abs().max()) for x in chunks) * s + float(b1.max())

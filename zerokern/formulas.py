@@ -62,10 +62,11 @@ Device and host bytes per rank, model states only (constant buffers aside: bucke
 Quantized communication (ZeRO++ qwZ/qgZ, ``zerokern.comm.quantized``): a piece of n elements
 travels as one fp32 scale per block of B elements and an int8 (b = 8) or int4 (b = 4) code per
 element, the codes padded to whole 4-byte words: ``4 ceil(n/B) + 4 ceil(ceil(n b/8) / 4)``
-bytes (:func:`quantized_payload_bytes`; 1.0156 bytes an element for int8 and B = 256, 0.5156
-for int4, against 2 for bf16). A quantized all-gather or reduce-scatter over N ranks counts N
-such payloads (:func:`quantized_all_gather_bytes`, :func:`quantized_reduce_scatter_bytes`), the
-two-hop reduce of a 2-D mesh one per hop and dim (:func:`quantized_2hop_bytes`).
+bytes (:func:`quantized_payload_bytes`; B = 256 for int8 and 32 for int4 by default,
+``QUANT_BLOCKS``: 1.0156 and 0.625 bytes an element, against 2 for bf16). A quantized
+all-gather or reduce-scatter over N ranks counts N such payloads
+(:func:`quantized_all_gather_bytes`, :func:`quantized_reduce_scatter_bytes`), the two-hop
+reduce of a 2-D mesh one per hop and dim (:func:`quantized_2hop_bytes`).
 """
 
 from __future__ import annotations
@@ -597,6 +598,13 @@ def offload_min_gpus_to_fit(variant: str, psi: float, device_bytes: float,
 # ------------------------------------------------------------------------------------------
 
 QUANT_BLOCK = 256  # elements per quantization block by default (zerokern.quant.comm_codec)
+# The quantized collectives' block by code width (zerokern.quant.comm_codec.WIRE_BLOCK): int4's
+# finer block keeps small gradients from rounding to zero next to a large one.
+QUANT_BLOCKS = {8: QUANT_BLOCK, 4: 32}
+
+
+def _block(bits: int, block: int | None) -> int:
+    return QUANT_BLOCKS.get(bits, QUANT_BLOCK) if block is None else block
 
 
 def _check_quant(numel: int, world: int, bits: int, block: int) -> None:
@@ -607,21 +615,25 @@ def _check_quant(numel: int, world: int, bits: int, block: int) -> None:
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
 
 
-def quantized_payload_bytes(numel: int, bits: int = 8, block: int = QUANT_BLOCK) -> int:
+def quantized_payload_bytes(numel: int, bits: int = 8, block: int | None = None) -> int:
     """Bytes of one quantized piece of ``numel`` elements: a 4-byte fp32 scale per block of
-    ``block`` elements (the last one partial) and ``bits`` per element of codes, rounded up to
-    whole bytes and then to whole 4-byte words.
+    ``block`` elements (the last one partial; None: ``QUANT_BLOCKS[bits]``, 256 for 8 bits
+    and 32 for 4) and ``bits`` per element of codes, rounded up to whole bytes and then to
+    whole 4-byte words.
 
-    >>> quantized_payload_bytes(1000, 8, 256), quantized_payload_bytes(1001, 4, 256)
+    >>> quantized_payload_bytes(1000, 8), quantized_payload_bytes(1001, 4, 256)
     (1016, 520)
+    >>> quantized_payload_bytes(1001, 4)
+    632
     """
+    block = _block(bits, block)
     _check_quant(numel, 1, bits, block)
     code_bytes = -(-numel * bits // 8)
     return 4 * -(-numel // block) + 4 * -(-code_bytes // 4)
 
 
 def quantized_all_gather_bytes(shard_numel: int, world: int, bits: int = 8,
-                               block: int = QUANT_BLOCK) -> int:
+                               block: int | None = None) -> int:
     """Bytes a quantized all-gather of ``shard_numel`` elements per rank counts over
     ``world`` ranks: the N gathered payloads (what ``CommStats`` records, as an all-gather
     counts its output); each rank sends (N - 1)/N of them on a ring. 0 with one rank.
@@ -629,35 +641,42 @@ def quantized_all_gather_bytes(shard_numel: int, world: int, bits: int = 8,
     >>> quantized_all_gather_bytes(1000, 4)
     4064
     """
+    block = _block(bits, block)
     _check_quant(shard_numel, world, bits, block)
     return 0 if world == 1 else world * quantized_payload_bytes(shard_numel, bits, block)
 
 
 def quantized_reduce_scatter_bytes(chunk_numel: int, world: int, bits: int = 8,
-                                   block: int = QUANT_BLOCK) -> int:
+                                   block: int | None = None) -> int:
     """Bytes a quantized reduce-scatter to ``chunk_numel`` elements per rank counts over
     ``world`` ranks: the payloads of the input's N chunks (as a reduce-scatter counts its
     input); each rank sends N - 1 of them. 0 with one rank.
 
-    >>> quantized_reduce_scatter_bytes(1000, 4, bits=4)
-    2064
+    >>> quantized_reduce_scatter_bytes(1000, 4, bits=4), quantized_reduce_scatter_bytes(
+    ...     1000, 4, bits=4, block=256)
+    (2512, 2064)
     """
+    block = _block(bits, block)
     _check_quant(chunk_numel, world, bits, block)
     return 0 if world == 1 else world * quantized_payload_bytes(chunk_numel, bits, block)
 
 
 def quantized_2hop_bytes(chunk_numel: int, shard: int, replicate: int, bits: int = 8,
-                         gather_bits: int = 8, block: int = QUANT_BLOCK) -> dict[str, int]:
+                         gather_bits: int = 8, block: int | None = None) -> dict[str, int]:
     """Bytes of the two-hop quantized reduce (``quantized_reduce_scatter_2hop``) per mesh dim,
     to ``chunk_numel`` elements per rank on R = ``replicate`` replicas of S = ``shard``
     ranks: the shard dim's reduce-scatter of S chunks, then across the replicate dim a
-    reduce-scatter of the chunk's R parts and an all-gather of them (``gather_bits``).
+    reduce-scatter of the chunk's R parts and an all-gather of them (``gather_bits``). With
+    ``block`` None each hop takes its width's block (``QUANT_BLOCKS``: hops 1-2 ``bits``, hop
+    3 ``gather_bits``), as ``quantized_reduce_scatter_2hop`` does.
 
     >>> quantized_2hop_bytes(1024, 2, 2, bits=4)
-    {'shard': 1056, 'replicate': 1568}
+    {'shard': 1280, 'replicate': 1680}
     """
+    gblock = _block(gather_bits, block)  # hop 3 at its own width's block unless one is given
+    block = _block(bits, block)
     _check_quant(chunk_numel, shard, bits, block)
-    _check_quant(chunk_numel, replicate, gather_bits, block)
+    _check_quant(chunk_numel, replicate, gather_bits, gblock)
     if replicate == 1:
         return {"shard": quantized_reduce_scatter_bytes(chunk_numel, shard, bits, block),
                 "replicate": 0}
@@ -667,7 +686,7 @@ def quantized_2hop_bytes(chunk_numel: int, shard: int, replicate: int, bits: int
     part = chunk_numel // replicate
     return {"shard": quantized_reduce_scatter_bytes(chunk_numel, shard, bits, block),
             "replicate": quantized_reduce_scatter_bytes(part, replicate, bits, block)
-            + quantized_all_gather_bytes(part, replicate, gather_bits, block)}
+            + quantized_all_gather_bytes(part, replicate, gather_bits, gblock)}
 
 
 def error_feedback_bytes(slice_numels: list[int], shard: int, replicate: int = 1) -> int:

@@ -49,7 +49,7 @@ import torch
 
 from ..ops._validate import FLOAT_DTYPES, check_flat
 from ..ops.comm_quant import dequantize_blocks_, quantize_blocks_
-from ..quant.comm_codec import DEFAULT_BLOCK, check_format, payload_nbytes
+from ..quant.comm_codec import DEFAULT_BLOCK, check_format, payload_nbytes, wire_block
 from .collectives import Comm
 
 __all__ = ["QuantizedHandle", "quantized_all_gather", "quantized_kind",
@@ -102,12 +102,13 @@ class QuantizedHandle:
         return self._done or self._handle.is_completed()
 
 
-def _check(comm: Comm, out: object, inp: object, inp_name: str, bits: int, block: int,
+def _check(comm: Comm, out: object, inp: object, inp_name: str, bits: int, block: int | None,
            gathered: bool) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """The arguments checked; ``gathered``: out is N x inp (else inp is N x out)."""
+    """The arguments checked (``block`` None: ``wire_block(bits)``); ``gathered``: out is N x
+    inp (else inp is N x out)."""
     if not isinstance(comm, Comm):
         raise TypeError(f"comm must be a zerokern.comm.Comm, got {type(comm).__name__}")
-    bits, block = check_format(bits, block)
+    bits, block = check_format(bits, wire_block(bits, block))
     o = check_flat(out, "out", dtypes=FLOAT_DTYPES)
     t = check_flat(inp, inp_name, dtypes=FLOAT_DTYPES)
     if t.device != o.device:
@@ -165,7 +166,7 @@ def _finish(handle: Any, finish: Any, async_op: bool) -> QuantizedHandle | None:
 
 
 def quantized_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, *, bits: int = 8,
-                         block: int = DEFAULT_BLOCK, label: str = "shard",
+                         block: int | None = None, label: str = "shard",
                          async_op: bool = False, backend: str | None = None,
                          residual: torch.Tensor | None = None) -> QuantizedHandle | None:
     """``out`` = every rank's ``shard``, in rank order, each decoded from its int8/int4
@@ -180,7 +181,9 @@ def quantized_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, *, 
         out: 1-D contiguous fp32/bf16/fp16 tensor of ``N * shard.numel()`` elements.
         shard: 1-D contiguous fp32/bf16/fp16 tensor on ``out``'s device, this rank's part.
         bits: 8 or 4.
-        block: elements per quantization block, a power of two in [16, 8192].
+        block: elements per quantization block, a power of two in [16, 8192]; None: the
+            default of ``bits`` (``zerokern.quant.comm_codec.WIRE_BLOCK``: 256 for 8 bits, 32
+            for 4).
         label: what is moved, for error messages.
         async_op: return a :class:`QuantizedHandle` instead of waiting.
         backend: the codec's backend ("triton", "torch" or None: automatic).
@@ -219,7 +222,7 @@ def quantized_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, *, 
 
 
 def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, *,
-                             bits: int = 8, block: int = DEFAULT_BLOCK, label: str = "bucket",
+                             bits: int = 8, block: int | None = None, label: str = "bucket",
                              async_op: bool = False, backend: str | None = None,
                              residual: torch.Tensor | None = None) -> QuantizedHandle | None:
     """``out`` = the sum over ranks of chunk ``comm.rank`` of ``full``, each rank's chunk
@@ -238,7 +241,9 @@ def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, 
         full: 1-D contiguous fp32/bf16/fp16 tensor of ``N * out.numel()`` elements on
             ``out``'s device, this rank's contribution.
         bits: 8 or 4.
-        block: elements per quantization block, a power of two in [16, 8192].
+        block: elements per quantization block, a power of two in [16, 8192]; None: the
+            default of ``bits`` (``zerokern.quant.comm_codec.WIRE_BLOCK``: 256 for 8 bits, 32
+            for 4).
         label: what is moved, for error messages.
         async_op: return a :class:`QuantizedHandle` instead of waiting.
         backend: the codec's backend ("triton", "torch" or None: automatic).
@@ -281,7 +286,7 @@ def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, 
 
 def quantized_reduce_scatter_2hop(comm: Comm, out: torch.Tensor, full: torch.Tensor, *,
                                   bits: int = 8, gather_bits: int = 8,
-                                  block: int = DEFAULT_BLOCK, label: str = "bucket",
+                                  block: int | None = None, label: str = "bucket",
                                   backend: str | None = None) -> None:
     """Hybrid sharding (``comm.replicate`` set, R replicas of S ranks): ``out`` = the sum over
     all R x S ranks of chunk ``comm.rank`` of ``full``, in three quantized hops (qgZ):
@@ -304,7 +309,9 @@ def quantized_reduce_scatter_2hop(comm: Comm, out: torch.Tensor, full: torch.Ten
         full: 1-D contiguous fp32/bf16/fp16 tensor of ``S * out.numel()`` elements.
         bits: 8 or 4, hops 1 and 2 (the gradients).
         gather_bits: 8 or 4, hop 3 (the reduced sums).
-        block: elements per quantization block, a power of two in [16, 8192].
+        block: elements per quantization block, a power of two in [16, 8192]; None: the
+            default of ``bits`` (``zerokern.quant.comm_codec.WIRE_BLOCK``: 256 for 8 bits, 32
+            for 4), each hop at its own width's (hops 1-2 ``bits``, hop 3 ``gather_bits``).
         label: what is moved, for error messages.
         backend: the codec's backend ("triton", "torch" or None: automatic).
 
@@ -312,8 +319,9 @@ def quantized_reduce_scatter_2hop(comm: Comm, out: torch.Tensor, full: torch.Ten
         TypeError, ValueError: bad arguments (nothing is written or sent).
         CollectiveError: a collective failed.
     """
+    given = block
     out, full, bits, block = _check(comm, out, full, "full", bits, block, gathered=False)
-    gather_bits = check_format(gather_bits, block)[0]
+    gather_bits, gather_block = check_format(gather_bits, wire_block(gather_bits, given))
     rep = comm.replicate
     r = rep.world_size if rep is not None else 1
     if r == 1:
@@ -330,5 +338,5 @@ def quantized_reduce_scatter_2hop(comm: Comm, out: torch.Tensor, full: torch.Ten
     across = f"{label} across replicas"
     quantized_reduce_scatter(rep, mine, partial, bits=bits, block=block, label=across,
                              backend=backend)
-    quantized_all_gather(rep, out, mine, bits=gather_bits, block=block, label=across,
+    quantized_all_gather(rep, out, mine, bits=gather_bits, block=gather_block, label=across,
                          backend=backend)

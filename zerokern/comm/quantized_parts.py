@@ -4,6 +4,9 @@ layouts of ``gather_dtype="int8"`` and ``reduce_dtype="int8"`` / ``"int4"``.
 Each is one more subclass of a part, overriding only how it reaches the wire; the stages and
 stage 3's units call the same verbs and do not change.
 
+Blocks: 256 elements for int8, 32 for int4 (``zerokern.quant.comm_codec.WIRE_BLOCK``; hop 3,
+int8, at 256 also after an int4 reduce).
+
 * :class:`QuantizedFlatGather` / :class:`QuantizedHybridGather`: ``_all_gather`` is
   ``quantized_all_gather`` (int8 codes and one fp32 scale per block of each rank's shard).
   Every rank decodes every shard, its own included, from the gathered bytes, so the gathered
@@ -39,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..quant.comm_codec import DEFAULT_BLOCK
+from ..quant.comm_codec import wire_block
 from .mesh import MeshInfo
 from .parts import FlatGather, FlatReduce, HybridGather, HybridReduce
 from .quantized import quantized_all_gather, quantized_reduce_scatter
@@ -89,7 +92,7 @@ class _QuantizedShardHop:
     def __init__(self, mesh: MeshInfo, dtype: torch.dtype | None, bits: int,
                  feedback: bool = False) -> None:
         super().__init__(mesh, dtype)  # type: ignore[call-arg]
-        self.bits, self.block = bits, DEFAULT_BLOCK
+        self.bits, self.block = bits, wire_block(bits)
         self.feedback = feedback
         # Error feedback's residuals, fp32, one per slice sent (a bucket's or a unit's
         # label, and the hop), allocated at its first send: the slices are the same every
@@ -146,7 +149,8 @@ class _AcrossHops:
                 self.handle.wait(timeout)
             part = self.part
             quantized_all_gather(part.replicate, self.full, self.mine,
-                                 bits=GATHER_ACROSS_BITS, block=part.block, label=self.label,
+                                 bits=GATHER_ACROSS_BITS, block=wire_block(GATHER_ACROSS_BITS),
+                                 label=self.label,
                                  residual=part.residual(f"{self.label} (hop 3)", self.mine,
                                                         part.replicate))
             if self.full.data_ptr() != self.t.data_ptr():
@@ -190,7 +194,7 @@ class _QuantizedGatherHop:
 
     def __init__(self, mesh: MeshInfo, bits: int) -> None:
         super().__init__(mesh)  # type: ignore[call-arg]
-        self.bits, self.block = bits, DEFAULT_BLOCK
+        self.bits, self.block = bits, wire_block(bits)
 
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor, label: str,
                     async_op: bool) -> Any:

@@ -11,8 +11,9 @@ is partial when ``block`` does not divide ``n``. Blocks never straddle segments,
 quantizes its shard without knowing anyone else's. ``block`` is a power of two in
 [``MIN_BLOCK``, ``MAX_BLOCK``]; the default, 256, keeps one outlier from coarsening more than
 256 neighbours (a flat bucket packs tensors of very different magnitudes side by side), costs
-4/256 byte of scale per element (1.6% of an int8 payload, 3.1% of an int4 one) and is the block
-of the int8 Adam moments (``zerokern.quant.maps.BLOCK``).
+4/256 byte of scale per element (1.6% of an int8 payload) and is the block of the int8 Adam
+moments (``zerokern.quant.maps.BLOCK``). The quantized collectives take int4 in blocks of 32
+(:data:`WIRE_BLOCK`: 7 levels a side are too coarse for 256 gradients under one scale).
 
 **Quantize** (``L`` = 127 for 8 bits, 7 for 4 bits; ``x`` widened to fp32, exact for bf16 and
 fp16), per block, each step rounded to nearest even, nothing flushed to zero:
@@ -70,6 +71,15 @@ import torch
 DEFAULT_BLOCK = 256
 """Elements per quantization block by default (see the module docstring for why)."""
 
+WIRE_BLOCK = {8: DEFAULT_BLOCK, 4: 32}
+"""The block the quantized collectives (``zerokern.comm.quantized``, the engine's quantized
+parts, ``zerokern.formulas``) use by code width when none is given: 256 for int8; 32 for
+int4, whose 7 levels a side leave every element below ``absmax / 14`` of its block at zero, so
+a 256-element block (one outlier among them) zeroed most small gradients: measured on the demo
+GPT, int4 with 256-element blocks ended 1.4-1.6% above 16-bit communication in loss (error
+feedback did not help), with 32 within 0.2% (docs/quantized-comm.md, Convergence). Its cost:
+4/32 byte of scale per element, 5 bits an element on the wire instead of 4.125."""
+
 MIN_BLOCK, MAX_BLOCK = 16, 8192
 """The block sizes the kernels take: powers of two in this range."""
 
@@ -102,6 +112,27 @@ def check_format(bits: object, block: object) -> tuple[int, int]:
         raise ValueError(f"block must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}], "
                          f"got {block!r}")
     return int(bits), block
+
+
+def wire_block(bits: int, block: int | None = None) -> int:
+    """``block``, or the quantized collectives' default for ``bits`` (:data:`WIRE_BLOCK`)
+    when it is None.
+
+    Args:
+        bits: 8 or 4.
+        block: elements per block, or None.
+
+    Returns:
+        The block.
+
+    Raises:
+        ValueError: ``bits`` is not 8 or 4.
+    """
+    if block is not None:
+        return block
+    if isinstance(bits, bool) or bits not in BITS:
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    return WIRE_BLOCK[bits]
 
 
 def num_blocks(n: int, block: int) -> int:
