@@ -421,8 +421,9 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
   void* const lp = c.lp;
   void* const m = c.m;
   void* const v = c.v;
-  // One chunk of V::N elements at j whose moments are already widened to mi, vi.
-  auto body = [&](int64_t jj, F mi, F vi) {
+  // The update of the V::N elements at jj whose moments are already widened to mi, vi
+  // (updated in place): the new param, not yet stored.
+  auto update = [&](int64_t jj, F& mi, F& vi) {
     const int64_t i = i0 + jj;
     F pi;
     if constexpr (PM == PMode::BF16_SR) {
@@ -431,6 +432,22 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
       pi = V::ld(static_cast<const float*>(param) + i);
     }
     adam_update<V, LERP_LOW>(k, V::template ldt<G>(g + i), pi, mi, vi);
+    return pi;
+  };
+  // 8-bit moments go to the block buffers, their maxima tracked.
+  auto buffer = [&](int64_t jj, F mi, F vi) {
+    V::st(mb + jj, mi);
+    V::st(vb + jj, vi);
+    acc_m = V::maxu(acc_m, V::and_(V::bits(mi), abs_mask));
+    acc_v = V::maxu(acc_v, V::and_(V::bits(vi), abs_mask));
+    if constexpr (MF == MomentFmt::U8) {  // version 3's scale is the absmax: no sign
+      acc_pm = V::maxi(acc_pm, V::bits(mi));
+      acc_pv = V::maxi(acc_pv, V::bits(vi));
+    }
+  };
+  // The stores of one chunk.
+  auto put = [&](int64_t jj, F pi, F mi, F vi) {
+    const int64_t i = i0 + jj;
     if constexpr (PM == PMode::BF16_SR) {
       V::st_u16(static_cast<uint16_t*>(param) + i, sr_bf16<V>(pi, V::ld_u16(sr + jj)));
     } else {
@@ -445,14 +462,55 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
       V::template stt<BF16>(static_cast<BF16*>(m) + i, mi);
       V::template stt<BF16>(static_cast<BF16*>(v) + i, vi);
     } else {
-      V::st(mb + jj, mi);
-      V::st(vb + jj, vi);
-      acc_m = V::maxu(acc_m, V::and_(V::bits(mi), abs_mask));
-      acc_v = V::maxu(acc_v, V::and_(V::bits(vi), abs_mask));
-      if constexpr (MF == MomentFmt::U8) {  // version 3's scale is the absmax: no sign
-        acc_pm = V::maxi(acc_pm, V::bits(mi));
-        acc_pv = V::maxi(acc_pv, V::bits(vi));
-      }
+      buffer(jj, mi, vi);
+    }
+  };
+  // The stores of two chunks (jj, then jj + V::N): 16-bit results of both in one store each.
+  auto put2 = [&](int64_t jj, F p0, F m0, F v0, F p1, F m1, F v1) {
+    const int64_t i = i0 + jj;
+    if constexpr (PM == PMode::BF16_SR) {
+      V::st_u16x2(static_cast<uint16_t*>(param) + i, sr_bf16<V>(p0, V::ld_u16(sr + jj)),
+                  sr_bf16<V>(p1, V::ld_u16(sr + jj + V::N)));
+    } else {
+      V::st(static_cast<float*>(param) + i, p0);
+      V::st(static_cast<float*>(param) + i + V::N, p1);
+      if constexpr (PM == PMode::F32_LPBF16)
+        V::template stt2<BF16>(static_cast<BF16*>(lp) + i, p0, p1);
+      if constexpr (PM == PMode::F32_LPF16)
+        V::template stt2<F16>(static_cast<F16*>(lp) + i, p0, p1);
+    }
+    if constexpr (MF == MomentFmt::F32) {
+      V::st(static_cast<float*>(m) + i, m0);
+      V::st(static_cast<float*>(v) + i, v0);
+      V::st(static_cast<float*>(m) + i + V::N, m1);
+      V::st(static_cast<float*>(v) + i + V::N, v1);
+    } else if constexpr (MF == MomentFmt::BF16) {
+      V::template stt2<BF16>(static_cast<BF16*>(m) + i, m0, m1);
+      V::template stt2<BF16>(static_cast<BF16*>(v) + i, v0, v1);
+    } else {
+      buffer(jj, m0, v0);
+      buffer(jj + V::N, m1, v1);
+    }
+  };
+  auto body = [&](int64_t jj, F mi, F vi) {
+    const F pi = update(jj, mi, vi);
+    put(jj, pi, mi, vi);
+  };
+  // The moments of the V::N elements at jj, widened to fp32.
+  auto load_moments = [&](int64_t jj, F& mi, F& vi) {
+    const int64_t i = i0 + jj;
+    if constexpr (MF == MomentFmt::F32) {
+      mi = V::ld(static_cast<const float*>(m) + i);
+      vi = V::ld(static_cast<const float*>(v) + i);
+    } else if constexpr (MF == MomentFmt::BF16) {
+      mi = V::template ldt<BF16>(static_cast<const BF16*>(m) + i);
+      vi = V::template ldt<BF16>(static_cast<const BF16*>(v) + i);
+    } else if constexpr (MF == MomentFmt::U8V3) {
+      mi = V::mul(v3_decode_signed<V>(V::ld_u8(static_cast<const uint8_t*>(m) + i)), msc);
+      vi = V::mul(v3_decode_unsigned<V>(V::ld_u8(static_cast<const uint8_t*>(v) + i)), vsc);
+    } else {
+      mi = V::mul(V::lut(c.tables + kSignedMap, static_cast<const uint8_t*>(m) + i), msc);
+      vi = V::mul(V::lut(c.tables + kUnsignedMap, static_cast<const uint8_t*>(v) + i), vsc);
     }
   };
 #ifdef ZK_VBMI
@@ -468,22 +526,17 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
     }
   }
 #endif
+  for (; j + 2 * V::N <= L; j += 2 * V::N) {
+    F m0, v0, m1, v1;
+    load_moments(j, m0, v0);
+    load_moments(j + V::N, m1, v1);
+    const F p0 = update(j, m0, v0);
+    const F p1 = update(j + V::N, m1, v1);
+    put2(j, p0, m0, v0, p1, m1, v1);
+  }
   for (; j + V::N <= L; j += V::N) {
-    const int64_t i = i0 + j;
     F mi, vi;
-    if constexpr (MF == MomentFmt::F32) {
-      mi = V::ld(static_cast<const float*>(m) + i);
-      vi = V::ld(static_cast<const float*>(v) + i);
-    } else if constexpr (MF == MomentFmt::BF16) {
-      mi = V::template ldt<BF16>(static_cast<const BF16*>(m) + i);
-      vi = V::template ldt<BF16>(static_cast<const BF16*>(v) + i);
-    } else if constexpr (MF == MomentFmt::U8V3) {
-      mi = V::mul(v3_decode_signed<V>(V::ld_u8(static_cast<const uint8_t*>(m) + i)), msc);
-      vi = V::mul(v3_decode_unsigned<V>(V::ld_u8(static_cast<const uint8_t*>(v) + i)), vsc);
-    } else {
-      mi = V::mul(V::lut(c.tables + kSignedMap, static_cast<const uint8_t*>(m) + i), msc);
-      vi = V::mul(V::lut(c.tables + kUnsignedMap, static_cast<const uint8_t*>(v) + i), vsc);
-    }
+    load_moments(j, mi, vi);
     body(j, mi, vi);
   }
   if constexpr (is_u8(MF)) {

@@ -79,6 +79,9 @@ struct L1 {
   }
   template <typename T> static F ldt(const T* p) { return Scalar<T>::load(p); }
   template <typename T> static void stt(T* p, F v) { Scalar<T>::store(p, v); }
+  // Two chunks at once (a at p, b after it): AVX2 packs 16-bit results with one store.
+  template <typename T> static void stt2(T* p, F a, F b) { stt(p, a); stt(p + N, b); }
+  static void st_u16x2(uint16_t* p, I a, I b) { st_u16(p, a); st_u16(p + N, b); }
 };
 
 #ifdef ZK_AVX2
@@ -175,6 +178,8 @@ struct L8 {
   }
   template <typename T> static F ldt(const T* p) { return Vec8<T>::load(p); }
   template <typename T> static void stt(T* p, F v) { Vec8<T>::store(p, v); }
+  template <typename T> static void stt2(T* p, F a, F b) { Vec8<T>::store2(p, a, b); }
+  static void st_u16x2(uint16_t* p, I a, I b) { store_u16x16(p, a, b); }
 };
 #endif
 
@@ -272,6 +277,8 @@ struct L16 {
 #endif
     Vec16<T>::store(p, v);
   }
+  template <typename T> static void stt2(T* p, F a, F b) { stt(p, a); stt(p + N, b); }
+  static void st_u16x2(uint16_t* p, I a, I b) { st_u16(p, a); st_u16(p + N, b); }
 };
 #endif
 
