@@ -406,7 +406,8 @@ inline uint32_t quantize1(const int32_t* words, float x) {
 // maximum of their patterns as signed integers in pm/pv (for the scale's sign).
 template <class V, typename G, PMode PM, MomentFmt MF, bool LERP_LOW>
 int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_scale,
-                     float v_scale, float* mb, float* vb, const uint16_t* sr, uint32_t& am,
+                     float v_scale, float* mb, float* vb, float* pb, const uint16_t* sr,
+                     uint32_t& am,
                      uint32_t& av, int32_t& pm, int32_t& pv) {
   using F = typename V::F;
   using I = typename V::I;
@@ -445,52 +446,28 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
       acc_pv = V::maxi(acc_pv, V::bits(vi));
     }
   };
-  // The stores of one chunk.
+  // The stores of one chunk. 16-bit results (the param's copy or its stochastic rounding,
+  // bf16 moments) go to the block buffers as fp32 first and are rounded by finish_block.
   auto put = [&](int64_t jj, F pi, F mi, F vi) {
     const int64_t i = i0 + jj;
     if constexpr (PM == PMode::BF16_SR) {
-      V::st_u16(static_cast<uint16_t*>(param) + i, sr_bf16<V>(pi, V::ld_u16(sr + jj)));
+      V::st(pb + jj, pi);
     } else {
       V::st(static_cast<float*>(param) + i, pi);
-      if constexpr (PM == PMode::F32_LPBF16) V::template stt<BF16>(static_cast<BF16*>(lp) + i, pi);
-      if constexpr (PM == PMode::F32_LPF16) V::template stt<F16>(static_cast<F16*>(lp) + i, pi);
     }
     if constexpr (MF == MomentFmt::F32) {
       V::st(static_cast<float*>(m) + i, mi);
       V::st(static_cast<float*>(v) + i, vi);
     } else if constexpr (MF == MomentFmt::BF16) {
-      V::template stt<BF16>(static_cast<BF16*>(m) + i, mi);
-      V::template stt<BF16>(static_cast<BF16*>(v) + i, vi);
+      V::st(mb + jj, mi);
+      V::st(vb + jj, vi);
     } else {
       buffer(jj, mi, vi);
     }
   };
-  // The stores of two chunks (jj, then jj + V::N): 16-bit results of both in one store each.
   auto put2 = [&](int64_t jj, F p0, F m0, F v0, F p1, F m1, F v1) {
-    const int64_t i = i0 + jj;
-    if constexpr (PM == PMode::BF16_SR) {
-      V::st_u16x2(static_cast<uint16_t*>(param) + i, sr_bf16<V>(p0, V::ld_u16(sr + jj)),
-                  sr_bf16<V>(p1, V::ld_u16(sr + jj + V::N)));
-    } else {
-      V::st(static_cast<float*>(param) + i, p0);
-      V::st(static_cast<float*>(param) + i + V::N, p1);
-      if constexpr (PM == PMode::F32_LPBF16)
-        V::template stt2<BF16>(static_cast<BF16*>(lp) + i, p0, p1);
-      if constexpr (PM == PMode::F32_LPF16)
-        V::template stt2<F16>(static_cast<F16*>(lp) + i, p0, p1);
-    }
-    if constexpr (MF == MomentFmt::F32) {
-      V::st(static_cast<float*>(m) + i, m0);
-      V::st(static_cast<float*>(v) + i, v0);
-      V::st(static_cast<float*>(m) + i + V::N, m1);
-      V::st(static_cast<float*>(v) + i + V::N, v1);
-    } else if constexpr (MF == MomentFmt::BF16) {
-      V::template stt2<BF16>(static_cast<BF16*>(m) + i, m0, m1);
-      V::template stt2<BF16>(static_cast<BF16*>(v) + i, v0, v1);
-    } else {
-      buffer(jj, m0, v0);
-      buffer(jj + V::N, m1, v1);
-    }
+    put(jj, p0, m0, v0);
+    put(jj + V::N, p1, m1, v1);
   };
   auto body = [&](int64_t jj, F mi, F vi) {
     const F pi = update(jj, mi, vi);
@@ -599,10 +576,51 @@ struct Norm {
   float operator()(float x) const { return recip ? x * r : x / d; }
 };
 
+// The 16-bit stores of a block that sweep 1 left in fp32 (its put): the param's 16-bit copy
+// from the fp32 param, or its stochastic rounding from pb, and bf16 moments from mb, vb; two
+// chunks at a time where AVX2 packs 16 lanes per store. Apart from sweep 1 because its
+// integer rounding would wait in the out-of-order window for the last division of each chunk
+// and starve the divider (Zen 3, 1 thread, in L1: bf16 moments 1.31 -> x ns per element).
+template <class V, PMode PM, MomentFmt MF>
+int64_t finish_lanes(const Ctx& c, int64_t i0, int64_t j, int64_t L, const float* mb,
+                     const float* vb, const float* pb, const uint16_t* sr) {
+  constexpr int N = V::N;
+  for (; j + 2 * N <= L; j += 2 * N) {
+    const int64_t i = i0 + j;
+    if constexpr (PM == PMode::BF16_SR) {
+      V::st_u16x2(static_cast<uint16_t*>(c.param) + i, sr_bf16<V>(V::ld(pb + j), V::ld_u16(sr + j)),
+                  sr_bf16<V>(V::ld(pb + j + N), V::ld_u16(sr + j + N)));
+    } else if constexpr (PM == PMode::F32_LPBF16 || PM == PMode::F32_LPF16) {
+      using LP = std::conditional_t<PM == PMode::F32_LPBF16, BF16, F16>;
+      const float* p = static_cast<const float*>(c.param) + i;
+      V::template stt2<LP>(static_cast<LP*>(c.lp) + i, V::ld(p), V::ld(p + N));
+    }
+    if constexpr (MF == MomentFmt::BF16) {
+      V::template stt2<BF16>(static_cast<BF16*>(c.m) + i, V::ld(mb + j), V::ld(mb + j + N));
+      V::template stt2<BF16>(static_cast<BF16*>(c.v) + i, V::ld(vb + j), V::ld(vb + j + N));
+    }
+  }
+  for (; j + N <= L; j += N) {
+    const int64_t i = i0 + j;
+    if constexpr (PM == PMode::BF16_SR) {
+      V::st_u16(static_cast<uint16_t*>(c.param) + i, sr_bf16<V>(V::ld(pb + j), V::ld_u16(sr + j)));
+    } else if constexpr (PM == PMode::F32_LPBF16 || PM == PMode::F32_LPF16) {
+      using LP = std::conditional_t<PM == PMode::F32_LPBF16, BF16, F16>;
+      V::template stt<LP>(static_cast<LP*>(c.lp) + i, V::ld(static_cast<const float*>(c.param) + i));
+    }
+    if constexpr (MF == MomentFmt::BF16) {
+      V::template stt<BF16>(static_cast<BF16*>(c.m) + i, V::ld(mb + j));
+      V::template stt<BF16>(static_cast<BF16*>(c.v) + i, V::ld(vb + j));
+    }
+  }
+  return j;
+}
+
 template <typename G, PMode PM, MomentFmt MF, bool LERP_LOW>
 void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
   alignas(64) float mb[kBlock];
   alignas(64) float vb[kBlock];
+  alignas(64) float pb[kBlock];
   // 16 random bits per element: up to 33 Philox groups of 8 elements cover a block.
   alignas(64) uint32_t srw[4 * 40] = {};  // (initialised: GCC cannot see fill_sr write it)
   const uint16_t* sr = nullptr;
@@ -631,15 +649,25 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
     int32_t pm = INT32_MIN, pv = INT32_MIN;
     int64_t j = 0;
 #ifdef ZK_AVX512
-    j = sweep_update<L16, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av,
+    j = sweep_update<L16, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, pb, sr, am, av,
                                                pm, pv);
 #endif
 #ifdef ZK_AVX2
-    j = sweep_update<L8, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av,
+    j = sweep_update<L8, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, pb, sr, am, av,
                                               pm, pv);
 #endif
-    sweep_update<L1, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av, pm,
+    sweep_update<L1, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, pb, sr, am, av, pm,
                                           pv);
+    if constexpr (PM != PMode::F32 || MF == MomentFmt::BF16) {
+      j = 0;
+#ifdef ZK_AVX512
+      j = finish_lanes<L16, PM, MF>(c, i0, j, L, mb, vb, pb, sr);
+#endif
+#ifdef ZK_AVX2
+      j = finish_lanes<L8, PM, MF>(c, i0, j, L, mb, vb, pb, sr);
+#endif
+      finish_lanes<L1, PM, MF>(c, i0, j, L, mb, vb, pb, sr);
+    }
     if constexpr (MF == MomentFmt::U8V3) {
       // The absmax (NaN: the largest NaN pattern, sign cleared). A NaN or inf element makes
       // it non-finite, which takes the scalar path: so the lanes only ever see finite n.
