@@ -217,33 +217,55 @@ inline void dequant64(const uint8_t* codes, const uint8_t (*planes)[256], __m512
 }
 #endif
 
-// Philox4x32-10 of the counters (c0 = lanes of `group`, c1 = step, 0, 0) under the key
-// (k0, k1), V::N counters at a time: the four output words. The counter is built from the
-// element's index in its parameter: [Note: stochastic-rounding keys] in zerokern/quant/philox.py.
+// Philox4x32-10's round keys for V's lanes, splatted once per call of the kernel (per round:
+// two broadcasts that would otherwise be redone for every V::N counters).
 template <class V>
-inline void philox_lanes(typename V::I group, uint32_t step, uint32_t k0, uint32_t k1,
-                         typename V::I (&out)[4]) {
-  using I = typename V::I;
-  // Round 1 with c2 = c3 = 0: the c2 product is 0.
-  I hi0, lo0;
-  V::mulhilo(group, 0xD2511F53u, hi0, lo0);
-  I c0 = V::seti(step ^ k0), c1 = V::seti(0), c2 = V::xor3(hi0, V::seti(0), V::seti(k1)),
-    c3 = lo0;
-  for (int r = 1; r < 10; ++r) {
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-    I hi1, lo1;
-    V::mulhilo(c0, 0xD2511F53u, hi0, lo0);
-    V::mulhilo(c2, 0xCD9E8D57u, hi1, lo1);
-    c0 = V::xor3(hi1, c1, V::seti(k0));
-    c2 = V::xor3(hi0, c3, V::seti(k1));
-    c1 = lo1;
-    c3 = lo0;
+struct PhiloxKeys {
+  typename V::I k0[10], k1[10];
+  PhiloxKeys(uint32_t a, uint32_t b) {
+    for (int r = 0; r < 10; ++r, a += 0x9E3779B9u, b += 0xBB67AE85u) {
+      k0[r] = V::seti(a);
+      k1[r] = V::seti(b);
+    }
   }
-  out[0] = c0;
-  out[1] = c1;
-  out[2] = c2;
-  out[3] = c3;
+};
+
+// Philox4x32-10 of the counters (c0 = lanes of `group`, c1 = step, 0, 0) under the key
+// (k0, k1) of `key`, K x V::N counters at a time: the four output words. The K chains are
+// interleaved round by round: one chain's multiply-shift-xor latency (10 dependent rounds)
+// left the pipes idle (AVX2: 8 counters per chain). The counter is built from the element's
+// index in its parameter: [Note: stochastic-rounding keys] in zerokern/quant/philox.py.
+template <class V, int K>
+inline void philox_lanes(const typename V::I (&group)[K], typename V::I step,
+                         const PhiloxKeys<V>& key, typename V::I (&out)[K][4]) {
+  using I = typename V::I;
+  I c0[K], c1[K], c2[K], c3[K];
+  for (int q = 0; q < K; ++q) {
+    // Round 1 with c2 = c3 = 0: the c2 product is 0.
+    I hi0, lo0;
+    V::mulhilo(group[q], 0xD2511F53u, hi0, lo0);
+    c0[q] = V::xor_(step, key.k0[0]);
+    c1[q] = V::seti(0);
+    c2[q] = V::xor_(hi0, key.k1[0]);
+    c3[q] = lo0;
+  }
+  for (int r = 1; r < 10; ++r) {
+    for (int q = 0; q < K; ++q) {
+      I hi0, lo0, hi1, lo1;
+      V::mulhilo(c0[q], 0xD2511F53u, hi0, lo0);
+      V::mulhilo(c2[q], 0xCD9E8D57u, hi1, lo1);
+      c0[q] = V::xor3(hi1, c1[q], key.k0[r]);
+      c2[q] = V::xor3(hi0, c3[q], key.k1[r]);
+      c1[q] = lo1;
+      c3[q] = lo0;
+    }
+  }
+  for (int q = 0; q < K; ++q) {
+    out[q][0] = c0[q];
+    out[q][1] = c1[q];
+    out[q][2] = c2[q];
+    out[q][3] = c3[q];
+  }
 }
 
 // Format version 2's random bits (zerokern.quant.philox.sr_bits16): element i takes half
@@ -251,11 +273,12 @@ inline void philox_lanes(typename V::I group, uint32_t step, uint32_t k0, uint32
 // block (group t is i / 8 = g0 + t) are written as 4 words each, group after group, so that
 // as 16-bit halves (little-endian) the bits of index i sit at position i - 8 * g0.
 template <class V>
-int64_t fill_sr(uint32_t* w, uint32_t g0, int64_t t, int64_t G, uint32_t step, uint32_t k0,
-                uint32_t k1) {
-  for (; t + V::N <= G; t += V::N) {
-    typename V::I out[4];
-    philox_lanes<V>(V::iota(g0 + uint32_t(t)), step, k0, k1, out);
+int64_t fill_sr(uint32_t* w, uint32_t g0, int64_t t, int64_t G, uint32_t step,
+                const PhiloxKeys<V>& key) {
+  using I = typename V::I;
+  const I st = V::seti(step);
+  // Groups t .. t + V::N - 1 from their Philox words out[k] (word k of each lane).
+  auto put = [&](int64_t t, const I (&out)[4]) {
 #ifdef ZK_AVX2
     if constexpr (std::is_same_v<V, L8>) {  // the 4 x 8 transpose in registers
       const __m256i a0 = _mm256_unpacklo_epi32(out[0], out[1]);
@@ -270,13 +293,28 @@ int64_t fill_sr(uint32_t* w, uint32_t g0, int64_t t, int64_t G, uint32_t step, u
       _mm256_storeu_si256(d + 1, _mm256_permute2x128_si256(r2, r3, 0x20));
       _mm256_storeu_si256(d + 2, _mm256_permute2x128_si256(r0, r1, 0x31));
       _mm256_storeu_si256(d + 3, _mm256_permute2x128_si256(r2, r3, 0x31));
-      continue;
+      return;
     }
 #endif
     alignas(64) uint32_t tmp[4][V::N];
     for (int k = 0; k < 4; ++k) V::st_u32(tmp[k], out[k]);
     for (int l = 0; l < V::N; ++l)
       for (int k = 0; k < 4; ++k) w[4 * (t + l) + k] = tmp[k][l];
+  };
+  if constexpr (V::N > 1) {
+    for (; t + 2 * V::N <= G; t += 2 * V::N) {
+      const I grp[2] = {V::iota(g0 + uint32_t(t)), V::iota(g0 + uint32_t(t + V::N))};
+      I out[2][4];
+      philox_lanes<V, 2>(grp, st, key, out);
+      put(t, out[0]);
+      put(t + V::N, out[1]);
+    }
+  }
+  for (; t + V::N <= G; t += V::N) {
+    const I grp[1] = {V::iota(g0 + uint32_t(t))};
+    I out[1][4];
+    philox_lanes<V, 1>(grp, st, key, out);
+    put(t, out[0]);
   }
   return t;
 }
@@ -419,7 +457,6 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
   // Local copies: the stores below may alias anything, so members of c would be reloaded.
   const G* const g = static_cast<const G*>(c.grad);
   void* const param = c.param;
-  void* const lp = c.lp;
   void* const m = c.m;
   void* const v = c.v;
   // The update of the V::N elements at jj whose moments are already widened to mi, vi
@@ -624,6 +661,14 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
   // 16 random bits per element: up to 33 Philox groups of 8 elements cover a block.
   alignas(64) uint32_t srw[4 * 40] = {};  // (initialised: GCC cannot see fill_sr write it)
   const uint16_t* sr = nullptr;
+  // (Built for every mode; only BF16_SR reads them: a few dozen stores per call.)
+  const PhiloxKeys<L1> key1(c.k0, c.k1);
+#ifdef ZK_AVX512
+  const PhiloxKeys<L16> key16(c.k0, c.k1);
+#endif
+#ifdef ZK_AVX2
+  const PhiloxKeys<L8> key8(c.k0, c.k1);
+#endif
   for (int64_t b = b_begin; b < b_end; ++b) {
     const int64_t i0 = b * kBlock, L = std::min(kBlock, c.n - i0);
     if constexpr (PM == PMode::BF16_SR) {
@@ -632,12 +677,12 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
       const int64_t ng = int64_t((base + uint32_t(L) - 1) >> 3) - int64_t(g0) + 1;
       int64_t t = 0;
 #ifdef ZK_AVX512
-      t = fill_sr<L16>(srw, g0, t, ng, c.step, c.k0, c.k1);
+      t = fill_sr<L16>(srw, g0, t, ng, c.step, key16);
 #endif
 #ifdef ZK_AVX2
-      t = fill_sr<L8>(srw, g0, t, ng, c.step, c.k0, c.k1);
+      t = fill_sr<L8>(srw, g0, t, ng, c.step, key8);
 #endif
-      fill_sr<L1>(srw, g0, t, ng, c.step, c.k0, c.k1);
+      fill_sr<L1>(srw, g0, t, ng, c.step, key1);
       sr = reinterpret_cast<const uint16_t*>(srw) + (base & 7u);
     }
     float m_scale = 0.0f, v_scale = 0.0f;

@@ -70,6 +70,7 @@ struct L1 {
   static I ld_u16(const uint16_t* p) { return *p; }
   static I iota(uint32_t base) { return base; }
   static void st_u32(uint32_t* p, I v) { *p = v; }
+  static I xor_(I a, I b) { return a ^ b; }
   static I xor3(I a, I b, I c) { return a ^ b ^ c; }
   // High and low words of the 64-bit product x * m.
   static void mulhilo(I x, uint32_t m, I& hi, I& lo) {
@@ -169,12 +170,17 @@ struct L8 {
     return _mm256_add_epi32(_mm256_set1_epi32(int32_t(base)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
   static void st_u32(uint32_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
   static I xor3(I a, I b, I c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); }
   static void mulhilo(I x, uint32_t m, I& hi, I& lo) {  // even lanes, then odd lanes
     const __m256i mv = _mm256_set1_epi32(int32_t(m));
     const __m256i pe = _mm256_mul_epu32(x, mv), po = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), mv);
     hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
+#ifdef ZK_MULLO
+    lo = _mm256_mullo_epi32(x, mv);
+#else
     lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
+#endif
   }
   template <typename T> static F ldt(const T* p) { return Vec8<T>::load(p); }
   template <typename T> static void stt(T* p, F v) { Vec8<T>::store(p, v); }
@@ -255,6 +261,7 @@ struct L16 {
                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   }
   static void st_u32(uint32_t* p, I v) { _mm512_storeu_si512(p, v); }
+  static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
   static I xor3(I a, I b, I c) { return _mm512_ternarylogic_epi32(a, b, c, 0x96); }
   static void mulhilo(I x, uint32_t m, I& hi, I& lo) {  // even lanes, then odd lanes
     const __m512i mv = _mm512_set1_epi32(int32_t(m));
