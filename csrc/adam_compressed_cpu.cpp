@@ -5,9 +5,9 @@
 // One pass per 256-element quantization block, in two sweeps over the block:
 //   1. widen grad and param, dequantize (code_map[c] * scale) or widen the moments, apply the
 //      fp32 update of kernels.h with its rounding contract (adam_update of cpu_lanes.h, as
-//      adam_cpu.cpp), write the param (and param_lp,
-//      rounded to nearest even) or, for a bf16 param, its stochastic rounding; fp32 and bf16
-//      moments are written here too. 8-bit moments go to a 1 KiB stack buffer per moment while
+//      adam_cpu.cpp), write an fp32 param and fp32 moments (a bf16 param's fp32 value and
+//      bf16 moments go to 1 KiB stack buffers, rounded at the end). 8-bit moments go to a
+//      1 KiB stack buffer per moment while
 //      the block's scale is tracked: the maximum of the bit patterns with the sign cleared (for
 //      non-negative floats the integer order is the value order and every NaN pattern lies
 //      above inf's, so the maximum propagates NaN like torch's amax) and the maximum of the
@@ -15,6 +15,10 @@
 //      +A; else the scale is -A: format version 2, zerokern.quant.blockwise).
 //   2. (8-bit moments only) n = x * r with r = 1 / scale, one division per block (a scale
 //      outside [2^-126, 2^126) divides each element instead, in a scalar loop), then the code.
+//   Then (finish_lanes) the 16-bit results that sweep 1 left in fp32: the param's bf16/fp16
+//   copy (from the fp32 param just written), a bf16 param's stochastic rounding (from a
+//   third buffer) and bf16 moments. Apart from sweep 1 so that their integer rounding does
+//   not wait in the out-of-order window behind each chunk's divisions.
 // The block stays in L1 between the sweeps, so memory sees each byte once.
 //
 // Where the time goes. The update's square root and two IEEE divisions, then the table
@@ -484,7 +488,8 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
     }
   };
   // The stores of one chunk. 16-bit results (the param's copy or its stochastic rounding,
-  // bf16 moments) go to the block buffers as fp32 first and are rounded by finish_block.
+  // bf16 moments) go to the block buffers (the fp32 param to itself) first and are rounded by
+  // finish_lanes.
   auto put = [&](int64_t jj, F pi, F mi, F vi) {
     const int64_t i = i0 + jj;
     if constexpr (PM == PMode::BF16_SR) {
@@ -617,7 +622,8 @@ struct Norm {
 // from the fp32 param, or its stochastic rounding from pb, and bf16 moments from mb, vb; two
 // chunks at a time where AVX2 packs 16 lanes per store. Apart from sweep 1 because its
 // integer rounding would wait in the out-of-order window for the last division of each chunk
-// and starve the divider (Zen 3, 1 thread, in L1: bf16 moments 1.31 -> x ns per element).
+// and starve the divider (Zen 3, 1 thread, in L1: bf16 moments 1.33 -> 1.20 ns per element; rounding each
+// chunk a few chunks behind its update, in the same loop, measured slower than this).
 template <class V, PMode PM, MomentFmt MF>
 int64_t finish_lanes(const Ctx& c, int64_t i0, int64_t j, int64_t L, const float* mb,
                      const float* vb, const float* pb, const uint16_t* sr) {
