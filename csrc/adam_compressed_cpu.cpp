@@ -622,8 +622,8 @@ struct Norm {
 // from the fp32 param, or its stochastic rounding from pb, and bf16 moments from mb, vb; two
 // chunks at a time where AVX2 packs 16 lanes per store. Apart from sweep 1 because its
 // integer rounding would wait in the out-of-order window for the last division of each chunk
-// and starve the divider (Zen 3, 1 thread, in L1: bf16 moments 1.33 -> 1.20 ns per element; rounding each
-// chunk a few chunks behind its update, in the same loop, measured slower than this).
+// and starve the divider (Zen 3, 1 thread, in L1: bf16 moments 1.33 -> 1.20 ns per element;
+// rounding each chunk a few chunks behind its update, in the same loop, measured slower).
 template <class V, PMode PM, MomentFmt MF>
 int64_t finish_lanes(const Ctx& c, int64_t i0, int64_t j, int64_t L, const float* mb,
                      const float* vb, const float* pb, const uint16_t* sr) {
@@ -649,7 +649,8 @@ int64_t finish_lanes(const Ctx& c, int64_t i0, int64_t j, int64_t L, const float
       V::st_u16(static_cast<uint16_t*>(c.param) + i, sr_bf16<V>(V::ld(pb + j), V::ld_u16(sr + j)));
     } else if constexpr (PM == PMode::F32_LPBF16 || PM == PMode::F32_LPF16) {
       using LP = std::conditional_t<PM == PMode::F32_LPBF16, BF16, F16>;
-      V::template stt<LP>(static_cast<LP*>(c.lp) + i, V::ld(static_cast<const float*>(c.param) + i));
+      const float* p = static_cast<const float*>(c.param) + i;
+      V::template stt<LP>(static_cast<LP*>(c.lp) + i, V::ld(p));
     }
     if constexpr (MF == MomentFmt::BF16) {
       V::template stt<BF16>(static_cast<BF16*>(c.m) + i, V::ld(mb + j));
@@ -700,15 +701,15 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
     int32_t pm = INT32_MIN, pv = INT32_MIN;
     int64_t j = 0;
 #ifdef ZK_AVX512
-    j = sweep_update<L16, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, pb, sr, am, av,
-                                               pm, pv);
+    j = sweep_update<L16, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, pb, sr,
+                                               am, av, pm, pv);
 #endif
 #ifdef ZK_AVX2
-    j = sweep_update<L8, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, pb, sr, am, av,
-                                              pm, pv);
+    j = sweep_update<L8, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, pb, sr,
+                                              am, av, pm, pv);
 #endif
-    sweep_update<L1, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, pb, sr, am, av, pm,
-                                          pv);
+    sweep_update<L1, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, pb, sr, am, av,
+                                          pm, pv);
     if constexpr (PM != PMode::F32 || MF == MomentFmt::BF16) {
       j = 0;
 #ifdef ZK_AVX512
