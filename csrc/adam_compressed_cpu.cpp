@@ -5,9 +5,9 @@
 // One pass per 256-element quantization block, in two sweeps over the block:
 //   1. widen grad and param, dequantize (code_map[c] * scale) or widen the moments, apply the
 //      fp32 update of kernels.h with its rounding contract (adam_update of cpu_lanes.h, as
-//      adam_cpu.cpp), write the param (and param_lp,
-//      rounded to nearest even) or, for a bf16 param, its stochastic rounding; fp32 and bf16
-//      moments are written here too. 8-bit moments go to a 1 KiB stack buffer per moment while
+//      adam_cpu.cpp), write an fp32 param and fp32 moments (a bf16 param's fp32 value and
+//      bf16 moments go to 1 KiB stack buffers, rounded at the end). 8-bit moments go to a
+//      1 KiB stack buffer per moment while
 //      the block's scale is tracked: the maximum of the bit patterns with the sign cleared (for
 //      non-negative floats the integer order is the value order and every NaN pattern lies
 //      above inf's, so the maximum propagates NaN like torch's amax) and the maximum of the
@@ -15,6 +15,10 @@
 //      +A; else the scale is -A: format version 2, zerokern.quant.blockwise).
 //   2. (8-bit moments only) n = x * r with r = 1 / scale, one division per block (a scale
 //      outside [2^-126, 2^126) divides each element instead, in a scalar loop), then the code.
+//   Then (finish_lanes) the 16-bit results that sweep 1 left in fp32: the param's bf16/fp16
+//   copy (from the fp32 param just written), a bf16 param's stochastic rounding (from a
+//   third buffer) and bf16 moments. Apart from sweep 1 so that their integer rounding does
+//   not wait in the out-of-order window behind each chunk's divisions.
 // The block stays in L1 between the sweeps, so memory sees each byte once.
 //
 // Where the time goes. The update's square root and two IEEE divisions, then the table
@@ -217,33 +221,55 @@ inline void dequant64(const uint8_t* codes, const uint8_t (*planes)[256], __m512
 }
 #endif
 
-// Philox4x32-10 of the counters (c0 = lanes of `group`, c1 = step, 0, 0) under the key
-// (k0, k1), V::N counters at a time: the four output words. The counter is built from the
-// element's index in its parameter: [Note: stochastic-rounding keys] in zerokern/quant/philox.py.
+// Philox4x32-10's round keys for V's lanes, splatted once per call of the kernel (per round:
+// two broadcasts that would otherwise be redone for every V::N counters).
 template <class V>
-inline void philox_lanes(typename V::I group, uint32_t step, uint32_t k0, uint32_t k1,
-                         typename V::I (&out)[4]) {
-  using I = typename V::I;
-  // Round 1 with c2 = c3 = 0: the c2 product is 0.
-  I hi0, lo0;
-  V::mulhilo(group, 0xD2511F53u, hi0, lo0);
-  I c0 = V::seti(step ^ k0), c1 = V::seti(0), c2 = V::xor3(hi0, V::seti(0), V::seti(k1)),
-    c3 = lo0;
-  for (int r = 1; r < 10; ++r) {
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-    I hi1, lo1;
-    V::mulhilo(c0, 0xD2511F53u, hi0, lo0);
-    V::mulhilo(c2, 0xCD9E8D57u, hi1, lo1);
-    c0 = V::xor3(hi1, c1, V::seti(k0));
-    c2 = V::xor3(hi0, c3, V::seti(k1));
-    c1 = lo1;
-    c3 = lo0;
+struct PhiloxKeys {
+  typename V::I k0[10], k1[10];
+  PhiloxKeys(uint32_t a, uint32_t b) {
+    for (int r = 0; r < 10; ++r, a += 0x9E3779B9u, b += 0xBB67AE85u) {
+      k0[r] = V::seti(a);
+      k1[r] = V::seti(b);
+    }
   }
-  out[0] = c0;
-  out[1] = c1;
-  out[2] = c2;
-  out[3] = c3;
+};
+
+// Philox4x32-10 of the counters (c0 = lanes of `group`, c1 = step, 0, 0) under the key
+// (k0, k1) of `key`, K x V::N counters at a time: the four output words. The K chains are
+// interleaved round by round: one chain's multiply-shift-xor latency (10 dependent rounds)
+// left the pipes idle (AVX2: 8 counters per chain). The counter is built from the element's
+// index in its parameter: [Note: stochastic-rounding keys] in zerokern/quant/philox.py.
+template <class V, int K>
+inline void philox_lanes(const typename V::I (&group)[K], typename V::I step,
+                         const PhiloxKeys<V>& key, typename V::I (&out)[K][4]) {
+  using I = typename V::I;
+  I c0[K], c1[K], c2[K], c3[K];
+  for (int q = 0; q < K; ++q) {
+    // Round 1 with c2 = c3 = 0: the c2 product is 0.
+    I hi0, lo0;
+    V::mulhilo(group[q], 0xD2511F53u, hi0, lo0);
+    c0[q] = V::xor_(step, key.k0[0]);
+    c1[q] = V::seti(0);
+    c2[q] = V::xor_(hi0, key.k1[0]);
+    c3[q] = lo0;
+  }
+  for (int r = 1; r < 10; ++r) {
+    for (int q = 0; q < K; ++q) {
+      I hi0, lo0, hi1, lo1;
+      V::mulhilo(c0[q], 0xD2511F53u, hi0, lo0);
+      V::mulhilo(c2[q], 0xCD9E8D57u, hi1, lo1);
+      c0[q] = V::xor3(hi1, c1[q], key.k0[r]);
+      c2[q] = V::xor3(hi0, c3[q], key.k1[r]);
+      c1[q] = lo1;
+      c3[q] = lo0;
+    }
+  }
+  for (int q = 0; q < K; ++q) {
+    out[q][0] = c0[q];
+    out[q][1] = c1[q];
+    out[q][2] = c2[q];
+    out[q][3] = c3[q];
+  }
 }
 
 // Format version 2's random bits (zerokern.quant.philox.sr_bits16): element i takes half
@@ -251,11 +277,12 @@ inline void philox_lanes(typename V::I group, uint32_t step, uint32_t k0, uint32
 // block (group t is i / 8 = g0 + t) are written as 4 words each, group after group, so that
 // as 16-bit halves (little-endian) the bits of index i sit at position i - 8 * g0.
 template <class V>
-int64_t fill_sr(uint32_t* w, uint32_t g0, int64_t t, int64_t G, uint32_t step, uint32_t k0,
-                uint32_t k1) {
-  for (; t + V::N <= G; t += V::N) {
-    typename V::I out[4];
-    philox_lanes<V>(V::iota(g0 + uint32_t(t)), step, k0, k1, out);
+int64_t fill_sr(uint32_t* w, uint32_t g0, int64_t t, int64_t G, uint32_t step,
+                const PhiloxKeys<V>& key) {
+  using I = typename V::I;
+  const I st = V::seti(step);
+  // Groups t .. t + V::N - 1 from their Philox words out[k] (word k of each lane).
+  auto put = [&](int64_t t, const I (&out)[4]) {
 #ifdef ZK_AVX2
     if constexpr (std::is_same_v<V, L8>) {  // the 4 x 8 transpose in registers
       const __m256i a0 = _mm256_unpacklo_epi32(out[0], out[1]);
@@ -270,13 +297,28 @@ int64_t fill_sr(uint32_t* w, uint32_t g0, int64_t t, int64_t G, uint32_t step, u
       _mm256_storeu_si256(d + 1, _mm256_permute2x128_si256(r2, r3, 0x20));
       _mm256_storeu_si256(d + 2, _mm256_permute2x128_si256(r0, r1, 0x31));
       _mm256_storeu_si256(d + 3, _mm256_permute2x128_si256(r2, r3, 0x31));
-      continue;
+      return;
     }
 #endif
     alignas(64) uint32_t tmp[4][V::N];
     for (int k = 0; k < 4; ++k) V::st_u32(tmp[k], out[k]);
     for (int l = 0; l < V::N; ++l)
       for (int k = 0; k < 4; ++k) w[4 * (t + l) + k] = tmp[k][l];
+  };
+  if constexpr (V::N > 1) {
+    for (; t + 2 * V::N <= G; t += 2 * V::N) {
+      const I grp[2] = {V::iota(g0 + uint32_t(t)), V::iota(g0 + uint32_t(t + V::N))};
+      I out[2][4];
+      philox_lanes<V, 2>(grp, st, key, out);
+      put(t, out[0]);
+      put(t + V::N, out[1]);
+    }
+  }
+  for (; t + V::N <= G; t += V::N) {
+    const I grp[1] = {V::iota(g0 + uint32_t(t))};
+    I out[1][4];
+    philox_lanes<V, 1>(grp, st, key, out);
+    put(t, out[0]);
   }
   return t;
 }
@@ -406,7 +448,8 @@ inline uint32_t quantize1(const int32_t* words, float x) {
 // maximum of their patterns as signed integers in pm/pv (for the scale's sign).
 template <class V, typename G, PMode PM, MomentFmt MF, bool LERP_LOW>
 int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_scale,
-                     float v_scale, float* mb, float* vb, const uint16_t* sr, uint32_t& am,
+                     float v_scale, float* mb, float* vb, float* pb, const uint16_t* sr,
+                     uint32_t& am,
                      uint32_t& av, int32_t& pm, int32_t& pv) {
   using F = typename V::F;
   using I = typename V::I;
@@ -418,11 +461,11 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
   // Local copies: the stores below may alias anything, so members of c would be reloaded.
   const G* const g = static_cast<const G*>(c.grad);
   void* const param = c.param;
-  void* const lp = c.lp;
   void* const m = c.m;
   void* const v = c.v;
-  // One chunk of V::N elements at j whose moments are already widened to mi, vi.
-  auto body = [&](int64_t jj, F mi, F vi) {
+  // The update of the V::N elements at jj whose moments are already widened to mi, vi
+  // (updated in place): the new param, not yet stored.
+  auto update = [&](int64_t jj, F& mi, F& vi) {
     const int64_t i = i0 + jj;
     F pi;
     if constexpr (PM == PMode::BF16_SR) {
@@ -431,28 +474,62 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
       pi = V::ld(static_cast<const float*>(param) + i);
     }
     adam_update<V, LERP_LOW>(k, V::template ldt<G>(g + i), pi, mi, vi);
+    return pi;
+  };
+  // 8-bit moments go to the block buffers, their maxima tracked.
+  auto buffer = [&](int64_t jj, F mi, F vi) {
+    V::st(mb + jj, mi);
+    V::st(vb + jj, vi);
+    acc_m = V::maxu(acc_m, V::and_(V::bits(mi), abs_mask));
+    acc_v = V::maxu(acc_v, V::and_(V::bits(vi), abs_mask));
+    if constexpr (MF == MomentFmt::U8) {  // version 3's scale is the absmax: no sign
+      acc_pm = V::maxi(acc_pm, V::bits(mi));
+      acc_pv = V::maxi(acc_pv, V::bits(vi));
+    }
+  };
+  // The stores of one chunk. 16-bit results (the param's copy or its stochastic rounding,
+  // bf16 moments) go to the block buffers (the fp32 param to itself) first and are rounded by
+  // finish_lanes.
+  auto put = [&](int64_t jj, F pi, F mi, F vi) {
+    const int64_t i = i0 + jj;
     if constexpr (PM == PMode::BF16_SR) {
-      V::st_u16(static_cast<uint16_t*>(param) + i, sr_bf16<V>(pi, V::ld_u16(sr + jj)));
+      V::st(pb + jj, pi);
     } else {
       V::st(static_cast<float*>(param) + i, pi);
-      if constexpr (PM == PMode::F32_LPBF16) V::template stt<BF16>(static_cast<BF16*>(lp) + i, pi);
-      if constexpr (PM == PMode::F32_LPF16) V::template stt<F16>(static_cast<F16*>(lp) + i, pi);
     }
     if constexpr (MF == MomentFmt::F32) {
       V::st(static_cast<float*>(m) + i, mi);
       V::st(static_cast<float*>(v) + i, vi);
     } else if constexpr (MF == MomentFmt::BF16) {
-      V::template stt<BF16>(static_cast<BF16*>(m) + i, mi);
-      V::template stt<BF16>(static_cast<BF16*>(v) + i, vi);
-    } else {
       V::st(mb + jj, mi);
       V::st(vb + jj, vi);
-      acc_m = V::maxu(acc_m, V::and_(V::bits(mi), abs_mask));
-      acc_v = V::maxu(acc_v, V::and_(V::bits(vi), abs_mask));
-      if constexpr (MF == MomentFmt::U8) {  // version 3's scale is the absmax: no sign
-        acc_pm = V::maxi(acc_pm, V::bits(mi));
-        acc_pv = V::maxi(acc_pv, V::bits(vi));
-      }
+    } else {
+      buffer(jj, mi, vi);
+    }
+  };
+  auto put2 = [&](int64_t jj, F p0, F m0, F v0, F p1, F m1, F v1) {
+    put(jj, p0, m0, v0);
+    put(jj + V::N, p1, m1, v1);
+  };
+  auto body = [&](int64_t jj, F mi, F vi) {
+    const F pi = update(jj, mi, vi);
+    put(jj, pi, mi, vi);
+  };
+  // The moments of the V::N elements at jj, widened to fp32.
+  auto load_moments = [&](int64_t jj, F& mi, F& vi) {
+    const int64_t i = i0 + jj;
+    if constexpr (MF == MomentFmt::F32) {
+      mi = V::ld(static_cast<const float*>(m) + i);
+      vi = V::ld(static_cast<const float*>(v) + i);
+    } else if constexpr (MF == MomentFmt::BF16) {
+      mi = V::template ldt<BF16>(static_cast<const BF16*>(m) + i);
+      vi = V::template ldt<BF16>(static_cast<const BF16*>(v) + i);
+    } else if constexpr (MF == MomentFmt::U8V3) {
+      mi = V::mul(v3_decode_signed<V>(V::ld_u8(static_cast<const uint8_t*>(m) + i)), msc);
+      vi = V::mul(v3_decode_unsigned<V>(V::ld_u8(static_cast<const uint8_t*>(v) + i)), vsc);
+    } else {
+      mi = V::mul(V::lut(c.tables + kSignedMap, static_cast<const uint8_t*>(m) + i), msc);
+      vi = V::mul(V::lut(c.tables + kUnsignedMap, static_cast<const uint8_t*>(v) + i), vsc);
     }
   };
 #ifdef ZK_VBMI
@@ -468,22 +545,17 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
     }
   }
 #endif
+  for (; j + 2 * V::N <= L; j += 2 * V::N) {
+    F m0, v0, m1, v1;
+    load_moments(j, m0, v0);
+    load_moments(j + V::N, m1, v1);
+    const F p0 = update(j, m0, v0);
+    const F p1 = update(j + V::N, m1, v1);
+    put2(j, p0, m0, v0, p1, m1, v1);
+  }
   for (; j + V::N <= L; j += V::N) {
-    const int64_t i = i0 + j;
     F mi, vi;
-    if constexpr (MF == MomentFmt::F32) {
-      mi = V::ld(static_cast<const float*>(m) + i);
-      vi = V::ld(static_cast<const float*>(v) + i);
-    } else if constexpr (MF == MomentFmt::BF16) {
-      mi = V::template ldt<BF16>(static_cast<const BF16*>(m) + i);
-      vi = V::template ldt<BF16>(static_cast<const BF16*>(v) + i);
-    } else if constexpr (MF == MomentFmt::U8V3) {
-      mi = V::mul(v3_decode_signed<V>(V::ld_u8(static_cast<const uint8_t*>(m) + i)), msc);
-      vi = V::mul(v3_decode_unsigned<V>(V::ld_u8(static_cast<const uint8_t*>(v) + i)), vsc);
-    } else {
-      mi = V::mul(V::lut(c.tables + kSignedMap, static_cast<const uint8_t*>(m) + i), msc);
-      vi = V::mul(V::lut(c.tables + kUnsignedMap, static_cast<const uint8_t*>(v) + i), vsc);
-    }
+    load_moments(j, mi, vi);
     body(j, mi, vi);
   }
   if constexpr (is_u8(MF)) {
@@ -546,13 +618,64 @@ struct Norm {
   float operator()(float x) const { return recip ? x * r : x / d; }
 };
 
+// The 16-bit stores of a block that sweep 1 left in fp32 (its put): the param's 16-bit copy
+// from the fp32 param, or its stochastic rounding from pb, and bf16 moments from mb, vb; two
+// chunks at a time where AVX2 packs 16 lanes per store. Apart from sweep 1 because its
+// integer rounding would wait in the out-of-order window for the last division of each chunk
+// and starve the divider (Zen 3, 1 thread, in L1: bf16 moments 1.33 -> 1.20 ns per element;
+// rounding each chunk a few chunks behind its update, in the same loop, measured slower).
+template <class V, PMode PM, MomentFmt MF>
+int64_t finish_lanes(const Ctx& c, int64_t i0, int64_t j, int64_t L, const float* mb,
+                     const float* vb, const float* pb, const uint16_t* sr) {
+  constexpr int N = V::N;
+  for (; j + 2 * N <= L; j += 2 * N) {
+    const int64_t i = i0 + j;
+    if constexpr (PM == PMode::BF16_SR) {
+      V::st_u16x2(static_cast<uint16_t*>(c.param) + i, sr_bf16<V>(V::ld(pb + j), V::ld_u16(sr + j)),
+                  sr_bf16<V>(V::ld(pb + j + N), V::ld_u16(sr + j + N)));
+    } else if constexpr (PM == PMode::F32_LPBF16 || PM == PMode::F32_LPF16) {
+      using LP = std::conditional_t<PM == PMode::F32_LPBF16, BF16, F16>;
+      const float* p = static_cast<const float*>(c.param) + i;
+      V::template stt2<LP>(static_cast<LP*>(c.lp) + i, V::ld(p), V::ld(p + N));
+    }
+    if constexpr (MF == MomentFmt::BF16) {
+      V::template stt2<BF16>(static_cast<BF16*>(c.m) + i, V::ld(mb + j), V::ld(mb + j + N));
+      V::template stt2<BF16>(static_cast<BF16*>(c.v) + i, V::ld(vb + j), V::ld(vb + j + N));
+    }
+  }
+  for (; j + N <= L; j += N) {
+    const int64_t i = i0 + j;
+    if constexpr (PM == PMode::BF16_SR) {
+      V::st_u16(static_cast<uint16_t*>(c.param) + i, sr_bf16<V>(V::ld(pb + j), V::ld_u16(sr + j)));
+    } else if constexpr (PM == PMode::F32_LPBF16 || PM == PMode::F32_LPF16) {
+      using LP = std::conditional_t<PM == PMode::F32_LPBF16, BF16, F16>;
+      const float* p = static_cast<const float*>(c.param) + i;
+      V::template stt<LP>(static_cast<LP*>(c.lp) + i, V::ld(p));
+    }
+    if constexpr (MF == MomentFmt::BF16) {
+      V::template stt<BF16>(static_cast<BF16*>(c.m) + i, V::ld(mb + j));
+      V::template stt<BF16>(static_cast<BF16*>(c.v) + i, V::ld(vb + j));
+    }
+  }
+  return j;
+}
+
 template <typename G, PMode PM, MomentFmt MF, bool LERP_LOW>
 void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
   alignas(64) float mb[kBlock];
   alignas(64) float vb[kBlock];
+  alignas(64) float pb[kBlock];
   // 16 random bits per element: up to 33 Philox groups of 8 elements cover a block.
   alignas(64) uint32_t srw[4 * 40] = {};  // (initialised: GCC cannot see fill_sr write it)
   const uint16_t* sr = nullptr;
+  // (Built for every mode; only BF16_SR reads them: a few dozen stores per call.)
+  const PhiloxKeys<L1> key1(c.k0, c.k1);
+#ifdef ZK_AVX512
+  const PhiloxKeys<L16> key16(c.k0, c.k1);
+#endif
+#ifdef ZK_AVX2
+  const PhiloxKeys<L8> key8(c.k0, c.k1);
+#endif
   for (int64_t b = b_begin; b < b_end; ++b) {
     const int64_t i0 = b * kBlock, L = std::min(kBlock, c.n - i0);
     if constexpr (PM == PMode::BF16_SR) {
@@ -561,12 +684,12 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
       const int64_t ng = int64_t((base + uint32_t(L) - 1) >> 3) - int64_t(g0) + 1;
       int64_t t = 0;
 #ifdef ZK_AVX512
-      t = fill_sr<L16>(srw, g0, t, ng, c.step, c.k0, c.k1);
+      t = fill_sr<L16>(srw, g0, t, ng, c.step, key16);
 #endif
 #ifdef ZK_AVX2
-      t = fill_sr<L8>(srw, g0, t, ng, c.step, c.k0, c.k1);
+      t = fill_sr<L8>(srw, g0, t, ng, c.step, key8);
 #endif
-      fill_sr<L1>(srw, g0, t, ng, c.step, c.k0, c.k1);
+      fill_sr<L1>(srw, g0, t, ng, c.step, key1);
       sr = reinterpret_cast<const uint16_t*>(srw) + (base & 7u);
     }
     float m_scale = 0.0f, v_scale = 0.0f;
@@ -578,15 +701,25 @@ void run_blocks(const Ctx& c, int64_t b_begin, int64_t b_end) {
     int32_t pm = INT32_MIN, pv = INT32_MIN;
     int64_t j = 0;
 #ifdef ZK_AVX512
-    j = sweep_update<L16, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av,
-                                               pm, pv);
+    j = sweep_update<L16, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, pb, sr,
+                                               am, av, pm, pv);
 #endif
 #ifdef ZK_AVX2
-    j = sweep_update<L8, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av,
-                                              pm, pv);
+    j = sweep_update<L8, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, pb, sr,
+                                              am, av, pm, pv);
 #endif
-    sweep_update<L1, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, sr, am, av, pm,
-                                          pv);
+    sweep_update<L1, G, PM, MF, LERP_LOW>(c, i0, j, L, m_scale, v_scale, mb, vb, pb, sr, am, av,
+                                          pm, pv);
+    if constexpr (PM != PMode::F32 || MF == MomentFmt::BF16) {
+      j = 0;
+#ifdef ZK_AVX512
+      j = finish_lanes<L16, PM, MF>(c, i0, j, L, mb, vb, pb, sr);
+#endif
+#ifdef ZK_AVX2
+      j = finish_lanes<L8, PM, MF>(c, i0, j, L, mb, vb, pb, sr);
+#endif
+      finish_lanes<L1, PM, MF>(c, i0, j, L, mb, vb, pb, sr);
+    }
     if constexpr (MF == MomentFmt::U8V3) {
       // The absmax (NaN: the largest NaN pattern, sign cleared). A NaN or inf element makes
       // it non-finite, which takes the scalar path: so the lanes only ever see finite n.

