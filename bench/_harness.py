@@ -32,16 +32,14 @@ def rank_start_method() -> str:
     (seconds of CPU per rank on a small machine, where the quick runs are mostly start-up);
     or "spawn" (ZEROKERN_BENCH_START=spawn). Either way each rank imports zerokern itself,
     from the tree its launch names (bench_zero --tree), and nothing is timed before its
-    ranks are up. The server imports torch only: no CUDA context, no thread pool yet; then
-    bench/_preload.py freezes what that import made (gc.freeze), so that a rank's collections
-    do not traverse, and so copy page by page, the heap it shares with the server."""
+    ranks are up. The server imports torch only: no CUDA context, no thread pool yet."""
     method = os.environ.get("ZEROKERN_BENCH_START", "forkserver")
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"ZEROKERN_BENCH_START must be 'forkserver' or 'spawn', got {method!r}")
     if method == "forkserver":
         import multiprocessing
 
-        multiprocessing.set_forkserver_preload(["torch", "_preload"])
+        multiprocessing.set_forkserver_preload(["torch"])
     return method
 
 
