@@ -10,6 +10,18 @@ torch.set_num_threads(int(os.environ.get("ZEROKERN_TEST_THREADS", 0))
                       or min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="session")
+def exit_zygote():
+    """tests/exit_zygote.py, started once for the session: test_exit.py's cases and
+    test_told_not_hung.py's evaluation-on-rank-0 case fork their ranks from it (one import of
+    torch for all of them)."""
+    from exit_launch import Zygote
+
+    z = Zygote()
+    yield z
+    z.close()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -11,6 +11,7 @@ back with every rank's exit status (negative: killed by that signal) and stderr 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
@@ -53,6 +54,12 @@ def main() -> None:
     import torch._dynamo  # noqa: F401 - torch.optim.Optimizer's first call imports it (2-3 s)
 
     import zerokern  # noqa: F401
+
+    # What the imports made is frozen (left out of every collection, as CPython's docs advise
+    # before forking workers): a child's final collection in Py_FinalizeEx would otherwise
+    # traverse the whole inherited heap, and writing its headers copies every page of it
+    # (seconds of CPU per rank). Everything the case itself creates is collected as usual.
+    gc.freeze()
 
     # No `with` or `finally` around the fork: a child leaves by unwinding these frames, and
     # must not run the parent's clean-up (it would delete the folder its stderr goes to).

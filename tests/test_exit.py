@@ -11,21 +11,13 @@ interpreter exit."""
 from __future__ import annotations
 
 import pytest
-from exit_launch import Zygote
 
 CASES = [(stage, mode, 0) for stage in (0, 1, 2, 3)
          for mode in ("destroy", "nodestroy", "alive", "exception", "nostep")]
 
 
-@pytest.fixture(scope="module")
-def zygote():
-    z = Zygote()
-    yield z
-    z.close()
-
-
 @pytest.mark.parametrize("stage,mode,rep", CASES)
-def test_exit_clean(zygote, stage, mode, rep):
-    res = zygote.run_case(stage, mode)
+def test_exit_clean(exit_zygote, stage, mode, rep):
+    res = exit_zygote.run_case(stage, mode)
     bad = [(r, rc, err) for r, (rc, err) in enumerate(res) if rc != 0]
     assert not bad, "\n".join(f"rank {r} exited {rc}:\n{err}" for r, rc, err in bad)

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from _tol import TRAIN_FP32
 from dist_utils import run_ranks
-from exit_launch import Zygote
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -127,17 +126,13 @@ def test_stage3_slow_rank_is_not_a_timeout(tmp_path):
     run_ranks(2, slow_rank_case, 4.0, 1.5, 4, tmp_path=tmp_path)
 
 
-def test_stage3_rank0_only_evaluation_exits():
+def test_stage3_rank0_only_evaluation_exits(exit_zygote):
     """A nanoGPT-style script (evaluation under `if rank == 0` after a step) on real processes:
     both ranks end with an error (exit status 1, no hang, no abort) within the limit, rank 0
     with the message; tests/exit_case.py mode evalrank0."""
-    z = Zygote()
-    try:
-        start = time.monotonic()
-        res = z.run_case(3, "evalrank0")
-        elapsed = time.monotonic() - start
-    finally:
-        z.close()
+    start = time.monotonic()
+    res = exit_zygote.run_case(3, "evalrank0")
+    elapsed = time.monotonic() - start
     assert [rc for rc, _ in res] == [1, 1], res
     for _, err in res:  # each rank is told why (rank 1 in a gradient reduce-scatter)
         assert "`if rank == 0:`" in err, err
