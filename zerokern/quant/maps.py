@@ -95,23 +95,19 @@ _MAP_SIGNED = {SIGNED_MAP_ID: True, UNSIGNED_MAP_ID: False, "dynamic-signed-v1":
 # its own (computed) values.
 _MAP_VERSION = {SIGNED_MAP_ID: 2, UNSIGNED_MAP_ID: 2, "dynamic-signed-v1": 1,
                 "dynamic-unsigned-v1": 1, SIGNED_MAP_ID_V3: 3, UNSIGNED_MAP_ID_V3: 3}
-_MAP_OF_VERSION = {(True, 2): SIGNED_MAP_ID, (False, 2): UNSIGNED_MAP_ID,
-                   (True, 3): SIGNED_MAP_ID_V3, (False, 3): UNSIGNED_MAP_ID_V3}
+# The id new states of each (sign, version) are written with: version 1's ids are read only.
+_MAP_OF_VERSION = {(_MAP_SIGNED[i], v): i for i, v in _MAP_VERSION.items() if v >= 2}
 MAP_IDS = tuple(_MAP_SIGNED)
 """Every map id this version can read, the ids a checkpoint may name."""
-
-
-def _values_family(map_id: str) -> str:
-    # Versions 1 and 2 decode on the same 256 values; version 3 on others.
-    return "computed" if _MAP_VERSION[map_id] == 3 else "dynamic"
 
 
 def decodes_alike(a: str | None, b: str | None) -> bool:
     """Whether codes stored under map id ``a`` mean the same values under map id ``b`` (the
     same map: versions 1 and 2 share theirs, version 3 has its own), so they can be copied
     instead of re-encoded."""
+    # Versions 1 and 2 decode on the same 256 values (both step as 2); version 3 on others.
     return (a in _MAP_SIGNED and b in _MAP_SIGNED and _MAP_SIGNED[a] == _MAP_SIGNED[b]
-            and _values_family(a) == _values_family(b))  # type: ignore[arg-type]
+            and step_version(a) == step_version(b))  # type: ignore[arg-type]
 
 
 def map_version(map_id: str) -> int:

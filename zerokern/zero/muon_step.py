@@ -230,6 +230,7 @@ class MuonRuleState(RuleState):
             decay(pc)
         sx.note("decay")
         early = sx.local_batches()
+        held = set(early)
         self._orthogonalize(sx.grad_segment, sx.param_segment, groups, group_of, active,
                             early, sx.note)
         pending.wait()
@@ -237,7 +238,7 @@ class MuonRuleState(RuleState):
         sent: list[Any] = []
         for c in range(chunks):
             self._orthogonalize(sx.grad_segment, sx.param_segment, groups, group_of, active,
-                                [b for b in mine[c] if b not in early], sx.note)
+                                [b for b in mine[c] if b not in held], sx.note)
             sent.append(sx.start_back(c, chunks, active))
             if c:
                 for i, ortho in sent[c - 1].wait():
