@@ -7,6 +7,7 @@ same GPT, data, batch, precision and device as bench_zero.py.
     python bench/bench_offload.py                    # reference GPT, 2 CPU ranks, bf16, 2 repeats
     python bench/bench_offload.py --quick            # tiny model: a smoke test
     python bench/bench_offload.py --device cuda --world-size 1 --fit-budget-gb 8
+    python bench/bench_offload.py --precision fp32 --host-step   # the host step alone (issue 39)
 
 Repeats are interleaved (every policy once, then every policy again) so that a drift of the
 machine hits all policies alike; each row is one policy in one repeat, and the summary takes
@@ -14,6 +15,14 @@ the median over repeats. On CPU ranks the "device" is the host as well: what is 
 the cost of the offload path itself (the same kernel, plus the copies through the staging
 slots) against no offload. On a GPU, ``--fit-budget-gb`` also searches the largest model (in
 layers) whose training step fits that much device memory, with and without offload.
+
+Every offload row also times the optimizer's host step alone, inside the same training run
+(host_step.py says what is timed on each side): its median per training step, the shard it
+updates (elements per rank), ns per element, and for zerokern's rows the ratio to DeepSpeed's
+``DeepSpeedCPUAdam`` at the same stage (DeepSpeed's ns per element over zerokern's: > 1 means
+zerokern's step is faster). ``--host-step`` runs only the rows that table compares: zerokern's
+stage 2 with fp32, bf16 and int8 (format versions 2 and 3) moments, fp32 master, its stage 3
+with fp32 moments, and DeepSpeed's offload at both stages.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 from gpt import GPTConfig  # noqa: E402
+from host_step import OFFLOAD_FORMATS  # noqa: E402
 from zero_policies import Job, unavailable  # noqa: E402
 from zero_ranks import run_policy, worker  # noqa: E402
 
@@ -48,6 +58,19 @@ POLICIES = [
     "ds_stage2_offload",
     "ds_stage3_offload",
 ]
+# The host step against DeepSpeed (--host-step): fp32 state and the compressed moments
+# (zero_policies.OFFLOAD_FORMATS), each DeepSpeed row beside zerokern's of its stage.
+HOST_STEP_POLICIES = [
+    "zk_stage2_offload",
+    "ds_stage2_offload",
+    "zk_stage2_offload_bf16",
+    "zk_stage2_offload_int8",
+    "zk_stage2_offload_int8v3",
+    "zk_stage3_offload",
+    "ds_stage3_offload",
+]
+CHOICES = list(dict.fromkeys(POLICIES + HOST_STEP_POLICIES + [
+    f"zk_stage{k}_offload_{f}" for k in (2, 3) for f in OFFLOAD_FORMATS]))
 # What each offload row is compared with: the same stage without offload.
 BASELINE = {"zk_stage2_offload": "zk_stage2", "zk_stage3_offload": "zk_stage3",
             "zk_stage3_offload_params": "zk_stage3", "ds_stage2_offload": "ds_stage2",
@@ -138,20 +161,59 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "device_mb": ok[0]["device_mb"], "host_mb": ok[0]["host_mb"],
                     "rss_mb": max(r.get("rss_mb", 0) for r in ok), "loss": ok[-1]["loss"],
                     "optim": ok[0]["optim"]})
+        if all("host_step_ms" in r for r in ok):
+            host = out[-1]
+            host["host_step_ms"] = statistics.median(r["host_step_ms"] for r in ok)
+            host["host_step_ms_runs"] = " / ".join(f"{r['host_step_ms']:.2f}" for r in ok)
+            host["host_numel"] = max(r["host_numel"] for r in ok)
+            host["host_ns_per_elt"] = host["host_step_ms"] * 1e6 / max(host["host_numel"], 1)
     by = {r["policy"]: r for r in out}
     for r in out:
         base = by.get(BASELINE.get(r["policy"], ""))
         if r["status"] == "ok" and base and base["status"] == "ok":
             r["x_time_vs_no_offload"] = r["step_ms"] / base["step_ms"]
             r["x_device_mem_vs_no_offload"] = r["device_mb"] / base["device_mb"]
+        ds = by.get(deepspeed_of(r["policy"]) or "")
+        if "host_ns_per_elt" in r and ds and "host_ns_per_elt" in ds:
+            r["vs_ds"] = ds["policy"]
+            r["x_host_vs_ds"] = ds["host_ns_per_elt"] / r["host_ns_per_elt"]
+            # the same ratio within each repeat (both rows ran in it, one after the other)
+            per = [_ns(rows, ds["policy"], k) / _ns(rows, r["policy"], k)
+                   for k in sorted({x["repeat"] for x in rows if "repeat" in x})
+                   if _ns(rows, ds["policy"], k) and _ns(rows, r["policy"], k)]
+            if per:
+                r["x_host_vs_ds_runs"] = " / ".join(f"{x:.2f}" for x in per)
     return out
 
 
-def markdown(summary: list[dict[str, Any]], header: str) -> str:
-    cols = [("policy", "policy"), ("step_ms", "step ms (median)"),
-            ("step_ms_runs", "runs"), ("x_time_vs_no_offload", "time / no offload"),
-            ("device_mb", "device MB/rank"), ("host_mb", "host MB/rank"),
-            ("x_device_mem_vs_no_offload", "device mem / no offload"), ("loss", "final loss")]
+def deepspeed_of(policy: str) -> str | None:
+    """The DeepSpeed offload row a zerokern offload row's host step is compared with: the
+    same stage (None: not a zerokern offload row)."""
+    if not policy.startswith("zk_stage") or "_offload" not in policy:
+        return None
+    return f"ds_stage{policy[len('zk_stage')]}_offload"
+
+
+def _ns(rows: list[dict[str, Any]], policy: str, repeat: int) -> float | None:
+    """ns per element of ``policy``'s host step in repeat ``repeat`` (None: no such run)."""
+    r = next((x for x in rows if x["policy"] == policy and x.get("repeat") == repeat
+              and x.get("status") == "ok" and "host_step_ms" in x), None)
+    return None if r is None else r["host_step_ms"] * 1e6 / max(r["host_numel"], 1)
+
+
+STEP_COLS = [("policy", "policy"), ("step_ms", "step ms (median)"),
+             ("step_ms_runs", "runs"), ("x_time_vs_no_offload", "time / no offload"),
+             ("device_mb", "device MB/rank"), ("host_mb", "host MB/rank"),
+             ("x_device_mem_vs_no_offload", "device mem / no offload"), ("loss", "final loss")]
+HOST_COLS = [("policy", "policy"), ("host_step_ms", "host step ms (median)"),
+             ("host_step_ms_runs", "runs"), ("host_numel", "shard elements/rank"),
+             ("host_ns_per_elt", "ns/element"), ("x_host_vs_ds", "x DeepSpeed"),
+             ("x_host_vs_ds_runs", "x DeepSpeed, each repeat"), ("step_ms", "step ms"),
+             ("optim", "optimizer")]
+
+
+def markdown(summary: list[dict[str, Any]], header: str,
+             cols: list[tuple[str, str]] = STEP_COLS) -> str:
     lines = [header, "", "| " + " | ".join(c[1] for c in cols) + " |",
              "|---|" + "---:|" * (len(cols) - 1)]
     for r in summary:
@@ -162,10 +224,18 @@ def markdown(summary: list[dict[str, Any]], header: str) -> str:
         for k, _ in cols:
             v = r.get(k, "")
             if isinstance(v, float):
-                v = f"{v:.3f}" if k.startswith("x_") or k == "loss" else f"{v:.1f}"
+                v = (f"{v:.3f}" if k.startswith("x_") or k == "loss"
+                     else f"{v:.2f}" if k in ("host_step_ms", "host_ns_per_elt")
+                     else f"{v:.1f}")
             cells.append(str(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+HOST_HEADER = ("The optimizer's host step alone (the AdamW update of the rank's host shard, "
+               "bench/host_step.py), the slowest rank per step, median of steps 3.. and of "
+               "the repeats; x DeepSpeed: DeepSpeed's ns/element at the same stage over this "
+               "row's (> 1: faster than DeepSpeedCPUAdam).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--steps", type=int, help="timed steps (default 30; --quick: 5)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved runs of every policy")
-    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=POLICIES)
+    ap.add_argument("--policies", nargs="+", choices=CHOICES,
+                    help="default: every offload row and its baseline (--host-step: "
+                    "the host-step rows)")
+    ap.add_argument("--host-step", action="store_true",
+                    help="only the offload rows whose host step the second table compares "
+                    "with DeepSpeed's (fp32, bf16, int8 v2 / v3 moments)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     ap.add_argument("--fit-budget-gb", type=float,
@@ -186,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="folder for the CSVs (default bench/results)")
     ap.add_argument("--tag", default="", help="appended to the CSV names (e.g. run1)")
     args = ap.parse_args(argv)
+    policies = args.policies or (HOST_STEP_POLICIES if args.host_step else POLICIES)
     device = torch.device(args.device)
     ref = QUICK if args.quick else REFERENCE
     cfg: GPTConfig = ref["cfg"]
@@ -206,30 +282,40 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.repeats} interleaved repeats")
     rows = []
     for rep in range(args.repeats):
-        for pol in args.policies:
+        for pol in policies:
             row = run_one(job_args, pol, args.precision, args.timeout)
             row["repeat"] = rep + 1
             print(f"#   repeat {rep + 1} {pol}: {row['status']}"
                   + (f", {row['step_ms']:.1f} ms, device {row['device_mb']:.1f} MB, host "
-                     f"{row['host_mb']:.1f} MB" if row["status"] == "ok" else ""))
+                     f"{row['host_mb']:.1f} MB" if row["status"] == "ok" else "")
+                  + (f", host step {row['host_step_ms']:.2f} ms on {row['host_numel']} "
+                     "elements" if "host_step_ms" in row else ""))
             rows.append({**row, **meta})
     summary = summarize(rows)
     tag = f"_{args.tag}" if args.tag else ""
     name = f"bench_offload_{device.type}_{args.precision}_{meta['date']}{tag}"
     if args.quick:
         name += "_quick"
-    print(f"# wrote {H.write_csv(rows, name + '.csv', args.out)}")
+    csv_path = H.write_csv(rows, name + ".csv", args.out)
+    print(f"# wrote {csv_path}")
     header = (f"**{args.precision}**, {meta['device']}, torch {meta['torch']}, {meta['date']}: "
               f"{meta['model']}, {args.world_size} ranks over {meta['backend']}, micro-batch "
               f"{ref['micro_batch']}/rank, median of steps 3..{steps}, median of "
               f"{args.repeats} interleaved runs.  \n`{command}`")
-    print("\n" + markdown(summary, header))
+    text = markdown(summary, header)
+    hosted = [r for r in summary if "host_step_ms" in r]
+    if hosted:
+        text += "\n\n" + markdown(hosted, HOST_HEADER, HOST_COLS)
+    print("\n" + text)
+    md = csv_path.with_suffix(".md")
+    md.write_text(text + "\n")
+    print(f"# wrote {md}")
     if args.fit_budget_gb is not None:
         if device.type != "cuda":
             print("# --fit-budget-gb needs --device cuda: skipped")
             return 0
         fit = []
-        for pol in args.policies:
+        for pol in policies:
             if unavailable(pol):
                 continue
             wide = replace(cfg, n_embd=args.fit_embd, n_head=max(1, args.fit_embd // 64))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from _harness import generic_state
 from gpt import GPT, GPTConfig
+from host_step import OFFLOAD_FORMATS, HostStepTimer, time_deepspeed, time_zerokern
 from torch import nn
 
 from zerokern.zero.layout import DEFAULT_BUCKET_NUMEL
@@ -110,6 +111,8 @@ class Setup:
     optim: str  # what does the update, for the CSV
     # zerokern: its comm_stats() per mesh dim of the last step (bench_zero.py --mesh)
     comm_dims: Callable[[], dict[str, float]] | None = None
+    # offload rows: the host step's calls alone, timed (host_step.py)
+    host_timer: HostStepTimer | None = None
 
 
 def unavailable(policy: str) -> str | None:
@@ -276,7 +279,8 @@ def setup_zerokern(job: Job, model: nn.Module, stage: int, offload: bool = False
         name += " + shard_model(offload_params=True)"
     if mesh is not None:
         name += f", {'hpZ' if hpz else 'hybrid'} mesh {tuple(mesh.shape)}"
-    return Setup(_plain_step(model, opt), state, name, lambda: comm_per_dim(opt))
+    return Setup(_plain_step(model, opt), state, name, lambda: comm_per_dim(opt),
+                 time_zerokern() if offload else None)
 
 
 def comm_per_dim(opt: Any) -> dict[str, float]:
@@ -378,7 +382,8 @@ def _setup_deepspeed_offload(job: Job, model: nn.Module, stage: int,
 
     return Setup(step, generic_state(engine.module, ds_opt),
                  f"deepspeed {deepspeed.__version__} ZeRO-{stage} offload_optimizer=cpu"
-                 + (" + offload_param=cpu" if offload_params else "") + ", DeepSpeedCPUAdam")
+                 + (" + offload_param=cpu" if offload_params else "") + ", DeepSpeedCPUAdam",
+                 host_timer=time_deepspeed(ds_opt))
 
 
 def build(job: Job, device: torch.device, mesh: Any = None) -> Setup:
@@ -407,6 +412,7 @@ def build(job: Job, device: torch.device, mesh: Any = None) -> Setup:
     if pol.startswith("zk_stage"):
         fmt = {"moments": "int8"} if "_int8" in pol else {}
         fmt.update(QUANT_OPTIONS.get(pol.split("_")[2] if pol.count("_") >= 2 else "", {}))
+        fmt.update(OFFLOAD_FORMATS.get(pol.partition("_offload_")[2], {}))  # "_offload_int8v3"
         if pol.endswith("_nomaster"):
             if not lowp:
                 raise Skip("master='none' needs 16-bit parameters (bf16 precision only)")

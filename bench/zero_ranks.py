@@ -137,6 +137,7 @@ def train(rank: int, job: Job, device: torch.device, s: Setup) -> dict[str, Any]
         torch.cuda.reset_peak_memory_stats(device)
     dist.barrier()
     times, losses = [], []
+    host: list[tuple[float, int]] = []  # offload rows: (seconds, elements) of the host step
     for step in range(1, job.steps + 1):
         x, y = batch(step, rank, job.micro_batch, cfg.seq, cfg.vocab, device)
         sync()
@@ -144,10 +145,15 @@ def train(rank: int, job: Job, device: torch.device, s: Setup) -> dict[str, Any]
         loss = s.step(x, y)
         sync()
         times.append(time.perf_counter() - t0)
+        if s.host_timer is not None:
+            host.append(s.host_timer.take())
         losses.append(float(loss.detach().float()))
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"loss is {losses[-1]} at step {step}")
     res: dict[str, Any] = {"times": times, "losses": losses, "optim": s.optim}
+    if host:
+        res["host_times"] = [t for t, _ in host]
+        res["host_numel"] = max(n for _, n in host)
     res.update({f"{k}_bytes": v for k, v in s.state().items()})
     if device.type == "cuda":
         res["max_alloc"] = torch.cuda.max_memory_allocated(device)
@@ -265,6 +271,14 @@ def combine(ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     if "max_alloc" in ranks[0]:
         row["max_alloc_mb"] = max(r["max_alloc"] for r in ranks) / MB
         row["max_reserved_mb"] = max(r["max_reserved"] for r in ranks) / MB
+    if all("host_times" in r for r in ranks):
+        # The host step alone (offload rows), combined as the step is: the slowest rank per
+        # step, the median over the same window; its shard the largest rank's.
+        host = [max(r["host_times"][i] for r in ranks) for i in range(steps)]
+        host_window = host[2:] if steps >= 3 else host[-1:]
+        row["host_step_ms"] = statistics.median(host_window) * 1e3
+        row["host_numel"] = max(r["host_numel"] for r in ranks)
+        row["host_ns_per_elt"] = row["host_step_ms"] * 1e6 / max(row["host_numel"], 1)
     row["loss"] = statistics.fmean(r["losses"][-1] for r in ranks)
     row["optim"] = ranks[0]["optim"]
     return row
