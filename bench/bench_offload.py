@@ -71,6 +71,7 @@ HOST_STEP_POLICIES = [
 ]
 CHOICES = list(dict.fromkeys(POLICIES + HOST_STEP_POLICIES + [
     f"zk_stage{k}_offload_{f}" for k in (2, 3) for f in OFFLOAD_FORMATS]))
+CLOCKS = ("_cpu", "")  # the host step by the thread's CPU time, and by the wall clock
 # What each offload row is compared with: the same stage without offload.
 BASELINE = {"zk_stage2_offload": "zk_stage2", "zk_stage3_offload": "zk_stage3",
             "zk_stage3_offload_params": "zk_stage3", "ds_stage2_offload": "ds_stage2",
@@ -163,26 +164,33 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "optim": ok[0]["optim"]})
         if all("host_step_ms" in r for r in ok):
             host = out[-1]
-            host["host_step_ms"] = statistics.median(r["host_step_ms"] for r in ok)
-            host["host_step_ms_runs"] = " / ".join(f"{r['host_step_ms']:.2f}" for r in ok)
             host["host_numel"] = max(r["host_numel"] for r in ok)
-            host["host_ns_per_elt"] = host["host_step_ms"] * 1e6 / max(host["host_numel"], 1)
+            for clock in CLOCKS:
+                ms = statistics.median(r[f"host{clock}_step_ms"] for r in ok)
+                host[f"host{clock}_step_ms"] = ms
+                host[f"host{clock}_step_ms_runs"] = " / ".join(
+                    f"{r[f'host{clock}_step_ms']:.2f}" for r in ok)
+                host[f"host{clock}_ns_per_elt"] = ms * 1e6 / max(host["host_numel"], 1)
     by = {r["policy"]: r for r in out}
+    repeats = sorted({x["repeat"] for x in rows if "repeat" in x})
     for r in out:
         base = by.get(BASELINE.get(r["policy"], ""))
         if r["status"] == "ok" and base and base["status"] == "ok":
             r["x_time_vs_no_offload"] = r["step_ms"] / base["step_ms"]
             r["x_device_mem_vs_no_offload"] = r["device_mb"] / base["device_mb"]
         ds = by.get(deepspeed_of(r["policy"]) or "")
-        if "host_ns_per_elt" in r and ds and "host_ns_per_elt" in ds:
-            r["vs_ds"] = ds["policy"]
-            r["x_host_vs_ds"] = ds["host_ns_per_elt"] / r["host_ns_per_elt"]
+        if "host_ns_per_elt" not in r or not ds or "host_ns_per_elt" not in ds:
+            continue
+        r["vs_ds"] = ds["policy"]
+        for clock in CLOCKS:
+            key = f"host{clock}_ns_per_elt"
+            r[f"x_host{clock}_vs_ds"] = ds[key] / r[key]
             # the same ratio within each repeat (both rows ran in it, one after the other)
-            per = [_ns(rows, ds["policy"], k) / _ns(rows, r["policy"], k)
-                   for k in sorted({x["repeat"] for x in rows if "repeat" in x})
-                   if _ns(rows, ds["policy"], k) and _ns(rows, r["policy"], k)]
+            per = [_ns(rows, ds["policy"], k, clock) / _ns(rows, r["policy"], k, clock)
+                   for k in repeats
+                   if _ns(rows, ds["policy"], k, clock) and _ns(rows, r["policy"], k, clock)]
             if per:
-                r["x_host_vs_ds_runs"] = " / ".join(f"{x:.2f}" for x in per)
+                r[f"x_host{clock}_vs_ds_runs"] = " / ".join(f"{x:.2f}" for x in per)
     return out
 
 
@@ -194,21 +202,25 @@ def deepspeed_of(policy: str) -> str | None:
     return f"ds_stage{policy[len('zk_stage')]}_offload"
 
 
-def _ns(rows: list[dict[str, Any]], policy: str, repeat: int) -> float | None:
-    """ns per element of ``policy``'s host step in repeat ``repeat`` (None: no such run)."""
+def _ns(rows: list[dict[str, Any]], policy: str, repeat: int, clock: str) -> float | None:
+    """ns per element of ``policy``'s host step in repeat ``repeat`` by ``clock`` (None: no
+    such run)."""
     r = next((x for x in rows if x["policy"] == policy and x.get("repeat") == repeat
               and x.get("status") == "ok" and "host_step_ms" in x), None)
-    return None if r is None else r["host_step_ms"] * 1e6 / max(r["host_numel"], 1)
+    return None if r is None else r[f"host{clock}_step_ms"] * 1e6 / max(r["host_numel"], 1)
 
 
 STEP_COLS = [("policy", "policy"), ("step_ms", "step ms (median)"),
              ("step_ms_runs", "runs"), ("x_time_vs_no_offload", "time / no offload"),
              ("device_mb", "device MB/rank"), ("host_mb", "host MB/rank"),
              ("x_device_mem_vs_no_offload", "device mem / no offload"), ("loss", "final loss")]
-HOST_COLS = [("policy", "policy"), ("host_step_ms", "host step ms (median)"),
-             ("host_step_ms_runs", "runs"), ("host_numel", "shard elements/rank"),
-             ("host_ns_per_elt", "ns/element"), ("x_host_vs_ds", "x DeepSpeed"),
-             ("x_host_vs_ds_runs", "x DeepSpeed, each repeat"), ("step_ms", "step ms"),
+HOST_COLS = [("policy", "policy"), ("host_numel", "shard elements/rank"),
+             ("host_cpu_step_ms", "CPU ms (median)"), ("host_cpu_step_ms_runs", "runs"),
+             ("host_cpu_ns_per_elt", "CPU ns/element"), ("x_host_cpu_vs_ds", "x DeepSpeed"),
+             ("x_host_cpu_vs_ds_runs", "each repeat"),
+             ("host_step_ms", "wall ms (median)"), ("host_step_ms_runs", "runs"),
+             ("host_ns_per_elt", "wall ns/element"), ("x_host_vs_ds", "x DeepSpeed (wall)"),
+             ("x_host_vs_ds_runs", "each repeat"), ("step_ms", "training step ms"),
              ("optim", "optimizer")]
 
 
@@ -225,7 +237,7 @@ def markdown(summary: list[dict[str, Any]], header: str,
             v = r.get(k, "")
             if isinstance(v, float):
                 v = (f"{v:.3f}" if k.startswith("x_") or k == "loss"
-                     else f"{v:.2f}" if k in ("host_step_ms", "host_ns_per_elt")
+                     else f"{v:.2f}" if k.startswith("host") and k != "host_mb"
                      else f"{v:.1f}")
             cells.append(str(v))
         lines.append("| " + " | ".join(cells) + " |")
@@ -233,9 +245,10 @@ def markdown(summary: list[dict[str, Any]], header: str,
 
 
 HOST_HEADER = ("The optimizer's host step alone (the AdamW update of the rank's host shard, "
-               "bench/host_step.py), the slowest rank per step, median of steps 3.. and of "
-               "the repeats; x DeepSpeed: DeepSpeed's ns/element at the same stage over this "
-               "row's (> 1: faster than DeepSpeedCPUAdam).")
+               "bench/host_step.py) by the updating thread's CPU time and by the wall clock, "
+               "the slowest rank per step, median of steps 3.. and of the repeats; x "
+               "DeepSpeed: DeepSpeed's ns/element at the same stage over this row's (> 1: "
+               "faster than DeepSpeedCPUAdam).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"#   repeat {rep + 1} {pol}: {row['status']}"
                   + (f", {row['step_ms']:.1f} ms, device {row['device_mb']:.1f} MB, host "
                      f"{row['host_mb']:.1f} MB" if row["status"] == "ok" else "")
-                  + (f", host step {row['host_step_ms']:.2f} ms on {row['host_numel']} "
-                     "elements" if "host_step_ms" in row else ""))
+                  + (f", host step {row['host_cpu_step_ms']:.2f} ms CPU, "
+                     f"{row['host_step_ms']:.2f} ms wall on {row['host_numel']} elements"
+                     if "host_step_ms" in row else ""))
             rows.append({**row, **meta})
     summary = summarize(rows)
     tag = f"_{args.tag}" if args.tag else ""

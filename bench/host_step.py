@@ -38,22 +38,35 @@ OFFLOAD_FORMATS: dict[str, dict[str, Any]] = {
 
 
 class HostStepTimer:
-    """Seconds and elements of the host step's calls since the last ``take``."""
+    """Wall and CPU seconds, and elements, of the host step's calls since the last ``take``.
+
+    The CPU clock is the calling thread's CPU time (``time.thread_time``). The update runs on
+    that thread alone when the rank has one thread: bench_offload's CPU ranks call
+    ``torch.set_num_threads(1)``, and both kernels take their OpenMP threads from torch's
+    runtime (zerokern's ``_C`` and DeepSpeed's ``cpu_adam`` op resolve ``libgomp.so.1`` to
+    the one libtorch loaded). On a machine shared with other work it leaves out the time
+    slices other processes (and this rank's own communication threads) take; the wall clock
+    keeps them. With more threads per rank only the wall clock means anything."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
-        self.numel = 0
-        self.calls = 0
+        self.wall = self.cpu = 0.0
+        self.numel = self.calls = 0
 
-    def add(self, seconds: float, numel: int) -> None:
-        self.seconds += seconds
+    def call(self, fn: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, timed, counted as one call updating ``numel`` elements."""
+        w0, c0 = time.perf_counter(), time.thread_time()
+        out = fn(*args, **kwargs)
+        self.cpu += time.thread_time() - c0
+        self.wall += time.perf_counter() - w0
         self.numel += numel
         self.calls += 1
+        return out
 
-    def take(self) -> tuple[float, int]:
-        """(seconds, elements) of this training step's host update, then zero again."""
-        out = (self.seconds, self.numel)
-        self.seconds, self.numel, self.calls = 0.0, 0, 0
+    def take(self) -> tuple[float, float, int]:
+        """(wall s, CPU s, elements) of this training step's host update, then zero again."""
+        out = (self.wall, self.cpu, self.numel)
+        self.wall = self.cpu = 0.0
+        self.numel = self.calls = 0
         return out
 
 
@@ -71,9 +84,7 @@ def time_zerokern() -> HostStepTimer | None:
         self: Any, chunk: int, values: Any, dst: Any, kernel: Callable[[Any], None]
     ) -> None:
         def timed(lp: Any) -> None:
-            t0 = time.perf_counter()
-            kernel(lp)
-            timer.add(time.perf_counter() - t0, values.numel())
+            timer.call(kernel, values.numel(), lp)
 
         step(self, chunk, values, dst, timed)
 
@@ -94,10 +105,7 @@ def time_deepspeed(zero_optimizer: Any) -> HostStepTimer | None:
         # What this call updates: the partitions its ZeRO optimizer has put in param_groups
         # for it (those with a gradient: DeepSpeedCPUAdam skips the others).
         n = sum(p.numel() for g in inner.param_groups for p in g["params"] if p.grad is not None)
-        t0 = time.perf_counter()
-        out = step(*args, **kwargs)
-        timer.add(time.perf_counter() - t0, n)
-        return out
+        return timer.call(step, n, *args, **kwargs)
 
     inner.step = timed_step
     return timer

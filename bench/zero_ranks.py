@@ -137,7 +137,7 @@ def train(rank: int, job: Job, device: torch.device, s: Setup) -> dict[str, Any]
         torch.cuda.reset_peak_memory_stats(device)
     dist.barrier()
     times, losses = [], []
-    host: list[tuple[float, int]] = []  # offload rows: (seconds, elements) of the host step
+    host: list[tuple[float, float, int]] = []  # offload rows: the host step (host_step.py)
     for step in range(1, job.steps + 1):
         x, y = batch(step, rank, job.micro_batch, cfg.seq, cfg.vocab, device)
         sync()
@@ -152,8 +152,9 @@ def train(rank: int, job: Job, device: torch.device, s: Setup) -> dict[str, Any]
             raise FloatingPointError(f"loss is {losses[-1]} at step {step}")
     res: dict[str, Any] = {"times": times, "losses": losses, "optim": s.optim}
     if host:
-        res["host_times"] = [t for t, _ in host]
-        res["host_numel"] = max(n for _, n in host)
+        res["host_times"] = [w for w, _, _ in host]
+        res["host_cpu_times"] = [c for _, c, _ in host]
+        res["host_numel"] = max(n for _, _, n in host)
     res.update({f"{k}_bytes": v for k, v in s.state().items()})
     if device.type == "cuda":
         res["max_alloc"] = torch.cuda.max_memory_allocated(device)
@@ -273,12 +274,14 @@ def combine(ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         row["max_reserved_mb"] = max(r["max_reserved"] for r in ranks) / MB
     if all("host_times" in r for r in ranks):
         # The host step alone (offload rows), combined as the step is: the slowest rank per
-        # step, the median over the same window; its shard the largest rank's.
-        host = [max(r["host_times"][i] for r in ranks) for i in range(steps)]
-        host_window = host[2:] if steps >= 3 else host[-1:]
-        row["host_step_ms"] = statistics.median(host_window) * 1e3
+        # step, the median over the same window; its shard the largest rank's. "_cpu": by
+        # the thread's CPU time (host_step.HostStepTimer).
         row["host_numel"] = max(r["host_numel"] for r in ranks)
-        row["host_ns_per_elt"] = row["host_step_ms"] * 1e6 / max(row["host_numel"], 1)
+        for clock in ("", "_cpu"):
+            host = [max(r[f"host{clock}_times"][i] for r in ranks) for i in range(steps)]
+            ms = statistics.median(host[2:] if steps >= 3 else host[-1:]) * 1e3
+            row[f"host{clock}_step_ms"] = ms
+            row[f"host{clock}_ns_per_elt"] = ms * 1e6 / max(row["host_numel"], 1)
     row["loss"] = statistics.fmean(r["losses"][-1] for r in ranks)
     row["optim"] = ranks[0]["optim"]
     return row

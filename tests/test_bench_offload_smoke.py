@@ -45,14 +45,14 @@ def test_zerokern_host_step_timer(policy: str, monkeypatch: pytest.MonkeyPatch) 
         x, y = batch(step, 0, q["micro_batch"], cfg.seq, cfg.vocab)
         s.step(x, y)
         calls = s.host_timer.calls
-        seconds, numel = s.host_timer.take()
-        assert calls >= 1 and seconds > 0
+        wall, cpu, numel = s.host_timer.take()
+        assert calls >= 1 and wall > 0 and cpu > 0
         if policy == "zk_stage2_offload":
             assert numel == params  # one rank: the whole model, each element once
         else:  # the compressed state's runs start on 256-element blocks of each parameter
             n_tensors = len(list(GPT(cfg).parameters()))
             assert params <= numel < params + 256 * n_tensors
-        assert s.host_timer.take() == (0.0, 0)
+        assert s.host_timer.take() == (0.0, 0.0, 0)
 
 
 def test_deepspeed_host_step_timer() -> None:
@@ -77,7 +77,7 @@ def test_deepspeed_host_step_timer() -> None:
     assert timer is not None
     assert Zero.optimizer.step() == "done" and Zero.optimizer.step() == "done"
     assert Zero.optimizer.steps == 2 and timer.calls == 2
-    assert timer.take()[1] == 20
+    assert timer.take()[2] == 20
 
     class Other:
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
@@ -87,7 +87,7 @@ def test_deepspeed_host_step_timer() -> None:
 
 def _rank(times: list[float], host: list[float], numel: int) -> dict[str, Any]:
     return {"times": times, "losses": [1.0] * len(times), "optim": "o", "host_times": host,
-            "host_numel": numel}
+            "host_cpu_times": [t / 2 for t in host], "host_numel": numel}
 
 
 def test_combine_and_summary_host_columns() -> None:
@@ -97,13 +97,14 @@ def test_combine_and_summary_host_columns() -> None:
     assert row["host_step_ms"] == pytest.approx(3.0)
     assert row["host_numel"] == 104
     assert row["host_ns_per_elt"] == pytest.approx(3.0e6 / 104)
+    assert row["host_cpu_step_ms"] == pytest.approx(1.5)  # the CPU clock, combined alike
     assert "host_step_ms" not in combine([{k: v for k, v in _rank([1] * 3, [1] * 3, 1).items()
                                            if not k.startswith("host")}], 3)
 
     def run(pol: str, rep: int, ms: float, numel: int) -> dict[str, Any]:
         return {"policy": pol, "repeat": rep, "status": "ok", "step_ms": 10.0, "device_mb": 1.0,
                 "host_mb": 1.0, "loss": 1.0, "optim": pol, "host_step_ms": ms,
-                "host_numel": numel}
+                "host_cpu_step_ms": ms / 2, "host_numel": numel}
 
     rows = [run("zk_stage2_offload", 1, 2.0, 1000), run("ds_stage2_offload", 1, 3.0, 1000),
             run("zk_stage2_offload_int8v3", 1, 4.0, 1024), run("zk_stage3_offload", 1, 1.0, 10),
@@ -114,11 +115,14 @@ def test_combine_and_summary_host_columns() -> None:
     assert zk["host_step_ms"] == 3.0 and ds["host_step_ms"] == 4.0
     assert zk["x_host_vs_ds"] == pytest.approx(4.0 / 3.0) and zk["vs_ds"] == "ds_stage2_offload"
     assert zk["x_host_vs_ds_runs"] == "1.50 / 1.25"
+    # the CPU clock's columns alike (each CPU time here is half the wall time)
+    assert zk["host_cpu_step_ms"] == 1.5 and zk["x_host_cpu_vs_ds"] == pytest.approx(4.0 / 3.0)
+    assert zk["x_host_cpu_vs_ds_runs"] == "1.50 / 1.25"
     # on a larger shard the ratio is per element: (4.0 / 1000) / (4.5 / 1024)
     assert v3["x_host_vs_ds"] == pytest.approx((4.0 / 1000) / (4.5 / 1024))
     assert [float(x) for x in v3["x_host_vs_ds_runs"].split(" / ")] == pytest.approx(
         [(3.0 / 1000) / (4.0 / 1024), (5.0 / 1000) / (5.0 / 1024)], abs=5e-3)
     assert "x_host_vs_ds" not in ds and "x_host_vs_ds" not in by["zk_stage3_offload"]
     table = bench_offload.markdown(list(by.values()), "h", bench_offload.HOST_COLS)
-    assert "| ns/element | x DeepSpeed |" in table
+    assert "| CPU ns/element | x DeepSpeed |" in table
     assert f"| {statistics.median([2.0, 4.0]):.2f} |" in table
