@@ -17,10 +17,10 @@ slots) against no offload. On a GPU, ``--fit-budget-gb`` also searches the large
 layers) whose training step fits that much device memory, with and without offload.
 
 Every offload row also times the optimizer's host step alone, inside the same training run
-(host_step.py says what is timed on each side): its median per training step, the shard it
-updates (elements per rank), ns per element, and for zerokern's rows the ratio to DeepSpeed's
-``DeepSpeedCPUAdam`` at the same stage (DeepSpeed's ns per element over zerokern's: > 1 means
-zerokern's step is faster). ``--host-step`` runs only the rows that table compares: zerokern's
+(host_step.py says what is timed on each side), by the updating thread's CPU time and by the
+wall clock: its median per training step, the shard it updates (elements per rank), ns per
+element, and for zerokern's rows the ratio to DeepSpeed's ``DeepSpeedCPUAdam`` at the same
+stage (DeepSpeed's ns per element over zerokern's: > 1 means zerokern's step is faster). ``--host-step`` runs only the rows that table compares: zerokern's
 stage 2 with fp32, bf16 and int8 (format versions 2 and 3) moments, fp32 master, its stage 3
 with fp32 moments, and DeepSpeed's offload at both stages.
 """
