@@ -20,9 +20,11 @@ Every offload row also times the optimizer's host step alone, inside the same tr
 (host_step.py says what is timed on each side), by the updating thread's CPU time and by the
 wall clock: its median per training step, the shard it updates (elements per rank), ns per
 element, and for zerokern's rows the ratio to DeepSpeed's ``DeepSpeedCPUAdam`` at the same
-stage (DeepSpeed's ns per element over zerokern's: > 1 means zerokern's step is faster). ``--host-step`` runs only the rows that table compares: zerokern's
-stage 2 with fp32, bf16 and int8 (format versions 2 and 3) moments, fp32 master, its stage 3
-with fp32 moments, and DeepSpeed's offload at both stages.
+stage (DeepSpeed's ns per element over zerokern's: > 1 means zerokern's step is faster).
+``--host-step`` runs only the rows that table compares: zerokern's stage 2 with fp32, bf16 and
+int8 (format versions 2 and 3) moments, fp32 master, and with fp32 moments and synchronous
+collectives (``_sync``: no gather on the rank's communication threads during the host step),
+its stage 3 with fp32 moments, and DeepSpeed's offload at both stages.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 from gpt import GPTConfig  # noqa: E402
-from host_step import OFFLOAD_FORMATS  # noqa: E402
+from host_step import OFFLOAD_VARIANTS  # noqa: E402
 from zero_policies import Job, unavailable  # noqa: E402
 from zero_ranks import run_policy, worker  # noqa: E402
 
@@ -59,9 +61,11 @@ POLICIES = [
     "ds_stage3_offload",
 ]
 # The host step against DeepSpeed (--host-step): fp32 state and the compressed moments
-# (zero_policies.OFFLOAD_FORMATS), each DeepSpeed row beside zerokern's of its stage.
+# (host_step.OFFLOAD_VARIANTS), each DeepSpeed row beside zerokern's of its stage; "_sync":
+# stage 2 with no gather overlapping its host step.
 HOST_STEP_POLICIES = [
     "zk_stage2_offload",
+    "zk_stage2_offload_sync",
     "ds_stage2_offload",
     "zk_stage2_offload_bf16",
     "zk_stage2_offload_int8",
@@ -70,7 +74,7 @@ HOST_STEP_POLICIES = [
     "ds_stage3_offload",
 ]
 CHOICES = list(dict.fromkeys(POLICIES + HOST_STEP_POLICIES + [
-    f"zk_stage{k}_offload_{f}" for k in (2, 3) for f in OFFLOAD_FORMATS]))
+    f"zk_stage{k}_offload_{f}" for k in (2, 3) for f in OFFLOAD_VARIANTS]))
 CLOCKS = ("_cpu", "")  # the host step by the thread's CPU time, and by the wall clock
 # What each offload row is compared with: the same stage without offload.
 BASELINE = {"zk_stage2_offload": "zk_stage2", "zk_stage3_offload": "zk_stage3",

@@ -28,12 +28,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# The compressed-state offload rows (zero_policies.build: "zk_stage{2,3}_offload_<fmt>"): fp32
-# master, the moments in bf16 or int8 at format version 2 or 3.
-OFFLOAD_FORMATS: dict[str, dict[str, Any]] = {
+# zerokern's offload rows beside the plain one (zero_policies.build:
+# "zk_stage{2,3}_offload_<variant>"): compressed state (fp32 master, the moments in bf16 or
+# int8 at format version 2 or 3), and "sync": the collectives synchronous, so that no gather
+# of updated parameters runs on the rank's communication threads during the host step (by
+# default each bucket's gather overlaps the next bucket's update).
+OFFLOAD_VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {"moments": "bf16"},
     "int8": {"moments": "int8", "int8_format": 2},
     "int8v3": {"moments": "int8", "int8_format": 3},
+    "sync": {"overlap_comm": False},
 }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from _harness import generic_state
 from gpt import GPT, GPTConfig
-from host_step import OFFLOAD_FORMATS, HostStepTimer, time_deepspeed, time_zerokern
+from host_step import OFFLOAD_VARIANTS, HostStepTimer, time_deepspeed, time_zerokern
 from torch import nn
 
 from zerokern.zero.layout import DEFAULT_BUCKET_NUMEL
@@ -412,7 +412,7 @@ def build(job: Job, device: torch.device, mesh: Any = None) -> Setup:
     if pol.startswith("zk_stage"):
         fmt = {"moments": "int8"} if "_int8" in pol else {}
         fmt.update(QUANT_OPTIONS.get(pol.split("_")[2] if pol.count("_") >= 2 else "", {}))
-        fmt.update(OFFLOAD_FORMATS.get(pol.partition("_offload_")[2], {}))  # "_offload_int8v3"
+        fmt.update(OFFLOAD_VARIANTS.get(pol.partition("_offload_")[2], {}))  # "_offload_int8v3"
         if pol.endswith("_nomaster"):
             if not lowp:
                 raise Skip("master='none' needs 16-bit parameters (bf16 precision only)")
