@@ -116,8 +116,8 @@ def test_clip_form_matches_ddp_with_offload(stage, tmp_path):
 
 def refused_case(rank, world, stage):
     """clip_grad_value_, and torch ops that read a gradient's values: refused on every rank,
-    naming opt.clip_grad_norm_ (torch's GradScaler: naming loss_scale); nothing changed; opt.zero_grad() drops the step and training
-    goes on."""
+    naming opt.clip_grad_norm_ (torch's GradScaler: naming loss_scale); nothing changed;
+    opt.zero_grad() drops the step and training goes on."""
     ours, opt, ref, ddp, ropt = _build(stage)
     x, y = batch(0, rank)
     F.cross_entropy(ours(x), y).backward()

@@ -67,7 +67,7 @@ _AMP_UNSCALE = aten._amp_foreach_non_finite_check_and_unscale_.default
 _SCALER_HINT = (
     "torch's GradScaler (scaler.unscale_(opt), scaler.step(opt)) unscales p.grad in place, "
     "and ZeroAdamW holds the gradients reduced and sharded across the ranks. Use ZeroAdamW's "
-    "own loss scaling instead: ZeroAdamW(..., loss_scale=\"dynamic\") (or a fixed float), "
+    'own loss scaling instead: ZeroAdamW(..., loss_scale="dynamic") (or a fixed float), '
     "opt.scale_loss(loss).backward() for scaler.scale(loss).backward(), opt.step() for "
     "scaler.step(opt), and no scaler.unscale_() or scaler.update(); clipping then works as "
     "without a scaler. A step whose gradients overflow is skipped on every rank "
