@@ -116,8 +116,8 @@ def test_clip_form_matches_ddp_with_offload(stage, tmp_path):
 
 def refused_case(rank, world, stage):
     """clip_grad_value_, and torch ops that read a gradient's values: refused on every rank,
-    naming opt.clip_grad_norm_; nothing changed; opt.zero_grad() drops the step and training
-    goes on."""
+    naming opt.clip_grad_norm_ (torch's GradScaler: naming loss_scale); nothing changed;
+    opt.zero_grad() drops the step and training goes on."""
     ours, opt, ref, ddp, ropt = _build(stage)
     x, y = batch(0, rank)
     F.cross_entropy(ours(x), y).backward()
@@ -128,6 +128,15 @@ def refused_case(rank, world, stage):
         ours.fc1.weight.grad.abs().max()
     with pytest.raises(RuntimeError, match=r"opt\.clip_grad_norm_"):  # a clip by inf-norm
         TORCH_CLIP(ours.parameters(), 1.0, norm_type=math.inf)
+    # torch's GradScaler (nanoGPT's fp16 path: scaler.unscale_(opt) before clipping, or
+    # scaler.step(opt)) unscales the gradients in place: refused, naming ZeroAdamW's own
+    # loss scaling rather than clipping
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # sets the scale, as scaler.scale(loss) does
+    with pytest.raises(RuntimeError, match=r"GradScaler.*loss_scale=.dynamic.*opt\.scale_loss"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"GradScaler.*loss_scale=.dynamic.*opt\.scale_loss"):
+        scaler.step(opt)
     # a clip over some parameters only scales them by another factor than the rest
     TORCH_CLIP([ours.fc1.weight, ours.fc2.weight], 1e-4)
     with pytest.raises(RuntimeError, match=r"opt\.clip_grad_norm_"):

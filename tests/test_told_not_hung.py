@@ -4,7 +4,8 @@ happened and what to do.
 
 1. Stage 3, evaluation on rank 0 only: the rank that waits in a gather the others never start
    raises CollectiveTimeout within ``gather_timeout`` (not the process group's 30 minutes);
-   a rank that is merely slow does not trip it; the processes exit.
+   a rank that is merely slow does not trip it; the processes exit. Likewise (stages 1-3)
+   the optimizer's full_state_dict() run by rank 0 alone (nanoGPT's checkpoint).
 2. `p.data = t` after the first step trains t, as with DDP + AdamW (stages 0-3, the fp32
    master of 16-bit parameters included); `model.to(torch.bfloat16)` after it is refused
    with an error naming the cast, before anything is updated.
@@ -93,6 +94,38 @@ def rank0_eval_case(rank: int, world: int, timeout: float) -> None:
 
 def test_stage3_rank0_only_evaluation_is_told(tmp_path):
     run_ranks(2, rank0_eval_case, 2.0, tmp_path=tmp_path, isolated=True, timeout=120)
+
+
+def rank0_full_state_dict_case(rank: int, world: int, timeout: float) -> None:
+    """nanoGPT's checkpoint, ported: {'optimizer': opt.full_state_dict(), ...} built under
+    `if master_process:`. At stage 2 that is a collective rank 0 runs alone: told within the
+    limit (ZEROKERN_GATHER_TIMEOUT), naming the fix, instead of the process group's 30
+    minutes."""
+    import os
+
+    os.environ[told.ENV] = str(timeout)  # isolated ranks, discarded after the case
+    torch.manual_seed(0)
+    model = _net()
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=2, **HP)
+    x, y = _data(0, rank)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    if rank != 0:
+        return  # only the master process saves
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout) as info:
+        opt.full_state_dict()
+    waited = time.monotonic() - start
+    assert timeout * 0.95 <= waited < timeout + 30, waited
+    msg = str(info.value)
+    for part in (f"rank 0 of {world} waited", "full_state_dict() is a collective",
+                 "`if master_process:`", told.ENV, "end the process"):
+        assert part in msg, (part, msg)
+
+
+def test_stage2_rank0_only_full_state_dict_is_told(tmp_path):
+    run_ranks(2, rank0_full_state_dict_case, 2.0, tmp_path=tmp_path, isolated=True, timeout=120)
 
 
 def slow_rank_case(rank: int, world: int, timeout: float, delay: float, steps: int) -> None:

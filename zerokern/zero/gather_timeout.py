@@ -13,6 +13,10 @@ On gloo a wait blocks the calling thread anyway, so the bound costs nothing and 
 default. On NCCL a wait only orders streams; a bounded wait blocks the host until the
 collective completes, so it applies only when asked for explicitly (NCCL's own watchdog
 timeout applies otherwise).
+
+The same limit (``$ZEROKERN_GATHER_TIMEOUT``) bounds each all-reduce of an optimizer's
+``full_state_dict()`` at stages 1-3 (interchange.py), which nanoGPT's checkpoint, ported,
+runs under ``if master_process:`` on rank 0 alone.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ storage of its own. torch's utilities either compute correctly on it or are refu
   ``step()`` as a clipping coefficient (every guarded parameter must get the same one);
 - ``g.zero_()``: a coefficient of 0;
 - anything else (``clamp_`` of ``clip_grad_value_``, reading the values): a RuntimeError that
-  names ``opt.clip_grad_norm_``, raised on every rank before anything changed.
+  names ``opt.clip_grad_norm_``, raised on every rank before anything changed; torch's
+  GradScaler unscaling the gradients: one that names ``loss_scale`` and ``opt.scale_loss``.
 
 The guard lives on the parameter only from the end of a synchronised backward to the end of
 ``step()`` (or ``zero_grad()``, or the start of the next backward, when the real gradient goes
@@ -58,6 +59,19 @@ _ZERO = {aten.zero_.default, aten._foreach_zero_.default}
 _ALIASES = {aten.detach.default, aten.alias.default}
 _DIVS = {aten.div_.Tensor, aten.div_.Scalar, aten._foreach_div_.Scalar,
          aten._foreach_div_.Tensor, aten._foreach_div_.List, aten._foreach_div_.ScalarList}
+
+# torch's GradScaler unscales the gradients in place (one fused op over all of them, in
+# unscale_() and in step()): named for what it is, with ZeroAdamW's own loss scaling as the
+# replacement, rather than as a failed clip.
+_AMP_UNSCALE = aten._amp_foreach_non_finite_check_and_unscale_.default
+_SCALER_HINT = (
+    "torch's GradScaler (scaler.unscale_(opt), scaler.step(opt)) unscales p.grad in place, "
+    "and ZeroAdamW holds the gradients reduced and sharded across the ranks. Use ZeroAdamW's "
+    'own loss scaling instead: ZeroAdamW(..., loss_scale="dynamic") (or a fixed float), '
+    "opt.scale_loss(loss).backward() for scaler.scale(loss).backward(), opt.step() for "
+    "scaler.step(opt), and no scaler.unscale_() or scaler.update(); clipping then works as "
+    "without a scaler. A step whose gradients overflow is skipped on every rank "
+    "(opt.last_step_skipped). bf16 needs no scaling")
 
 _STALE_HINT = (
     "this is the gradient of the last step(): ZeroAdamW at stages 1-3 keeps no whole "
@@ -101,6 +115,8 @@ class GradGuard(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is _AMP_UNSCALE:
+            raise RuntimeError(f"{func}: {_SCALER_HINT}")
         if func not in _ZERO and func not in _ALIASES and args and \
                 any(g.zk_stale for g in _guards(args[0])):
             raise RuntimeError(f"{func}: {_STALE_HINT}")

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from ..comm import Comm
+from ..comm import CollectiveTimeout, Comm
+from . import gather_timeout as told
 from .optimizer_state import StateAccess, set_seed
 from .param_table import ParamTable
 from .rules import TorchClassRule
@@ -103,6 +104,10 @@ class TorchFormat:
         fmt, rule = self.access.slot.fmt, self.access.slot.rule
         stored_as: dict[int, str] = {}
         cls_rule = rule if isinstance(rule, TorchClassRule) else None
+        # Each wait is bounded (as a stage-3 gather's): a rank that calls this alone, under
+        # nanoGPT's `if master_process:`, is told why instead of waiting silently for the
+        # process group's timeout.
+        limit = told.wait_limit(*told.resolve(None), self.comm.backend)
         with torch.no_grad():
             for sh in self.access.shards(param_groups):
                 probe = None if cls_rule is None else cls_rule.probe(param_groups[sh.group])
@@ -115,8 +120,7 @@ class TorchFormat:
                     for r in sh.ranges:  # fp32 views, or dequantized one range at a time
                         buf.narrow(0, r.start, r.numel).copy_(r.read(key))
                     if self.stage != 0:  # stage 0: every rank holds all of it already
-                        self.comm.all_reduce(buf, f"{key} of parameter {sh.index}",
-                                             count=False)
+                        self._all_reduce(buf, f"{key} of parameter {sh.index}", limit)
                     full[key] = buf.view(sh.shape)
                 if sh.step == 0 and probe is not None:  # as the class made it (Adagrad)
                     full = {k: probe.init[k].reshape(-1)[:1].expand(sh.numel).clone().view(
@@ -133,6 +137,24 @@ class TorchFormat:
             out["state_format"] = {"moments": fmt.moments, "master": fmt.master,
                                    "seed": self.access.slot.seed, "stored_as": stored_as}
         return out
+
+    def _all_reduce(self, buf: torch.Tensor, label: str, limit: float | None) -> None:
+        handle = self.comm.all_reduce(buf, label, count=False, async_op=True)
+        if handle is None:  # world size 1
+            return
+        try:
+            handle.wait(timeout=limit)
+        except CollectiveTimeout as exc:
+            raise CollectiveTimeout(
+                f"full_state_dict(): rank {self.comm.rank} of {self.comm.world_size} waited "
+                f"{exc.waited:.1f} s in the all-reduce of {label} and the other ranks did not "
+                f"join it. At stages 1-3 each rank holds only its shard of the optimizer "
+                f"state, so full_state_dict() is a collective: call it on every rank and save "
+                f"its result on rank 0 (nanoGPT: build the checkpoint dict on every rank, then "
+                f"torch.save it under `if master_process:`). If a rank was only busy for "
+                f"longer, raise the limit: {told.ENV}=SECONDS (now {limit:g} s). The "
+                f"collective is still pending, so the process group cannot be used again: end "
+                f"the process.", exc.waited) from exc
 
     def _scalars(self, index: int, step: int, probe: Any) -> dict[str, Any]:
         """A parameter's torch entry besides its buffers: the step count (where the class
