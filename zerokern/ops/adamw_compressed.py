@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from .. import _native
-from ..kernel_contract import AdamScalars, adam_scalars
+from ..kernel_contract import AdamScalars, adam_scalars, fold_bias_correction
 from ..quant.blockwise import quantize_blockwise_v2
 from ..quant.contract import adamw_contract_
 from ..quant.fmt_v3 import code_map_v3, quantize_blockwise_v3
@@ -135,6 +135,8 @@ def _run(backend: str, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
         # Also for direct callers of the custom op: never step version 3 with version 2's code.
         raise ValueError(f"format_version=3 (int8) runs on the backends "
                          f"{', '.join(V3_BACKENDS)} only, not {backend!r}")
+    if format_version == 3 and exp_avg.dtype == torch.uint8:
+        s = fold_bias_correction(s)  # version 3's update (the kernels may skip a division)
     args = (param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax, param_lp,
             sr_index, seed, step)
     if backend == "torch":
