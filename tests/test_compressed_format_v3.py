@@ -23,8 +23,8 @@ from zerokern import _native
 from zerokern.kernel_contract import AdamScalars, adam_scalars
 from zerokern.ops import adamw_compressed as opmod
 from zerokern.ops.adamw_compressed import fused_adamw_compressed_
-from zerokern.quant.fmt_v3 import code_map_v3, codes_v3, quantize_blockwise_v3
 from zerokern.quant.contract import adamw_contract_
+from zerokern.quant.fmt_v3 import code_map_v3, codes_v3, quantize_blockwise_v3
 from zerokern.quant.maps import BLOCK, dequantize_blockwise, kernel_tables
 
 native = pytest.mark.skipif(
