@@ -15,6 +15,7 @@ over the rounds. Kernels:
   fp32, bf16      fused_adamw_compressed_ with fp32 / bf16 moments, fp32 master, bf16 copy
   int8            8-bit moments, fp32 master, bf16 copy
   int8_nomaster   8-bit moments, the bf16 param itself (stochastic rounding)
+  int8v3, int8v3_nomaster   the same two with int8 format version 3 (a build that has it)
 ``--clock cpu`` times each call by the thread's CPU time (1 thread, shared machines).
 """
 
@@ -29,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-KERNELS = ("adam", "fp32", "bf16", "int8", "int8_nomaster")
+KERNELS = ("adam", "fp32", "bf16", "int8", "int8_nomaster", "int8v3", "int8v3_nomaster")
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 
@@ -54,7 +55,9 @@ def child(n: int, kernels: list[str], calls: int, clock: str) -> dict[str, float
         else:
             m, v = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
             kw = dict(exp_avg_absmax=torch.zeros(nb), exp_avg_sq_absmax=torch.zeros(nb))
-        if k == "int8_nomaster":  # the bf16 param itself, stochastic rounding
+        if k.startswith("int8v3"):
+            kw["format_version"] = 3
+        if k.endswith("_nomaster"):  # the bf16 param itself, stochastic rounding
             param = lp
             kw.update(sr_index=torch.arange(nb, dtype=torch.int64) * 256, seed=1234)
         else:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import functools
 import math
 import statistics
 import sys
@@ -76,9 +75,7 @@ ZK = {  # config -> (moments, master)
     "zk_int8v3": ("int8", "fp32"),
     "zk_int8v3_nomaster": ("int8", "none"),
 }
-# Configs stepped with int8 format version 3 (zerokern.quant.fmt_v3). ZeroAdamW has no option
-# for it yet: the step passes format_version=3 to the range op for the whole run (the state is
-# never saved or read back here, so its version-2 map ids are not consulted).
+# Configs created with int8 format version 3 (zerokern.quant.fmt_v3): ZeroAdamW(int8_format=3).
 V3 = ("zk_int8v3", "zk_int8v3_nomaster")
 OTHERS = ["torch_adamw", "bnb_adamw8bit", "torchao_adamw8bit", "torchao_adamw8bit_sr"]
 CONFIGS = [*ZK, *OTHERS]
@@ -140,27 +137,20 @@ def zk_trainer(model: nn.Module, name: str, lr: float, backend: str | None,
                seed: int) -> Trainer:
     moments, master = ZK[name]
     opt = zerokern.ZeroAdamW(model.parameters(), lr=lr, **HP, stage=2, moments=moments,
-                             master=master, seed=seed, backend=backend)
+                             master=master, seed=seed, backend=backend,
+                             int8_format=3 if name in V3 else 2)
 
     def state_bytes() -> int:
         s = opt.memory_stats()
         return sum(v for k, v in s.items() if k == "master" or k.startswith("exp_avg"))
 
     def step() -> None:
-        if name in V3:
-            plain = zerokern.ops.fused_adamw_compressed_
-            zerokern.ops.fused_adamw_compressed_ = functools.partial(plain, format_version=3)
-            try:
-                opt.step()
-            finally:
-                zerokern.ops.fused_adamw_compressed_ = plain
-        else:
-            opt.step()
+        opt.step()
         opt.zero_grad(set_to_none=True)
 
     return Trainer(step, lambda x: set_group_lr(opt, x), state_bytes,
                    f"ZeroAdamW(stage=2, moments={moments!r}, master={master!r}, "
-                   f"backend={backend!r}){' int8 format v3' if name in V3 else ''}, "
+                   f"backend={backend!r}, int8_format={opt.state_format.int8_format}), "
                    "world size 1")
 
 

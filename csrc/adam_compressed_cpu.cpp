@@ -473,7 +473,7 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
     } else {
       pi = V::ld(static_cast<const float*>(param) + i);
     }
-    adam_update<V, LERP_LOW>(k, V::template ldt<G>(g + i), pi, mi, vi);
+    adam_update<V, LERP_LOW, MF == MomentFmt::U8V3>(k, V::template ldt<G>(g + i), pi, mi, vi);
     return pi;
   };
   // 8-bit moments go to the block buffers, their maxima tracked.
@@ -871,6 +871,10 @@ void adamw_compressed_cpu(const CompressedArgs& a, const AdamScalars& s) {
   } else if (a.mfmt == MomentFmt::U8V3) {
     if (a.exp_avg_absmax == nullptr || a.exp_avg_sq_absmax == nullptr)
       throw std::invalid_argument("adamw_compressed_cpu: 8-bit moments need absmax");
+    // The kernel skips the division by bc2_sqrt (cpu_lanes.h, FOLDED): only exact with 1.
+    if (s.bc2_sqrt != 1.0f)
+      throw std::invalid_argument("adamw_compressed_cpu: format version 3 takes the folded "
+                                  "scalars (fold_bias_correction: bc2_sqrt == 1)");
   }
   switch (a.gdt) {
     case DType::F32: return pick_param<float>(c, pm, a.mfmt);

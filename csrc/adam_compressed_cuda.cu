@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(kThreads)
     }
 
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) adam_elem(p[e], g[e], m[e], v[e], a.k);
+    for (int e = 0; e < kPer; ++e) adam_elem<V3>(p[e], g[e], m[e], v[e], a.k);
 
     if constexpr (kSr) {
       const uint32_t first_index = static_cast<uint32_t>(a.sr_index[b]);
@@ -568,6 +568,9 @@ void adamw_compressed_cuda(const CompressedArgs& c, const AdamScalars& s, void* 
     refuse("uint8 moments need exp_avg_absmax, exp_avg_sq_absmax and tables");
   if (c.mfmt == MomentFmt::U8V3 && (c.exp_avg_absmax == nullptr || c.exp_avg_sq_absmax == nullptr))
     refuse("uint8 moments need exp_avg_absmax and exp_avg_sq_absmax");
+  // Version 3 skips the division by bc2_sqrt (adam_elem<true>): only exact when it is 1.
+  if (c.mfmt == MomentFmt::U8V3 && s.bc2_sqrt != 1.0f)
+    refuse("format version 3 takes the folded scalars (fold_bias_correction: bc2_sqrt == 1)");
   if (c.pdt == DType::BF16) {
     if (c.param_lp != nullptr) refuse("param_lp must be null with a bf16 param");
     if (c.sr_index == nullptr) refuse("sr_index is required with a bf16 param");

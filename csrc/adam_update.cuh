@@ -32,6 +32,9 @@ inline Coeffs coeffs_of(const AdamScalars& s) {
 }
 
 // One element: graw is the widened gradient before its scaling; p, m, v are updated in place.
+// FOLDED: fold_bias_correction's scalars (int8 format version 3), bc2_sqrt == 1: the division
+// by it is exact, so it is skipped (the same bits, one division less).
+template <bool FOLDED = false>
 __device__ __forceinline__ void adam_elem(float& p, float graw, float& m, float& v,
                                           const Coeffs& k) {
   const float g = __fmul_rn(graw, k.inv_grad_scale);
@@ -41,7 +44,8 @@ __device__ __forceinline__ void adam_elem(float& p, float graw, float& m, float&
   const float mi = k.w_small ? __fmaf_rn(k.w, d, m) : __fmaf_rn(-d, k.one_minus_w, g);
   // mul_(beta2) then addcmul_(g, g, value=1-beta2): v*b2 + ((1-b2)*g)*g, the sum fused.
   const float vi = __fmaf_rn(__fmul_rn(k.one_minus_beta2, g), g, __fmul_rn(v, k.beta2));
-  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), k.bc2_sqrt), k.eps);
+  const float root = __fsqrt_rn(vi);
+  const float denom = __fadd_rn(FOLDED ? root : __fdiv_rn(root, k.bc2_sqrt), k.eps);
   // addcdiv_(m, denom, value=-step_size): p - step_size * (m / denom), fused.
   p = __fmaf_rn(-k.step_size, __fdiv_rn(mi, denom), pd);
   m = mi;

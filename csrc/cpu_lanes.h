@@ -305,7 +305,10 @@ struct AdamCoeffs {
 // lerp, the v update and the p update are single fmas, every other operation one IEEE
 // rounding. graw is the widened gradient before its scaling; p, m, v are updated in place.
 // LERP_LOW (w = 1 - beta1 < 0.5) is a template parameter so loops carry no branch on it.
-template <class V, bool LERP_LOW>
+// FOLDED: the scalars are fold_bias_correction's (zerokern/kernel_contract.py, int8 format
+// version 3), bc2_sqrt == 1, so sqrt(v) / bc2_sqrt is sqrt(v) exactly and the division is
+// skipped: one of the two divisions that, with the square root, bound this update on a CPU.
+template <class V, bool LERP_LOW, bool FOLDED = false>
 inline void adam_update(const AdamCoeffs<V>& k, typename V::F graw, typename V::F& p,
                         typename V::F& m, typename V::F& v) {
   using F = typename V::F;
@@ -316,7 +319,8 @@ inline void adam_update(const AdamCoeffs<V>& k, typename V::F graw, typename V::
   m = LERP_LOW ? V::fma(k.w, d, m) : V::fnma(d, k.one_minus_w, g);
   // mul_(beta2) then addcmul_(g, g, value=1-beta2): v*b2 + ((1-b2)*g)*g, the sum fused.
   v = V::fma(V::mul(k.omb2, g), g, V::mul(v, k.b2));
-  const F denom = V::add(V::div(V::sqrt(v), k.bc2), k.eps);
+  const F root = V::sqrt(v);
+  const F denom = V::add(FOLDED ? root : V::div(root, k.bc2), k.eps);
   // addcdiv_(m, denom, value=-step_size): p - step_size * (m / denom), fused.
   p = V::fnma(k.step, V::div(m, denom), p);
 }

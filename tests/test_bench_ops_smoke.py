@@ -127,8 +127,9 @@ def test_bench_convergence_quick(tmp_path: Path) -> None:
     """bench_convergence.py --quick, 4 steps: every config starts from the same weights and
     batch (the same first loss, bit for bit), zerokern's fp32 state and torch's AdamW on fp32
     masters (the same math) end within 0.1%, the compressed formats hold fewer state bytes,
-    and the curve CSV has every step of every config."""
-    configs = ["zk_fp32", "zk_int8", "zk_int8_nomaster", "torch_adamw"]
+    and the curve CSV has every step of every config; the version-3 config runs version 3
+    (its own losses, not version 2's)."""
+    configs = ["zk_fp32", "zk_int8", "zk_int8_nomaster", "zk_int8v3", "torch_adamw"]
     argv = ["--quick", "--steps", "4", "--configs", *configs, "--out", str(tmp_path)]
     assert bench_convergence.main(argv) == 0
     rows = {r["config"]: r for r in rows_of(tmp_path, "bench_convergence_cpu_*_summary.csv")}
@@ -143,6 +144,8 @@ def test_bench_convergence_quick(tmp_path: Path) -> None:
     assert [int(r["step"]) for r in curve] == [0, 1, 2, 3]
     assert all(math.isfinite(float(r[c])) for r in curve for c in configs)
     assert math.isclose(float(curve[0]["zk_fp32"]), float(curve[0]["zk_int8"]))
+    assert [r["zk_int8v3"] for r in curve[1:]] != [r["zk_int8"] for r in curve[1:]]
+    assert "int8_format=3" in rows["zk_int8v3"]["what"]
     if importlib.util.find_spec("matplotlib") is not None:
         assert len(list(tmp_path.glob("bench_convergence_cpu_*_curve.png"))) == 1
 

@@ -471,3 +471,36 @@ def test_int8_state_roundtrips_leave_stored_bytes(world, tmp_path):
     configs = [(0, None, "fp32"), (1, None, "none"), (2, "cpu", "fp32"), (3, None, "fp32"),
                (3, "params", "none")]
     run_ranks(world, roundtrip_case, configs, tmp_path=tmp_path)
+
+
+# -- the optimizer's compressed step calls the kernels directly ---------------------------------
+@pytest.mark.parametrize("moments,master", [("int8", "fp32"), ("bf16", "none")])
+def test_engine_step_skips_the_public_ops_checks_with_the_same_bits(monkeypatch, moments,
+                                                                    master):
+    """The step runs each run of a compressed state (about one per parameter) through
+    ``engine_step_``: no per-call argument checks and no custom-op dispatch, whose Python
+    cost was about ten times the kernel call's; the bits are the public op's."""
+    import zerokern.zero.rules.adamw as rule_mod
+    from zerokern import ops
+    from zerokern.ops import adamw_compressed as opmod
+
+    def train(public: bool) -> dict[str, torch.Tensor]:
+        model = _plain()
+        opt = zerokern.ZeroAdamW(model.parameters(), **HP, stage=2, moments=moments,
+                                 master=master, seed=3)
+        with monkeypatch.context() as mp:
+            if public:  # the path before: the public op per run
+                mp.setattr(rule_mod, "engine_step_",
+                           lambda *a, **k: ops.fused_adamw_compressed_(*a, **k))
+            else:
+                def dispatched(*a: Any, **k: Any) -> None:
+                    raise AssertionError("the optimizer's step dispatched the public op")
+
+                mp.setattr(opmod, "_op", dispatched)
+            _train(model, opt)
+        out = _stored(opt)
+        out.update({k: v.view(torch.uint8) for k, v in
+                    zerokern.full_state_dict(model, rank0_only=False).items()})
+        return out
+
+    assert _same(train(public=False), train(public=True))

@@ -20,10 +20,12 @@ from triton_common import Group, assert_group
 from triton_common import start_scripts as start_scripts  # conftest starts the subprocess
 
 from zerokern import _native
+from zerokern.kernel_contract import AdamScalars, adam_scalars
 from zerokern.ops import adamw_compressed as opmod
 from zerokern.ops.adamw_compressed import fused_adamw_compressed_
+from zerokern.quant.contract import adamw_contract_
 from zerokern.quant.fmt_v3 import code_map_v3, codes_v3, quantize_blockwise_v3
-from zerokern.quant.maps import BLOCK, dequantize_blockwise
+from zerokern.quant.maps import BLOCK, dequantize_blockwise, kernel_tables
 
 native = pytest.mark.skipif(
     not (_native.has_native() and hasattr(_native._C, "adamw_compressed")),
@@ -224,6 +226,63 @@ def test_refusals_name_the_argument_and_modify_nothing(monkeypatch):
         opmod._run("triton", st["param"], g, st["exp_avg"], st["exp_avg_sq"],
                    st["exp_avg_absmax"], st["exp_avg_sq_absmax"], None, None, 0, 1,
                    None, format_version=3)
+    for k, t in before.items():
+        assert torch.equal(st[k], t), f"{k} was modified"
+
+
+def test_update_folds_the_bias_correction_of_v():
+    """Version 3's update is AdamW's with ``v``'s bias correction folded into the step size
+    and eps (``p - (step_size * bc2_sqrt) * m / (sqrt(v) + eps * bc2_sqrt)``): the oracle
+    equals that formula spelled here with the contract's fp32 arithmetic and scalars folded
+    in double, bit for bit; the unfolded arithmetic differs in the last bits, and both are
+    AdamW's update to a few ulps in float64."""
+    n = 3 * BLOCK
+    st = _state(n, torch.float32, None, seed=5)
+    p0 = st["param"].clone()
+    m = dequantize_blockwise(st["exp_avg"], st["exp_avg_absmax"], code_map_v3(True))
+    v = dequantize_blockwise(st["exp_avg_sq"], st["exp_avg_sq_absmax"], code_map_v3(False))
+    g = torch.randn(n, generator=torch.Generator().manual_seed(6)) * 0.1
+    lr, b1, b2, eps, wd, step = 1e-2, 0.9, 0.999, 1e-8, 0.1, 3  # _step's hyperparameters
+    bc1, bc2 = 1 - b1**step, 1 - b2**step
+    plain = AdamScalars(decay=1 - lr * wd, one_minus_beta1=1 - b1, beta2=b2,
+                        one_minus_beta2=1 - b2, step_size=lr / bc1, bc2_sqrt=math.sqrt(bc2),
+                        eps=eps, inv_grad_scale=1.0)
+    folded = plain._replace(step_size=lr / bc1 * math.sqrt(bc2), eps=eps * math.sqrt(bc2),
+                            bc2_sqrt=1.0)
+    outs = {}
+    for name, s in (("folded", folded), ("plain", plain)):
+        p, mm, vv = p0.clone(), m.clone(), v.clone()
+        adamw_contract_(p, g, mm, vv, None, s)
+        outs[name] = p
+    _step(st, g, step, "torch")
+    assert torch.equal(st["param"], outs["folded"])
+    codes, _ = quantize_blockwise_v3(mm, True)  # the moments do not depend on the fold
+    assert torch.equal(st["exp_avg"], codes)
+    assert not torch.equal(outs["folded"], outs["plain"]), "the check cannot tell them apart"
+    m64 = b1 * m.double() + (1 - b1) * g.double()
+    v64 = b2 * v.double() + (1 - b2) * g.double() ** 2
+    u64 = lr / bc1 * m64 / ((v64 / bc2).sqrt() + eps)
+    p64 = p0.double() * (1 - lr * wd) - u64
+    for p in outs.values():
+        assert ((p.double() - p64).abs() <= 2.0**-21 * (p64.abs() + u64.abs())).all()
+
+
+@native
+def test_kernels_refuse_unfolded_scalars():
+    """The version-3 kernels skip the division by ``bc2_sqrt``, exact only when it is 1: a
+    caller passing the plain scalars is refused before anything is written."""
+    st = _state(2 * BLOCK, torch.float32, None, seed=2)
+    before = {k: t.clone() for k, t in st.items() if isinstance(t, torch.Tensor)}
+    s = adam_scalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=2)
+    args = (st["param"], torch.ones(2 * BLOCK), st["exp_avg"], st["exp_avg_sq"],
+            st["exp_avg_absmax"], st["exp_avg_sq_absmax"], None, None, 0, 2,
+            kernel_tables(st["param"].device))
+    with pytest.raises(ValueError, match="folded scalars"):
+        _native.require("cpu").adamw_compressed(*args, 3, *s)
+    from zerokern.kernels.triton.adamw_compressed import adamw_compressed_triton_
+
+    with pytest.raises(ValueError, match="folded scalars"):
+        adamw_compressed_triton_(*args, s, format_version=3)
     for k, t in before.items():
         assert torch.equal(st[k], t), f"{k} was modified"
 

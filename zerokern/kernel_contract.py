@@ -49,3 +49,24 @@ def adam_scalars(
         eps=eps,
         inv_grad_scale=1.0 / grad_scale,
     )
+
+
+def fold_bias_correction(s: AdamScalars) -> AdamScalars:
+    """The scalars of the folded update, int8 format version 3's (``zerokern.quant.fmt_v3``).
+
+    AdamW's ``p - step_size * m / (sqrt(v) / bc2_sqrt + eps)`` is, in exact arithmetic,
+    ``p - (step_size * bc2_sqrt) * m / (sqrt(v) + eps * bc2_sqrt)``. The two products are
+    taken here in double and rounded once to fp32 by every backend, like the other scalars,
+    and ``bc2_sqrt`` becomes 1. The per-element formula stays the contract's, so the oracle
+    is unchanged; since ``x / 1`` is ``x`` exactly in IEEE arithmetic, a kernel may skip that
+    division and still equal the oracle bit for bit. The division is about a third of the
+    update's cost on a CPU, whose dividers bound the fp32 update (issue 39).
+
+    Args:
+        s: the contract's scalars of this step (:func:`adam_scalars`).
+
+    Returns:
+        The same scalars with the bias correction of ``v`` folded into ``step_size`` and
+        ``eps``, and ``bc2_sqrt == 1.0``.
+    """
+    return s._replace(step_size=s.step_size * s.bc2_sqrt, eps=s.eps * s.bc2_sqrt, bc2_sqrt=1.0)

@@ -9,7 +9,10 @@ elements' step in the whole parameter (the tests check it).
 **The update** is always the fused kernels' fp32 AdamW (the rounding contract of
 csrc/kernels.h, spelled exactly in ``zerokern.quant.contract``) with the scalars of
 ``zerokern.kernel_contract.adam_scalars``, so ``moments="fp32", master="fp32"`` is today's
-``cpu`` kernel bit for bit. Only what goes in and out of it changes (the range oracle
+``cpu`` kernel bit for bit. int8 format version 3 takes the same formula with
+``kernel_contract.fold_bias_correction``'s scalars (``v``'s bias correction folded into
+``step_size`` and ``eps``: one division less per element, equal to AdamW in exact
+arithmetic). Only what goes in and out of it changes (the range oracle
 ``zerokern.ops.adamw_compressed`` does the work; this function is one parameter's view):
 
 * ``moments="fp32"``: the moments are updated in place, as today.
@@ -49,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernel_contract import AdamScalars
+from ..kernel_contract import AdamScalars, fold_bias_correction
 from .maps import (
     BLOCK,
     SIGNED_MAP_ID,
@@ -300,6 +303,8 @@ def adamw_compressed_step_reference_(
     # block boundary for int8), and element i's index in the parameter is start + i.
     from ..ops.adamw_compressed import adamw_compressed_torch_
 
+    if fmt == "int8" and format_version == 3:
+        scalars = fold_bias_correction(scalars)  # version 3's update (fmt_v3's docstring)
     sr_index = None
     if master == "none":
         assert seed is not None and step is not None

@@ -37,6 +37,13 @@ tensor, the last one partial):
 **Dequantize**: ``y_i = fl(map[c_i] * s)``, the same one multiply as versions 1 and 2
 (``zerokern.quant.maps.dequantize_blockwise`` with :func:`code_map_v3`).
 
+**The update** of a version-3 step is the contract's fp32 AdamW with the bias correction of
+``exp_avg_sq`` folded into the step size and eps (``kernel_contract.fold_bias_correction``):
+``p - (step_size * bc2_sqrt) * m / (sqrt(v) + eps * bc2_sqrt)``, AdamW's update in exact
+arithmetic with the two products rounded once on the host. It drops one of the two IEEE
+divisions per element, which with the square root bound the CPU step (issue 39); versions 1
+and 2 keep ``sqrt(v) / bc2_sqrt + eps``, as torch does.
+
 **Error bound** (tested in float64 against the exact nearest map value). The half-step around
 ``|n| >= 2**E`` is at most ``2**(E-4) <= |n| / 16``; below ``mag(1)`` the error is at most
 ``mag(1)``; the reciprocal, the product and the decoding multiply add ``2**-21 |x|`` and

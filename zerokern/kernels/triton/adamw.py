@@ -124,11 +124,13 @@ def adamw_update(
     LERP_LOW: tl.constexpr,
     APPLY_SCALE: tl.constexpr,
     SOFT_FP: tl.constexpr,
+    FOLDED: tl.constexpr,
 ):
     """The fp32 AdamW update of the kernel contract (module docstring), spelled once for
     every Triton kernel (this one and ``adamw_compressed.py``): fp32 ``p`` (the master), ``g``
     (the widened gradient before its scaling), ``m``, ``v`` in; the updated ``(p, m, v)``
-    out."""
+    out. FOLDED: the scalars are ``kernel_contract.fold_bias_correction``'s (int8 format
+    version 3), ``bc2_sqrt == 1``, so the division by it is exact and skipped."""
     if APPLY_SCALE:
         g = g * inv_grad_scale
     p = p * decay
@@ -141,7 +143,10 @@ def adamw_update(
         m = _fma(diff, _bits_f32(neg_one_minus_w_bits, v), g, SOFT_FP)
     v = _fma(one_minus_beta2 * g, g, v * beta2, SOFT_FP)
     # div_rn does not broadcast its operands: splat the scalar divisor first.
-    denom = tl.div_rn(tl.sqrt_rn(v), tl.full(v.shape, bc2_sqrt, tl.float32)) + eps
+    if FOLDED:
+        denom = tl.sqrt_rn(v) + eps
+    else:
+        denom = tl.div_rn(tl.sqrt_rn(v), tl.full(v.shape, bc2_sqrt, tl.float32)) + eps
     p = _fma(_bits_f32(neg_step_size_bits, p), tl.div_rn(m, denom), p, SOFT_FP)
     return p, m, v
 
@@ -198,6 +203,7 @@ def _adamw_block(
         LERP_LOW,
         APPLY_SCALE,
         SOFT_FP,
+        False,
     )
     if HAS_LP:
         p_lp = _round_lp(p, lp_ptr.dtype.element_ty, SOFT_FP)

@@ -232,7 +232,7 @@ def _tile(
 
     p, m, v = adamw_update(
         p, g, m, v, decay, w, neg_one_minus_w_bits, beta2, one_minus_beta2, neg_step_size_bits,
-        bc2_sqrt, eps, inv_grad_scale, LERP_LOW, APPLY_SCALE, SOFT_FP)
+        bc2_sqrt, eps, inv_grad_scale, LERP_LOW, APPLY_SCALE, SOFT_FP, V3)
 
     if MOMENTS == 2:
         m_rows, m_amax = _block_scale(m, mask, ROWS, MASKED, V3)
@@ -358,7 +358,8 @@ def adamw_compressed_triton_(
         seed: the stochastic rounding seed, an int in [0, 2**64) (bf16 param only).
         step: the 1-based step, an int in [1, 2**32).
         tables: zerokern.quant.maps.kernel_tables(device), 1024 fp32 values.
-        s: zerokern.kernel_contract.adam_scalars(...) of the step.
+        s: zerokern.kernel_contract.adam_scalars(...) of the step (int8 version 3:
+            folded by ``fold_bias_correction``).
         rows: quantization blocks per program, a power of two (the result does not depend on
             it; the interpreter tests use more to launch fewer programs).
         format_version: the int8 encoding, 2 (``zerokern.quant.blockwise``) or 3
@@ -381,6 +382,10 @@ def adamw_compressed_triton_(
         raise ValueError(f"rows must be a power of two, got {rows!r}")
     if isinstance(format_version, bool) or format_version not in (2, 3):
         raise ValueError(f"format_version must be 2 or 3, got {format_version!r}")
+    if format_version == 3 and exp_avg.dtype == torch.uint8 and s.bc2_sqrt != 1.0:
+        # The V3 kernel skips the division by bc2_sqrt: only exact when it is 1.
+        raise ValueError("format_version=3 takes the folded scalars "
+                         "(kernel_contract.fold_bias_correction: bc2_sqrt == 1)")
     check_interpreter()
     n = param.numel()
     if n == 0:

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from ... import ops
+from ...ops.adamw_compressed import engine_step_
 from ...quant.maps import SIGNED_MAP_ID, UNSIGNED_MAP_ID
 from ..state_format import StateFormat
 from ..stored import Int8Stored
@@ -47,7 +48,7 @@ class AdamWRule(UpdateRule):
         # The codes' own format version (their map id says it), run by run: a state keeps
         # the version it was created or loaded with.
         version = m.version if isinstance(m, Int8Stored) else 2
-        ops.fused_adamw_compressed_(
+        engine_step_(
             r.values, r.grad, m.data, v.data, exp_avg_absmax=m.absmax,
             exp_avg_sq_absmax=v.absmax, sr_index=r.sr_index if sr else None,
             seed=r.seed if sr else None, format_version=version, **hp)
