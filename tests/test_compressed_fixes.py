@@ -473,15 +473,17 @@ def test_int8_state_roundtrips_leave_stored_bytes(world, tmp_path):
     run_ranks(world, roundtrip_case, configs, tmp_path=tmp_path)
 
 
-# -- the optimizer's compressed step calls the kernels directly ---------------------------------
-@pytest.mark.parametrize("moments,master", [("int8", "fp32"), ("bf16", "none")])
+# -- the optimizer's step calls the kernels directly -------------------------------------------
+@pytest.mark.parametrize("moments,master", [("int8", "fp32"), ("bf16", "none"), ("fp32", "fp32")])
 def test_engine_step_skips_the_public_ops_checks_with_the_same_bits(monkeypatch, moments,
                                                                     master):
     """The step runs each run of a compressed state (about one per parameter) through
-    ``engine_step_``: no per-call argument checks and no custom-op dispatch, whose Python
-    cost was about ten times the kernel call's; the bits are the public op's."""
+    ``engine_step_`` and each range of the default state through ``engine_adamw_``: no
+    per-call argument checks and no custom-op dispatch, whose Python cost was about ten
+    times the kernel call's; the bits are the public ops'."""
     import zerokern.zero.rules.adamw as rule_mod
     from zerokern import ops
+    from zerokern.ops import adamw as fp32mod
     from zerokern.ops import adamw_compressed as opmod
 
     def train(public: bool) -> dict[str, torch.Tensor]:
@@ -489,14 +491,16 @@ def test_engine_step_skips_the_public_ops_checks_with_the_same_bits(monkeypatch,
         opt = zerokern.ZeroAdamW(model.parameters(), **HP, stage=2, moments=moments,
                                  master=master, seed=3)
         with monkeypatch.context() as mp:
-            if public:  # the path before: the public op per run
+            if public:  # the path before: the public ops
                 mp.setattr(rule_mod, "engine_step_",
                            lambda *a, **k: ops.fused_adamw_compressed_(*a, **k))
+                mp.setattr(rule_mod, "engine_adamw_", lambda *a, **k: ops.fused_adamw_(*a, **k))
             else:
                 def dispatched(*a: Any, **k: Any) -> None:
-                    raise AssertionError("the optimizer's step dispatched the public op")
+                    raise AssertionError("the optimizer's step dispatched a public op")
 
                 mp.setattr(opmod, "_op", dispatched)
+                mp.setattr(fp32mod, "_fused_adamw_op", dispatched)
             _train(model, opt)
         out = _stored(opt)
         out.update({k: v.view(torch.uint8) for k, v in

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ... import ops
+from ...ops.adamw import engine_adamw_
 from ...ops.adamw_compressed import engine_step_
 from ...quant.maps import SIGNED_MAP_ID, UNSIGNED_MAP_ID
 from ..state_format import StateFormat
@@ -42,7 +42,7 @@ class AdamWRule(UpdateRule):
                   eps=float(g["eps"]), weight_decay=float(g["weight_decay"]), step=r.step,
                   grad_scale=r.grad_scale, param_lp=lp, backend=r.backend)
         if not r.in_runs:
-            ops.fused_adamw_(r.values, r.grad, m.data, v.data, **hp)
+            engine_adamw_(r.values, r.grad, m.data, v.data, **hp)
             return
         sr = r.values.dtype == torch.bfloat16  # no master: stochastic rounding
         # The codes' own format version (their map id says it), run by run: a state keeps
