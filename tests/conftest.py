@@ -3,11 +3,27 @@ import os
 import pytest
 import torch
 
-# Keep intra-op threads at 2 so multi-process tests do not oversubscribe the CI's cores.
-# ZEROKERN_TEST_THREADS=1 runs the suite single-threaded (a check that no test depends on the
-# thread count: another machine has other cores).
-torch.set_num_threads(int(os.environ.get("ZEROKERN_TEST_THREADS", 0))
-                      or min(2, os.cpu_count() or 1))
+
+def _test_threads(default: int) -> int:
+    return int(os.environ.get("ZEROKERN_TEST_THREADS", 0)) or default
+
+
+# One intra-op thread in this process: the in-process tests run tiny ops, where a second
+# OpenMP thread costs more than it saves (a fork and a join per op; with any other process
+# busy on the CI's 2 cores, a wait for the scheduler each: up to 7-25x slower). The tests of
+# the kernels' OpenMP split take two (``two_threads``). ZEROKERN_TEST_THREADS=N sets N for
+# every test (N=1: a check that no test depends on the thread count).
+torch.set_num_threads(_test_threads(1))
+
+
+@pytest.fixture
+def two_threads():
+    """Intra-op threads for a test of the CPU kernels' OpenMP split (the range cut between
+    threads): min(2, cores), or ZEROKERN_TEST_THREADS; the count before is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(_test_threads(min(2, os.cpu_count() or 1)))
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

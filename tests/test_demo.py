@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import csv
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,23 +97,85 @@ def test_demo_defaults_and_model_option() -> None:
     assert parser.parse_args(["--model-size", "tiny"]).model_size == "tiny"
 
 
-def _run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-    return r
+# The end-to-end runs: (test name, command; {out} is the run's folder). Each is an import of
+# torch, then 2 ranks that import it again, then a report: phases that leave one of 2 cores
+# idle. The ones the session selected start together (``runs``) and overlap.
+RUNS = {
+    "test_demo_end_to_end": [sys.executable, "-m", "zerokern", "demo", *(
+        "--steps 3 --model-size tiny --stages 0 1 2 3 --world-size 2 --out {out}".split())],
+    **{f"test_example_train_gpt[{stage}]": [
+        sys.executable, *"-m torch.distributed.run --nproc-per-node 2 --standalone".split(),
+        "examples/train_gpt.py", *f"--steps 3 --stage {stage} --model-size tiny".split()]
+       for stage in (2, 3)},
+}
+RUN_TIMEOUT_S = 480  # from a run's start, which it shares with the others (a hang fails)
+
+
+class Runs:
+    """The RUNS the session selected, started at once; ``result(name)`` waits for one."""
+
+    def __init__(self, names: list[str], root: Path) -> None:
+        self.root = root
+        self.procs: dict[str, tuple[subprocess.Popen, float]] = {}
+        for name in names:
+            self._start(name)
+
+    def _start(self, name: str) -> None:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        }
+        cmd = [a.replace("{out}", str(self.out(name))) for a in RUNS[name]]
+        with open(self._log(name, "stdout"), "wb") as so, \
+                open(self._log(name, "stderr"), "wb") as se:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=so, stderr=se,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[name] = proc, time.monotonic()
+
+    def _log(self, name: str, stream: str) -> Path:
+        return self.root / f"run{list(RUNS).index(name)}.{stream}"
+
+    def out(self, name: str) -> Path:
+        return self.root / f"out{list(RUNS).index(name)}"
+
+    def result(self, name: str) -> str:
+        """The run's stdout; it must have exited 0."""
+        if name not in self.procs:  # not seen as selected at the start: run it now
+            self._start(name)
+        proc, t0 = self.procs[name]
+        try:
+            rc = proc.wait(timeout=max(1.0, RUN_TIMEOUT_S - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            rc = f"none: still running after {RUN_TIMEOUT_S} s"
+        out = self._log(name, "stdout").read_text(errors="replace")
+        err = self._log(name, "stderr").read_text(errors="replace")
+        assert rc == 0, f"exit {rc}\n{out[-4000:]}\n{err[-4000:]}"
+        return out
+
+    def close(self) -> None:
+        for proc, _ in self.procs.values():
+            if proc.poll() is None:  # a failed or interrupted session: its ranks go too
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    selected = {item.name for item in request.session.items
+                if item.module is request.module and item.name in RUNS}
+    r = Runs([n for n in RUNS if n in selected], tmp_path_factory.mktemp("runs"))
+    try:
+        yield r
+    finally:
+        r.close()
 
 
 @pytest.mark.slow
-def test_demo_end_to_end(tmp_path: Path) -> None:
-    out = tmp_path / "demo"
-    args = "--steps 3 --model-size tiny --stages 0 1 2 3 --world-size 2 --out".split()
-    r = _run([sys.executable, "-m", "zerokern", "demo", *args, str(out)])
-    assert "final losses: equal" in r.stdout
+def test_demo_end_to_end(runs: Runs) -> None:
+    out = runs.out("test_demo_end_to_end")
+    stdout = runs.result("test_demo_end_to_end")
+    assert "final losses: equal" in stdout
     for name in ("demo_table.csv", "demo_losses.csv", "demo_table.md", "demo.png"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -242,9 +306,7 @@ def test_demo_compressed_options() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_example_train_gpt(stage: int) -> None:
-    launch = "-m torch.distributed.run --nproc-per-node 2 --standalone".split()
-    args = f"--steps 3 --stage {stage} --model-size tiny".split()
-    r = _run([sys.executable, *launch, "examples/train_gpt.py", *args])
-    assert f"ZeRO stage {stage}, 2 ranks over gloo" in r.stdout
-    assert "step    2  loss" in r.stdout and "sample:" in r.stdout
+def test_example_train_gpt(stage: int, runs: Runs) -> None:
+    stdout = runs.result(f"test_example_train_gpt[{stage}]")
+    assert f"ZeRO stage {stage}, 2 ranks over gloo" in stdout
+    assert "step    2  loss" in stdout and "sample:" in stdout

@@ -1,7 +1,8 @@
 """Multi-node launch and elastic resume, through torchrun's own machinery, on one machine.
 
-Each test starts real ``python -m torch.distributed.run`` agents (the c10d rendezvous, 2 CPU
-processes per agent over gloo) running examples/train_multinode.py through
+Each test starts real torchrun agents (``python -m torch.distributed.run``, or its entry point
+held until a file exists: tests/multinode_agent.py; the c10d rendezvous, 2 CPU processes per
+agent over gloo) running examples/train_multinode.py through
 tests/multinode_worker.py, and compares loss curves bit for bit against independent launches:
 
 - two agents ``--nnodes 2`` (a job of 2 "nodes" x 2 processes, hybrid sharding on a 2 x 2
@@ -47,6 +48,7 @@ import torch
 from safetensors.torch import load_file
 
 WORKER = Path(__file__).with_name("multinode_worker.py")
+HELD_AGENT = Path(__file__).with_name("multinode_agent.py")  # torchrun, held until a file exists
 ROOT = WORKER.parents[1]
 STEPS, CKPT_EVERY, KILL_AFTER = 8, 3, 3
 TRAIN = ["--model-size", "tiny", "--steps", str(STEPS), "--global-batch", "8",
@@ -104,13 +106,16 @@ class Job:
         self.agents: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, torchrun: list[str], train: list[str], out: Path,
-              env: dict[str, str] | None = None) -> subprocess.Popen:
+              env: dict[str, str] | None = None, gate: Path | None = None) -> subprocess.Popen:
+        """Start an agent. With ``gate``, it imports torch now and starts torchrun once
+        ``gate`` exists (tests/multinode_agent.py)."""
         out.mkdir(parents=True, exist_ok=True)
         full_env = dict(os.environ, OMP_NUM_THREADS="1", LOGLEVEL="INFO", PYTHONUNBUFFERED="1",
                         ZK_TEST_OUT=str(out), ZK_TEST_TOKEN=self.token, **(env or {}))
+        launcher = ["-m", "torch.distributed.run"] if gate is None else [str(HELD_AGENT), str(gate)]
         with open(self.root / f"{name}.log", "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--log-dir",
+                [sys.executable, *launcher, "--log-dir",
                  str(self.root / f"torchelastic-{name}"), *torchrun, str(WORKER), *train],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
                 cwd=ROOT, start_new_session=True)
@@ -140,14 +145,6 @@ class Job:
             return proc.wait(timeout=max(1.0, DEADLINE - (time.monotonic() - t0)))
         except subprocess.TimeoutExpired:
             pytest.fail(f"agent {name} still running after {DEADLINE:.0f} s\n{self.logs()}")
-
-    def run(self, name: str, torchrun: list[str], train: list[str], out: Path,
-            env: dict[str, str] | None = None) -> None:
-        """One agent, to the end; it must succeed."""
-        t0 = time.monotonic()
-        self.start(name, torchrun, train, out, env)
-        rc = self.finish(name, t0)
-        assert rc == 0, f"agent {name} exited {rc}\n{self.logs()}"
 
     def close(self) -> None:
         for _ in range(3):  # an agent may start a worker while the first pass kills
@@ -201,19 +198,38 @@ def job(tmp_path):
         assert not tagged_pids(j.token), "processes left behind"
 
 
+class Reference:
+    """The reference: the same training in one agent with 4 processes, told that a node has
+    2 of them (ZEROKERN_NODE_SIZE), so its mesh is the same 2 x 2. It is started when the
+    first test asks for it and runs beside that test's own agents (the 2 cores are otherwise
+    idle while an agent imports torch or a rendezvous waits); ``result()`` waits for it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.job, self.t0 = root, Job(root), time.monotonic()
+        self.job.start("standalone4", ["--standalone", "--nproc-per-node", "4"],
+                       TRAIN + ["--ckpt", str(root / "ckpt")], root / "out",
+                       {"ZEROKERN_NODE_SIZE": "2"})
+        self._result: tuple[list[float], dict[str, torch.Tensor]] | None = None
+
+    def result(self) -> tuple[list[float], dict[str, torch.Tensor]]:
+        """(the loss curve, the final checkpoint's state); the launch must have succeeded."""
+        if self._result is None:
+            rc = self.job.finish("standalone4", self.t0)
+            assert rc == 0, f"agent standalone4 exited {rc}\n{self.job.logs()}"
+            assert HYBRID_2X2 in self.job.log("standalone4"), self.job.logs()
+            self._result = (one_curve(read_ranks(self.root / "out", "done"), 4),
+                            final_state(self.root / "ckpt"))
+        return self._result
+
+
 @pytest.fixture(scope="module")
 def standalone4(tmp_path_factory):
-    """The reference: the same training in one agent with 4 processes, told that a node
-    has 2 of them (ZEROKERN_NODE_SIZE), so its mesh is the same 2 x 2."""
-    root = tmp_path_factory.mktemp("standalone4")
-    j = Job(root)
+    ref = Reference(tmp_path_factory.mktemp("standalone4"))
     try:
-        j.run("standalone4", ["--standalone", "--nproc-per-node", "4"],
-              TRAIN + ["--ckpt", str(root / "ckpt")], root / "out", {"ZEROKERN_NODE_SIZE": "2"})
-        assert HYBRID_2X2 in j.log("standalone4"), j.logs()
+        yield ref
     finally:
-        j.close()
-    return one_curve(read_ranks(root / "out", "done"), 4), final_state(root / "ckpt")
+        ref.job.close()
+        assert not tagged_pids(ref.job.token), "processes left behind"
 
 
 def agent_args(port: int, run_id: str, nnodes: str, node: int, conf: str,
@@ -232,7 +248,6 @@ def test_two_agents_train_as_one(job, tmp_path, standalone4):
     ranks finish, node 0 holds ranks 0-1, the script shards within each node (a 2 x 2 mesh
     from torchrun's LOCAL_WORLD_SIZE), and the losses and the final checkpoint equal those of
     the 4-process single-agent run on the same mesh bit for bit."""
-    ref_losses, ref_state = standalone4
     port, run_id, out, ckpt = free_port(), job.token[:12], tmp_path / "out", tmp_path / "ckpt"
     train = TRAIN + ["--ckpt", str(ckpt)]
     t0 = time.monotonic()
@@ -243,6 +258,7 @@ def test_two_agents_train_as_one(job, tmp_path, standalone4):
         assert rc == 0, f"node{n} exited {rc}\n{job.logs()}"
 
     assert HYBRID_2X2 in job.log("node0"), job.logs()
+    ref_losses, ref_state = standalone4.result()
     done = read_ranks(out, "done")
     losses = one_curve(done, 4)
     for r, d in done.items():
@@ -261,7 +277,6 @@ def test_elastic_restart_resumes_from_checkpoint(job, tmp_path, standalone4):
     """--nnodes 1:2 --max-restarts 1: node 1 is killed after the checkpoint of step 3 (saved
     on the 2 x 2 mesh); the survivor restarts at world size 2 (a 1 x 2 mesh), resumes from
     that checkpoint and trains exactly as a 2-process run from a copy of it."""
-    ref_losses, _ = standalone4
     port, run_id = free_port(), job.token[:12]
     out, ckpt, metrics = tmp_path / "out", tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     train = TRAIN + ["--ckpt", str(ckpt), "--metrics", str(metrics)]
@@ -273,13 +288,16 @@ def test_elastic_restart_resumes_from_checkpoint(job, tmp_path, standalone4):
     t0 = time.monotonic()
     # Node 1 first: it waits to connect to the store node 0 will host, so both are in the
     # first round long before node 0's last call ends (a late node 1 would instead join a
-    # running job and restart it at 4 ranks: a different, and not the tested, path).
+    # running job and restart it at 4 ranks: a different, and not the tested, path). Node 0
+    # imports torch meanwhile and starts torchrun once node 1's has started (the gate).
+    gate = tmp_path / "node1-started"
+    node0 = job.start("node0", agent_args(port, run_id, "1:2", 0, ELASTIC_RDZV, 1), train, out,
+                      pause, gate=gate)
     node1 = job.start("node1", agent_args(port, run_id, "1:2", 1, ELASTIC_RDZV, 1), train, out,
                       pause)
     job.wait_until(lambda: "Starting elastic_operator" in job.log("node1"),
                    "node 1's agent starting", t0)
-    node0 = job.start("node0", agent_args(port, run_id, "1:2", 0, ELASTIC_RDZV, 1), train, out,
-                      pause)
+    gate.touch()
     job.wait_until(lambda: len(list(out.glob("pause-rank*.json"))) == 4,
                    f"4 ranks stopped after the checkpoint of step {KILL_AFTER}", t0)
 
@@ -299,6 +317,7 @@ def test_elastic_restart_resumes_from_checkpoint(job, tmp_path, standalone4):
         assert rc == 0, f"{name} exited {rc}\n{job.logs()}"
 
     assert HYBRID_2X2 in job.log("node0") and HYBRID_1X2 in job.log("node0"), job.logs()
+    ref_losses, _ = standalone4.result()
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [(m["step"], m["world"], m["restart"]) for m in rows] == (
         [(s, 4, 0) for s in range(KILL_AFTER)] + [(s, 2, 1) for s in range(KILL_AFTER, STEPS)])

@@ -10,6 +10,9 @@ from references import reference64
 from zerokern import ops
 from zerokern.ops._backend import available_backends
 
+# The sizes above the kernels' thresholds run their OpenMP split: on two threads, as the
+# split is what they test (conftest.py runs the other in-process tests on one).
+pytestmark = pytest.mark.usefixtures("two_threads")
 CPU_BACKENDS = [b for b in available_backends("cpu") if b != "triton"]
 SIZES = [1, 7, 4099, 65539]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]

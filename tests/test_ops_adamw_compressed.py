@@ -30,10 +30,15 @@ from zerokern.quant.maps import (
     quantize_blockwise,
 )
 
-pytestmark = pytest.mark.skipif(
-    not (_native.has_native() and hasattr(_native._C, "adamw_compressed")),
-    reason="zerokern._C without the cpu adamw_compressed kernel",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (_native.has_native() and hasattr(_native._C, "adamw_compressed")),
+        reason="zerokern._C without the cpu adamw_compressed kernel",
+    ),
+    # test_parallel_path runs the kernel's OpenMP split: on two threads, as the split is what
+    # it tests (conftest.py runs the other in-process tests on one).
+    pytest.mark.usefixtures("two_threads"),
+]
 
 MOMENTS = ("fp32", "bf16", "int8")
 # (param dtype, param_lp dtype)

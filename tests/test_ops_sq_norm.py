@@ -9,6 +9,9 @@ from _tol import SQ_NORM
 from zerokern import ops
 from zerokern.ops._backend import available_backends
 
+# The sizes above the kernels' thresholds run their OpenMP split: on two threads, as the
+# split is what they test (conftest.py runs the other in-process tests on one).
+pytestmark = pytest.mark.usefixtures("two_threads")
 CPU_BACKENDS = [b for b in available_backends("cpu") if b != "triton"]
 
 
