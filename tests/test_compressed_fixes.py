@@ -508,3 +508,26 @@ def test_engine_step_skips_the_public_ops_checks_with_the_same_bits(monkeypatch,
         return out
 
     assert _same(train(public=False), train(public=True))
+
+
+@pytest.mark.parametrize("moments", ["fp32", "int8"])
+def test_group_changed_after_clip_is_checked_before_the_step(moments):
+    """clip_grad_norm_ reduces the gradients and checks the groups; a group changed after it
+    (lr set to NaN or below 0) is refused by step(), which then reuses that reduction, with
+    nothing modified (the optimizer's kernels take the values as given)."""
+    model = _plain()
+    opt = zerokern.ZeroAdamW(model.parameters(), **HP, stage=2, moments=moments)
+    _train(model, opt, steps=1)
+    for bad in (float("nan"), -1.0):
+        stored = _stored(opt)
+        params = {k: v.clone() for k, v in model.state_dict().items()}
+        model(torch.randn(8, 128).to(torch.bfloat16)).float().sum().backward()
+        opt.clip_grad_norm_(1.0)
+        opt.param_groups[0]["lr"] = bad
+        with pytest.raises(ValueError, match=r"lr"):
+            opt.step()
+        assert _same(_stored(opt), stored)
+        assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+        opt.param_groups[0]["lr"] = HP["lr"]
+        opt.step()  # the same reduction, stepped once the group is fixed
+        opt.zero_grad()

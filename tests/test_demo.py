@@ -154,8 +154,15 @@ class Runs:
         return out
 
     def close(self) -> None:
-        for proc, _ in self.procs.values():
-            if proc.poll() is None:  # a failed or interrupted session: its ranks go too
+        # A failed or interrupted session. torchrun starts its workers in sessions of their
+        # own, out of reach of a kill of its group: SIGTERM lets it take them down first.
+        live = [proc for proc, _ in self.procs.values() if proc.poll() is None]
+        for proc in live:
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in live:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 

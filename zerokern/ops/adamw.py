@@ -212,8 +212,9 @@ def engine_adamw_(
     """:func:`fused_adamw_` for the optimizer's own step: the same kernels and bits, without
     the per-call argument checks and the custom-op dispatch (about 0.1 ms of Python a call).
     Everything they check holds by construction there: the ranges come from the optimizer's
-    layout, its param groups are checked before every step, and the native bindings still
-    check each tensor's size, dtype and device. Callers outside the optimizer use
+    layout (contiguous, apart in memory, of the dtypes its state was built with), and its
+    param groups are checked at every step, after any clip_grad_norm_ too. Callers outside
+    the optimizer use
     :func:`fused_adamw_`.
 
     Args:

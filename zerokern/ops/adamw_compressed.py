@@ -83,10 +83,14 @@ def adamw_compressed_torch_(
     param_lp: torch.Tensor | None, sr_index: torch.Tensor | None, seed: int, step: int,
     s: AdamScalars, format_version: int = 2,
 ) -> None:
-    """The oracle of the range contract (module docstring), in pure PyTorch."""
+    """The oracle of the range contract (module docstring), in pure PyTorch. ``s`` are the
+    kernel scalars: for int8 version 3, ``fold_bias_correction``'s (as every kernel)."""
     n = param.numel()
     fmt = moments_format(exp_avg)
     v3 = format_version == 3
+    if v3 and fmt == "int8" and s.bc2_sqrt != 1.0:
+        raise ValueError("format_version=3 takes the folded scalars "
+                         "(kernel_contract.fold_bias_correction: bc2_sqrt == 1)")
     if fmt == "int8":
         assert exp_avg_absmax is not None and exp_avg_sq_absmax is not None
         dev = exp_avg.device
@@ -288,7 +292,8 @@ def fused_adamw_compressed_(
         seed: bf16 param only: the stochastic rounding seed, in [0, 2**64).
         backend: "cuda", "triton", "cpu", "torch" or None (fastest for the device).
         format_version: the int8 encoding, 2 (``zerokern.quant.blockwise``, the default) or
-            3 (``zerokern.quant.fmt_v3``, computed maps; every backend); the other moment
+            3 (``zerokern.quant.fmt_v3``, computed maps, and the update with ``v``'s bias
+            correction folded into the step size and eps; every backend); the other moment
             formats ignore it.
 
     Raises:
@@ -326,8 +331,8 @@ def engine_step_(
     parameter) every step, and those two cost about 0.1 ms a call in Python, ten times the
     call itself, while everything they check holds by construction there: the ranges come
     from the optimizer's layout (contiguous, on their parameter's blocks, apart in memory),
-    its param groups are checked before every step, and the native bindings still check
-    each tensor's size, dtype and device. Callers outside the optimizer use
+    and its param groups are checked at every step, after any clip_grad_norm_ too. Callers
+    outside the optimizer use
     :func:`fused_adamw_compressed_`.
 
     Args:

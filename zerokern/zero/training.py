@@ -155,6 +155,10 @@ class TrainingLoop:
         a norm read through p.grad, and step() share it."""
         events = self._reduction.events()
         if self._reduction.current is not None:
+            # The groups again: one may have changed since clip_grad_norm_ (or a p.grad norm)
+            # reduced them, and the kernels take the values as given (engine_step_).
+            check_groups(self.param_groups, flags=True, moments=self.state_format.moments,
+                         rule=self.rule)
             red = self._reduction.reuse(events, need_norm, self.loss_scale)
         else:
             self._reduction.check_backward_since_step(events)
