@@ -47,6 +47,7 @@ from ..zero.interop import optimizer_of
 from ..zero.registry import runtime_of_module
 from ..zero.shards import ShardRange
 from ..zero.state_format import StateFormat
+from . import arrival
 from .format import (
     META,
     CheckpointError,
@@ -333,7 +334,7 @@ class _OneRank:
     rank, world_size = 0, 1
 
     @staticmethod
-    def all_gather_object(obj: Any, what: str) -> list[Any]:
+    def all_gather_object(obj: Any, what: str, timeout: float | None = None) -> list[Any]:
         return [obj]
 
 
@@ -457,13 +458,16 @@ def load_checkpoint(
     team = Team(comm)
     path = os.path.normpath(os.fspath(path))
     what = f"load_checkpoint({path})"
+    wait = arrival.limit(team)
     # Shared with other loads, exclusive of a save publishing at this path: the files read
     # are those of one checkpoint from meta.json to the last byte.
     with reading(path):
         msg, exc, ck = attempt(
             lambda: open_checkpoint(path, rank=team.rank, world=team.world_size, verify=verify)
         )
-        agree(team, what, msg, exc)
+        # Bounded (arrival.py): the first collective, where a rank calling this alone (under
+        # `if rank == 0:`) waits, and is told instead of waiting in silence.
+        agree(team, what, msg, exc, wait=wait, call="load_checkpoint", path=path)
         msg, exc, m = attempt(lambda: match(ck, model, opt))
         agree(team, what, msg, exc)
         msg, exc, _ = attempt(lambda: apply(ck, m, model, opt))
