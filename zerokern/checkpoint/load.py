@@ -438,7 +438,11 @@ def load_checkpoint(
     Raises CheckpointError, naming the file, for a missing, incomplete, truncated or corrupt
     checkpoint (sha256 checks unless ``verify=False``; sizes and headers are always checked),
     before anything is modified. For stages 0-2, call it before the first step() or after
-    (the layout is fixed here, in the saved gradient order, if it is not yet)."""
+    (the layout is fixed here, in the saved gradient order, if it is not yet).
+
+    With an optimizer or a sharded model it is a collective: a rank that calls it alone raises
+    CollectiveTimeout naming it after ``$ZEROKERN_GATHER_TIMEOUT`` seconds (default 300 on
+    gloo; on NCCL only when set), instead of waiting for the process group's timeout."""
     opt = optimizer
     rt = runtime_of_module(model) if opt is None else None
     if opt is None:

@@ -547,7 +547,11 @@ def save_checkpoint(
 
     Atomic: when this returns on any rank, ``path`` holds the complete new checkpoint; if it
     raises or the job dies before, ``path`` still holds the previous one (or nothing, if there
-    was none). Needs a filesystem all ranks share. Returns the path."""
+    was none). Needs a filesystem all ranks share. Returns the path.
+
+    A collective: a rank that calls it alone (under ``if master_process:``) raises
+    CollectiveTimeout naming it after ``$ZEROKERN_GATHER_TIMEOUT`` seconds (default 300 on
+    gloo; on NCCL only when set), instead of waiting for the process group's timeout."""
     opt = optimizer
     comm = opt.comm
     team = Team(comm)
