@@ -5,7 +5,8 @@ happened and what to do.
 1. Stage 3, evaluation on rank 0 only: the rank that waits in a gather the others never start
    raises CollectiveTimeout within ``gather_timeout`` (not the process group's 30 minutes);
    a rank that is merely slow does not trip it; the processes exit. Likewise (stages 1-3)
-   the optimizer's full_state_dict() run by rank 0 alone (nanoGPT's checkpoint).
+   the optimizer's full_state_dict() run by rank 0 alone (nanoGPT's checkpoint), and
+   zerokern.save_checkpoint / load_checkpoint run by rank 0 alone.
 2. `p.data = t` after the first step trains t, as with DDP + AdamW (stages 0-3, the fp32
    master of 16-bit parameters included); `model.to(torch.bfloat16)` after it is refused
    with an error naming the cast, before anything is updated.
@@ -126,6 +127,55 @@ def rank0_full_state_dict_case(rank: int, world: int, timeout: float) -> None:
 
 def test_stage2_rank0_only_full_state_dict_is_told(tmp_path):
     run_ranks(2, rank0_full_state_dict_case, 2.0, tmp_path=tmp_path, isolated=True, timeout=120)
+
+
+def rank0_checkpoint_case(rank: int, world: int, timeout: float, root: str) -> None:
+    """zerokern.save_checkpoint / load_checkpoint under `if master_process:` (nanoGPT's habit,
+    kept in a port): both are collectives, and rank 0 alone is told so within the limit
+    instead of waiting in silence for the process group's 30 minutes. The same short limit
+    does not trip a save that every rank runs."""
+    import os
+
+    os.environ[told.ENV] = str(timeout)  # isolated ranks, discarded after the case
+    torch.manual_seed(0)
+    model = _net()
+    opt = zerokern.ZeroAdamW(model.parameters(), stage=2, **HP)
+    x, y = _data(0, rank)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    together = os.path.join(root, "together")
+    zerokern.save_checkpoint(together, model, opt, extra={"iter": 1})  # every rank
+    if rank != 0:
+        return  # only the master process saves (and, below, loads)
+    alone = os.path.join(root, "alone")
+    for call, run, hint in (
+        ("save_checkpoint", lambda: zerokern.save_checkpoint(alone, model, opt),
+         "no rank-0 guard is needed"),
+        # The save's gather is still pending (the error says the group is done for); the
+        # load's own first agreement is bounded as well and says what the load needs.
+        ("load_checkpoint", lambda: zerokern.load_checkpoint(together, model, opt),
+         "zerokern.load_checkpoint(path, plain_model, None)"),
+    ):
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeout) as info:
+            run()
+        waited = time.monotonic() - start
+        assert timeout * 0.95 <= waited < timeout + 30, (call, waited)
+        msg = str(info.value)
+        for part in (f"{call}(", f"rank 0 of {world} waited", f"{call} is a collective",
+                     "every rank must call it", "`if master_process:`", hint,
+                     "docs/checkpoints.md", told.ENV, "end the process"):
+            assert part in msg, (part, msg)
+    # The lone save staged nothing that stays; the checkpoint saved together is untouched.
+    assert not os.path.exists(alone)
+    assert not [n for n in os.listdir(root) if ".tmp-" in n], os.listdir(root)
+    assert os.path.isfile(os.path.join(together, "meta.json"))
+
+
+def test_stage2_rank0_only_save_and_load_checkpoint_are_told(tmp_path):
+    run_ranks(2, rank0_checkpoint_case, 2.0, str(tmp_path), tmp_path=tmp_path, isolated=True,
+              timeout=120)
 
 
 def slow_rank_case(rank: int, world: int, timeout: float, delay: float, steps: int) -> None:

@@ -47,6 +47,7 @@ from ..zero.interop import optimizer_of
 from ..zero.registry import runtime_of_module
 from ..zero.shards import ShardRange
 from ..zero.state_format import StateFormat
+from . import arrival
 from .format import (
     META,
     CheckpointError,
@@ -333,7 +334,7 @@ class _OneRank:
     rank, world_size = 0, 1
 
     @staticmethod
-    def all_gather_object(obj: Any, what: str) -> list[Any]:
+    def all_gather_object(obj: Any, what: str, timeout: float | None = None) -> list[Any]:
         return [obj]
 
 
@@ -437,7 +438,11 @@ def load_checkpoint(
     Raises CheckpointError, naming the file, for a missing, incomplete, truncated or corrupt
     checkpoint (sha256 checks unless ``verify=False``; sizes and headers are always checked),
     before anything is modified. For stages 0-2, call it before the first step() or after
-    (the layout is fixed here, in the saved gradient order, if it is not yet)."""
+    (the layout is fixed here, in the saved gradient order, if it is not yet).
+
+    With an optimizer or a sharded model it is a collective: a rank that calls it alone raises
+    CollectiveTimeout naming it after ``$ZEROKERN_GATHER_TIMEOUT`` seconds (default 300 on
+    gloo; on NCCL only when set), instead of waiting for the process group's timeout."""
     opt = optimizer
     rt = runtime_of_module(model) if opt is None else None
     if opt is None:
@@ -457,13 +462,16 @@ def load_checkpoint(
     team = Team(comm)
     path = os.path.normpath(os.fspath(path))
     what = f"load_checkpoint({path})"
+    wait = arrival.limit(team)
     # Shared with other loads, exclusive of a save publishing at this path: the files read
     # are those of one checkpoint from meta.json to the last byte.
     with reading(path):
         msg, exc, ck = attempt(
             lambda: open_checkpoint(path, rank=team.rank, world=team.world_size, verify=verify)
         )
-        agree(team, what, msg, exc)
+        # Bounded (arrival.py): the first collective, where a rank calling this alone (under
+        # `if rank == 0:`) waits, and is told instead of waiting in silence.
+        agree(team, what, msg, exc, wait=wait, call="load_checkpoint", path=path)
         msg, exc, m = attempt(lambda: match(ck, model, opt))
         agree(team, what, msg, exc)
         msg, exc, _ = attempt(lambda: apply(ck, m, model, opt))

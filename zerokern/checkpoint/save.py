@@ -37,9 +37,11 @@ from typing import Any
 
 import torch
 
+from ..comm import CollectiveTimeout
 from ..zero.registry import runtime_of_module, runtime_of_param
 from ..zero.shards import ShardRange
 from ..zero.stored import stored_type
+from . import arrival
 from .format import (
     CHUNK_BYTES,
     FORMAT,
@@ -418,12 +420,14 @@ class Team:
         first replica of a mesh (the others hold copies of the same state)."""
         return self.replica == 0
 
-    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
-        """Every rank's ``obj``, in team rank order (a collective of every rank)."""
-        mine = self.comm.all_gather_object(obj, what)
+    def all_gather_object(self, obj: Any, what: str, timeout: float | None = None) -> list[Any]:
+        """Every rank's ``obj``, in team rank order (a collective of every rank); ``timeout``
+        bounds each wait (CollectiveTimeout, arrival.py)."""
+        mine = self.comm.all_gather_object(obj, what, timeout=timeout)
         if self.rep is None:
             return mine
-        return [o for row in self.rep.all_gather_object(mine, what) for o in row]
+        return [o for row in self.rep.all_gather_object(mine, what, timeout=timeout)
+                for o in row]
 
     def where(self, r: int) -> str:
         if self.world_size == 1:
@@ -434,10 +438,12 @@ class Team:
         return f" (on replica {replica}, shard rank {shard})"
 
 
-def agree(team: Team, what: str, msg: str | None, exc: BaseException | None) -> list[Any]:
+def agree(team: Team, what: str, msg: str | None, exc: BaseException | None, *,
+          wait: float | None = None, call: str = "", path: str = "") -> list[Any]:
     """All-gather each rank's error (or None) over the whole team; raise the first on every
-    rank."""
-    msgs = team.all_gather_object(msg, "checkpoint status")
+    rank. With ``call``, each wait is bounded by ``wait`` seconds (arrival.py)."""
+    msgs = arrival.first_agreement(team, msg, "checkpoint status", wait, call, path) if call \
+        else team.all_gather_object(msg, "checkpoint status")
     for r, m in enumerate(msgs):
         if m is not None:
             raise CheckpointError(f"{what}{team.where(r)}: {m}") \
@@ -541,13 +547,18 @@ def save_checkpoint(
 
     Atomic: when this returns on any rank, ``path`` holds the complete new checkpoint; if it
     raises or the job dies before, ``path`` still holds the previous one (or nothing, if there
-    was none). Needs a filesystem all ranks share. Returns the path."""
+    was none). Needs a filesystem all ranks share. Returns the path.
+
+    A collective: a rank that calls it alone (under ``if master_process:``) raises
+    CollectiveTimeout naming it after ``$ZEROKERN_GATHER_TIMEOUT`` seconds (default 300 on
+    gloo; on NCCL only when set), instead of waiting for the process group's timeout."""
     opt = optimizer
     comm = opt.comm
     team = Team(comm)
     leader = team.rank == 0  # the first replica's shard rank 0: stages and publishes
     path = os.path.normpath(os.fspath(path))
     what = f"save_checkpoint({path})"
+    wait = arrival.limit(team)  # before anything is staged: a bad value is refused first
     msg, exc, plan = attempt(lambda: plan_save(model, opt, extra))
     if plan is not None and (entry := residual_entry(opt, team)) is not None:
         plan.meta[RESIDUALS] = entry  # error feedback's residuals (residuals.py)
@@ -559,7 +570,15 @@ def save_checkpoint(
     failed: Failure | None = None
     try:
         # 1. every rank's plan, and the staging directory's nonce from the leader
-        status = team.all_gather_object((msg, nonce), "checkpoint plan")
+        # Bounded: no collective runs before it, so a rank calling this alone (under `if
+        # master_process:`) waits here, and is told instead of waiting in silence.
+        try:
+            status = arrival.first_agreement(team, (msg, nonce), "checkpoint plan", wait,
+                                             "save_checkpoint", path)
+        except CollectiveTimeout:
+            if nonce is not None:  # nothing was written: leave no staging directory
+                _discard(tmp_dir(path, nonce))
+            raise
         failed = first_failure(team, [m for m, _ in status], exc)
         if failed is None:
             nonce = status[0][1]

@@ -510,26 +510,35 @@ class Comm:
         self.stats.wire["all_to_all"] += sent
         return self._async("all_to_all", label, [work], handed, async_op)
 
-    def all_gather_object(self, obj: Any, label: str = "objects") -> list[Any]:
+    def all_gather_object(self, obj: Any, label: str = "objects", *,
+                          timeout: float | None = None) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order. Built on all_gather (sizes, then the
         padded bytes) so its tensors are kept like every other collective's. Like
-        torch.distributed.all_gather_object it unpickles what the group's ranks sent."""
+        torch.distributed.all_gather_object it unpickles what the group's ranks sent.
+        ``timeout`` (seconds) bounds each of the two waits as ``Handle.wait`` does
+        (CollectiveTimeout): torch's object collectives take none."""
         if self.world_size == 1:
             return [obj]
         data = pickle.dumps(obj)
         dev = self._object_device()
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         sizes = torch.empty(self.world_size, dtype=torch.int64, device=dev)
-        self.all_gather(sizes, size, label=f"{label} (sizes)", count=False)
+        self._all_gather_within(sizes, size, f"{label} (sizes)", timeout)
         width = int(sizes.max())
         mine = torch.zeros(width, dtype=torch.uint8)
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         gathered = torch.empty(self.world_size * width, dtype=torch.uint8, device=dev)
-        self.all_gather(gathered, mine.to(dev), label=label, count=False)
+        self._all_gather_within(gathered, mine.to(dev), label, timeout)
         rows = gathered.cpu().view(self.world_size, width)
         lengths = sizes.cpu().tolist()
         return [pickle.loads(rows[r, : lengths[r]].numpy().tobytes())
                 for r in range(self.world_size)]
+
+    def _all_gather_within(self, out: torch.Tensor, inp: torch.Tensor, label: str,
+                           timeout: float | None) -> None:
+        handle = self.all_gather(out, inp, label=label, count=False, async_op=True)
+        if handle is not None:
+            handle.wait(timeout=timeout)
 
     def _object_device(self) -> torch.device:
         # NCCL moves only CUDA tensors; every other backend here takes CPU tensors.

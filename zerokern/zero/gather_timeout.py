@@ -16,7 +16,8 @@ timeout applies otherwise).
 
 The same limit (``$ZEROKERN_GATHER_TIMEOUT``) bounds each all-reduce of an optimizer's
 ``full_state_dict()`` at stages 1-3 (interchange.py), which nanoGPT's checkpoint, ported,
-runs under ``if master_process:`` on rank 0 alone.
+runs under ``if master_process:`` on rank 0 alone, and the first agreement of
+``save_checkpoint`` / ``load_checkpoint`` (checkpoint/arrival.py), for the same habit.
 """
 
 from __future__ import annotations
