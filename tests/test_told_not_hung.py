@@ -62,16 +62,23 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
                                msg=lambda m: f"{what}: {m}")
 
 
+def _one_step(model: torch.nn.Module, opt: zerokern.ZeroAdamW,
+              rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training step on this rank's first batch, which it returns."""
+    x, y = _data(0, rank)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    return x, y
+
+
 # -- 1. stage 3: a gather the other ranks never start ----------------------------------------
 
 def rank0_eval_case(rank: int, world: int, timeout: float) -> None:
     torch.manual_seed(0)
     model = zerokern.shard_model(_net(), unit_classes=(Block,), gather_timeout=timeout)
     opt = zerokern.ZeroAdamW(model.parameters(), stage=3, **HP)
-    x, y = _data(0, rank)
-    F.cross_entropy(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
+    x, y = _one_step(model, opt, rank)
     if rank != 0:
         return  # nanoGPT: only the master process evaluates
     model.eval()
@@ -108,10 +115,7 @@ def rank0_full_state_dict_case(rank: int, world: int, timeout: float) -> None:
     torch.manual_seed(0)
     model = _net()
     opt = zerokern.ZeroAdamW(model.parameters(), stage=2, **HP)
-    x, y = _data(0, rank)
-    F.cross_entropy(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
+    _one_step(model, opt, rank)
     if rank != 0:
         return  # only the master process saves
     start = time.monotonic()
@@ -140,10 +144,7 @@ def rank0_checkpoint_case(rank: int, world: int, timeout: float, root: str) -> N
     torch.manual_seed(0)
     model = _net()
     opt = zerokern.ZeroAdamW(model.parameters(), stage=2, **HP)
-    x, y = _data(0, rank)
-    F.cross_entropy(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
+    _one_step(model, opt, rank)
     together = os.path.join(root, "together")
     zerokern.save_checkpoint(together, model, opt, extra={"iter": 1})  # every rank
     if rank != 0:
