@@ -66,16 +66,9 @@ def _fused_adamw_op(
     grad_scale: float,
     backend: str,
 ) -> None:
-    s = adam_scalars(
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        step=step,
-        grad_scale=grad_scale,
-    )
-    _run(backend, param, grad, exp_avg, exp_avg_sq, param_lp, s)
+    engine_adamw_(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                  weight_decay=weight_decay, step=step, grad_scale=grad_scale,
+                  param_lp=param_lp, backend=backend)
 
 
 @_fused_adamw_op.register_fake

@@ -166,11 +166,12 @@ def _op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         sr_index: torch.Tensor | None, seed: int, lr: float, beta1: float, beta2: float,
         eps: float, weight_decay: float, step: int, grad_scale: float, backend: str,
         format_version: int) -> None:
-    s = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                     step=step, grad_scale=grad_scale)
-    seed %= 2**64  # the schema's int is int64: seeds >= 2**63 travel as negatives
-    _run(backend, param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax,
-         param_lp, sr_index, seed, step, s, format_version)
+    # The schema's int is int64: seeds >= 2**63 travel as negatives.
+    engine_step_(param, grad, exp_avg, exp_avg_sq, exp_avg_absmax=exp_avg_absmax,
+                 exp_avg_sq_absmax=exp_avg_sq_absmax, param_lp=param_lp, sr_index=sr_index,
+                 seed=seed % 2**64, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                 weight_decay=weight_decay, step=step, grad_scale=grad_scale, backend=backend,
+                 format_version=format_version)
 
 
 @_op.register_fake
