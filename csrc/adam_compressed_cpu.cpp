@@ -5,7 +5,8 @@
 // One pass per 256-element quantization block, in two sweeps over the block:
 //   1. widen grad and param, dequantize (code_map[c] * scale) or widen the moments, apply the
 //      fp32 update of kernels.h with its rounding contract (adam_update of cpu_lanes.h, as
-//      adam_cpu.cpp), write an fp32 param and fp32 moments (a bf16 param's fp32 value and
+//      adam_cpu.cpp; bf16 moments and int8 version 3 with the folded scalars, one division
+//      less), write an fp32 param and fp32 moments (a bf16 param's fp32 value and
 //      bf16 moments go to 1 KiB stack buffers, rounded at the end). 8-bit moments go to a
 //      1 KiB stack buffer per moment while
 //      the block's scale is tracked: the maximum of the bit patterns with the sign cleared (for
@@ -398,6 +399,9 @@ int64_t v3_code_lanes(const float* mb, const float* vb, float m_r, float v_r, ui
 }
 
 constexpr bool is_u8(MomentFmt f) { return f == MomentFmt::U8 || f == MomentFmt::U8V3; }
+// The formats whose update takes kernel_contract.fold_bias_correction's scalars (bf16 moments
+// and int8 version 3): bc2_sqrt == 1, so the kernel skips that division (cpu_lanes.h, FOLDED).
+constexpr bool folded(MomentFmt f) { return f == MomentFmt::BF16 || f == MomentFmt::U8V3; }
 
 // -- the kernel --------------------------------------------------------------------------------
 
@@ -473,7 +477,7 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
     } else {
       pi = V::ld(static_cast<const float*>(param) + i);
     }
-    adam_update<V, LERP_LOW, MF == MomentFmt::U8V3>(k, V::template ldt<G>(g + i), pi, mi, vi);
+    adam_update<V, LERP_LOW, folded(MF)>(k, V::template ldt<G>(g + i), pi, mi, vi);
     return pi;
   };
   // 8-bit moments go to the block buffers, their maxima tracked.
@@ -871,11 +875,11 @@ void adamw_compressed_cpu(const CompressedArgs& a, const AdamScalars& s) {
   } else if (a.mfmt == MomentFmt::U8V3) {
     if (a.exp_avg_absmax == nullptr || a.exp_avg_sq_absmax == nullptr)
       throw std::invalid_argument("adamw_compressed_cpu: 8-bit moments need absmax");
-    // The kernel skips the division by bc2_sqrt (cpu_lanes.h, FOLDED): only exact with 1.
-    if (s.bc2_sqrt != 1.0f)
-      throw std::invalid_argument("adamw_compressed_cpu: format version 3 takes the folded "
-                                  "scalars (fold_bias_correction: bc2_sqrt == 1)");
   }
+  // The kernel skips the division by bc2_sqrt (cpu_lanes.h, FOLDED): only exact with 1.
+  if (folded(a.mfmt) && s.bc2_sqrt != 1.0f)
+    throw std::invalid_argument("adamw_compressed_cpu: bf16 moments and format version 3 take "
+                                "the folded scalars (fold_bias_correction: bc2_sqrt == 1)");
   switch (a.gdt) {
     case DType::F32: return pick_param<float>(c, pm, a.mfmt);
     case DType::BF16: return pick_param<BF16>(c, pm, a.mfmt);

@@ -33,7 +33,8 @@
 //     maximum of patterns), n is normalised as above with d = A, and the code is the pattern
 //     of |n| plus half a step, shifted right by 20, re-biased and clamped; a NaN n takes the
 //     zero code (128 signed, 0 unsigned), a negative one code 0 on the unsigned map.
-//   * bf16 moments: round to nearest even. fp32 moments: stored as they are.
+//   * bf16 moments: round to nearest even; their update takes the folded scalars, as version
+//     3's (adam_elem<true>). fp32 moments: stored as they are.
 //   * fp32 param: stored, and param_lp (bf16/fp16) rounded to nearest even when given.
 //   * bf16 param: stochastic rounding with 16 bits of Philox4x32-10 of the counter
 //     (index / 8, step, 0, 0) under the key (seed lo, seed hi), computed here (ten rounds,
@@ -351,6 +352,9 @@ __global__ void __launch_bounds__(kThreads)
     adamw_compressed_kernel(const KArgs<G, P, L, M> a) {
   constexpr bool kU8 = std::is_same_v<M, uint8_t>;
   static_assert(kU8 || !V3, "format version 3 is an 8-bit format");
+  // bf16 moments and version 3 take fold_bias_correction's scalars (bc2_sqrt == 1, checked by
+  // adamw_compressed_cuda): adam_elem<true> skips that division.
+  constexpr bool kFolded = V3 || std::is_same_v<M, __nv_bfloat16>;
   constexpr bool kSr = std::is_same_v<P, __nv_bfloat16>;
   constexpr bool kLp = !std::is_same_v<L, NoLp>;
   static_assert(!(kSr && kLp), "a bf16 param has no param_lp");
@@ -396,7 +400,7 @@ __global__ void __launch_bounds__(kThreads)
     }
 
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) adam_elem<V3>(p[e], g[e], m[e], v[e], a.k);
+    for (int e = 0; e < kPer; ++e) adam_elem<kFolded>(p[e], g[e], m[e], v[e], a.k);
 
     if constexpr (kSr) {
       const uint32_t first_index = static_cast<uint32_t>(a.sr_index[b]);
@@ -568,9 +572,11 @@ void adamw_compressed_cuda(const CompressedArgs& c, const AdamScalars& s, void* 
     refuse("uint8 moments need exp_avg_absmax, exp_avg_sq_absmax and tables");
   if (c.mfmt == MomentFmt::U8V3 && (c.exp_avg_absmax == nullptr || c.exp_avg_sq_absmax == nullptr))
     refuse("uint8 moments need exp_avg_absmax and exp_avg_sq_absmax");
-  // Version 3 skips the division by bc2_sqrt (adam_elem<true>): only exact when it is 1.
-  if (c.mfmt == MomentFmt::U8V3 && s.bc2_sqrt != 1.0f)
-    refuse("format version 3 takes the folded scalars (fold_bias_correction: bc2_sqrt == 1)");
+  // bf16 moments and version 3 skip the division by bc2_sqrt (adam_elem<true>): only exact
+  // when it is 1.
+  if ((c.mfmt == MomentFmt::U8V3 || c.mfmt == MomentFmt::BF16) && s.bc2_sqrt != 1.0f)
+    refuse("bf16 moments and format version 3 take the folded scalars "
+           "(fold_bias_correction: bc2_sqrt == 1)");
   if (c.pdt == DType::BF16) {
     if (c.param_lp != nullptr) refuse("param_lp must be null with a bf16 param");
     if (c.sr_index == nullptr) refuse("sr_index is required with a bf16 param");

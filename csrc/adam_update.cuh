@@ -32,8 +32,9 @@ inline Coeffs coeffs_of(const AdamScalars& s) {
 }
 
 // One element: graw is the widened gradient before its scaling; p, m, v are updated in place.
-// FOLDED: fold_bias_correction's scalars (int8 format version 3), bc2_sqrt == 1: the division
-// by it is exact, so it is skipped (the same bits, one division less).
+// FOLDED: fold_bias_correction's scalars (bf16 moments, int8 format version 3),
+// bc2_sqrt == 1: the division by it is exact, so it is skipped (the same bits, one division
+// less).
 template <bool FOLDED = false>
 __device__ __forceinline__ void adam_elem(float& p, float graw, float& m, float& v,
                                           const Coeffs& k) {

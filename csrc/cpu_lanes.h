@@ -305,9 +305,10 @@ struct AdamCoeffs {
 // lerp, the v update and the p update are single fmas, every other operation one IEEE
 // rounding. graw is the widened gradient before its scaling; p, m, v are updated in place.
 // LERP_LOW (w = 1 - beta1 < 0.5) is a template parameter so loops carry no branch on it.
-// FOLDED: the scalars are fold_bias_correction's (zerokern/kernel_contract.py, int8 format
-// version 3), bc2_sqrt == 1, so sqrt(v) / bc2_sqrt is sqrt(v) exactly and the division is
-// skipped: one of the two divisions that, with the square root, bound this update on a CPU.
+// FOLDED: the scalars are fold_bias_correction's (zerokern/kernel_contract.py: bf16 moments
+// and int8 format version 3), bc2_sqrt == 1, so sqrt(v) / bc2_sqrt is sqrt(v) exactly and
+// the division is skipped: one of the two divisions that, with the square root, bound this
+// update on a CPU.
 template <class V, bool LERP_LOW, bool FOLDED = false>
 inline void adam_update(const AdamCoeffs<V>& k, typename V::F graw, typename V::F& p,
                         typename V::F& m, typename V::F& v) {

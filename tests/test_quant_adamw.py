@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerokern.kernel_contract import adam_scalars
+from zerokern.kernel_contract import adam_scalars, fold_bias_correction
 from zerokern.quant.adamw import (
     MIN_COMPRESSED_NUMEL,
     CompressedMoments,
@@ -134,7 +134,8 @@ def test_compressed_step_is_dequant_fp32_update_requant(moments, master):
     else:
         m, v = state.exp_avg.float(), state.exp_avg_sq.float()
     p_ref = p.float().clone()
-    adamw_contract_(p_ref, g, m, v, None, s)
+    # bf16 moments step with v's bias correction folded (kernel_contract.fold_bias_correction)
+    adamw_contract_(p_ref, g, m, v, None, fold_bias_correction(s) if moments == "bf16" else s)
     if master == "none":
         p_ref = stochastic_round_bf16(p_ref, sr_bits16(SEED, 4, torch.arange(N)))
 

@@ -166,7 +166,9 @@ def _same_state(got, want, sr):
 def _run_pair(st_triton, st_torch, grad, sr_index, seed, steps, hp, rows=None):
     """The same chained steps with the kernel and with the oracle; compare after each.
     rows: the kernel's blocks per program (None: the production tile)."""
-    from zerokern.kernel_contract import adam_scalars
+    import torch
+
+    from zerokern.kernel_contract import adam_scalars, fold_bias_correction
     from zerokern.kernels.triton.adamw_compressed import adamw_compressed_triton_
     from zerokern.ops.adamw_compressed import adamw_compressed_torch_
     from zerokern.quant.maps import kernel_tables
@@ -175,8 +177,10 @@ def _run_pair(st_triton, st_torch, grad, sr_index, seed, steps, hp, rows=None):
              "param_lp")
     sr = sr_index is not None
     g0 = grad.clone()
+    folded = st_torch["exp_avg"][0].dtype == torch.bfloat16  # bf16 moments fold (the op does)
     for step in steps:
         s = adam_scalars(step=step, **hp)
+        s = fold_bias_correction(s) if folded else s
         a = [None if st_triton[k] is None else st_triton[k][0] for k in names]
         b = [None if st_torch[k] is None else st_torch[k][0] for k in names]
         kw = {} if rows is None else {"rows": rows}

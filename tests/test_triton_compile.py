@@ -362,21 +362,23 @@ def test_compile_sm90_adamw_compressed_codegen(compiled):
             assert k["resources"]["local"] == 0, f"{name} spills: {k['resources']}"
         quantized = "moments=u8" in name
         v3 = " v3" in name
+        folded = v3 or "moments=bf16" in name  # fold_bias_correction's scalars
         scaled = "unscaled" not in name
         assert ptx.get("fma.rn.f32", 0) == 3 * per, (name, ptx)
         # quantizing divides each new moment by its block absmax; dequantizing multiplies;
-        # version 3's update skips the division by bc2_sqrt (its scalars are folded)
+        # bf16 moments' and version 3's update skip the division by bc2_sqrt (folded scalars)
         at_least = {
             "mul.rn.f32": ((4 if scaled else 3) + (2 if quantized else 0)) * per,
             "sub.rn.f32": per,
             "add.rn.f32": per,
             "sqrt.rn.f32": per,
-            "div.rn.f32": ((4 if quantized else 2) - (1 if v3 else 0)) * per,
+            "div.rn.f32": ((4 if quantized else 2) - (1 if folded else 0)) * per,
         }
         short = {op: ptx.get(op, 0) for op, n in at_least.items() if ptx.get(op, 0) < n}
         assert not short, (name, short, at_least)
-        v2_twin = kernels.get(name.replace(" v3", ""))
-        if v3 and v2_twin is not None:
+        # the unfolded twin: version 2 for version 3, fp32 moments for bf16 moments
+        v2_twin = kernels.get(name.replace(" v3", "").replace("moments=bf16", "moments=fp32"))
+        if folded and v2_twin is not None:
             twin = v2_twin["ptx"].get("div.rn.f32", 0)
             assert ptx.get("div.rn.f32", 0) <= twin - per, (name, ptx, twin)
         for bad in ("sqrt.approx", "div.full", "div.approx", ".ftz", "mul.f32", "add.f32",

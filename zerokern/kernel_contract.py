@@ -51,8 +51,28 @@ def adam_scalars(
     )
 
 
+def folds_bias_correction(moments: str, format_version: int) -> bool:
+    """Whether a compressed state's update takes :func:`fold_bias_correction`'s scalars:
+    bf16 moments, and int8 moments of format version 3 (``zerokern.quant.fmt_v3``).
+
+    Neither format equals torch's AdamW bit for bit anyway (their moments are rounded), so
+    their update may drop the division (issue 39); fp32 moments, and int8 versions 1 and 2,
+    keep torch's arithmetic. The stored state is the same either way: a bf16 state saved
+    before bf16 moments folded loads bit for bit and steps with the folded update.
+
+    Args:
+        moments: the moments' format, ``"fp32"``, ``"bf16"`` or ``"int8"``.
+        format_version: the int8 format version (ignored for other moments).
+
+    Returns:
+        True where the update is the folded one.
+    """
+    return moments == "bf16" or (moments == "int8" and format_version == 3)
+
+
 def fold_bias_correction(s: AdamScalars) -> AdamScalars:
-    """The scalars of the folded update, int8 format version 3's (``zerokern.quant.fmt_v3``).
+    """The scalars of the folded update: bf16 moments' and int8 format version 3's
+    (:func:`folds_bias_correction`).
 
     AdamW's ``p - step_size * m / (sqrt(v) / bc2_sqrt + eps)`` is, in exact arithmetic,
     ``p - (step_size * bc2_sqrt) * m / (sqrt(v) + eps * bc2_sqrt)``. The two products are

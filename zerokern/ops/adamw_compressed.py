@@ -9,8 +9,9 @@ the others equal it bit for bit):
 * ``n`` elements; blocks are 256 consecutive elements counted from the range's first element,
   the last one partial. The caller lays the range out so that no block mixes two parameters
   (zerokern pads the layout so each compressed parameter starts on a block).
-* Moments, by ``exp_avg``'s dtype: fp32 (updated in place), bf16 (widened, updated, stored
-  rounded to nearest even) or uint8 codes (``exp_avg`` on the signed map, ``exp_avg_sq`` on
+* Moments, by ``exp_avg``'s dtype: fp32 (updated in place), bf16 (widened, updated with
+  the folded scalars of ``kernel_contract.fold_bias_correction``, stored rounded to nearest
+  even) or uint8 codes (``exp_avg`` on the signed map, ``exp_avg_sq`` on
   the unsigned one, one fp32 scale per block in ``exp_avg_absmax`` / ``exp_avg_sq_absmax``;
   dequantized ``code[c] * scale`` (``zerokern.quant.maps``), updated, requantized with
   format version 2: a signed scale and one reciprocal per block,
@@ -35,7 +36,12 @@ from __future__ import annotations
 import torch
 
 from .. import _native
-from ..kernel_contract import AdamScalars, adam_scalars, fold_bias_correction
+from ..kernel_contract import (
+    AdamScalars,
+    adam_scalars,
+    fold_bias_correction,
+    folds_bias_correction,
+)
 from ..quant.blockwise import quantize_blockwise_v2
 from ..quant.contract import adamw_contract_
 from ..quant.fmt_v3 import code_map_v3, quantize_blockwise_v3
@@ -84,12 +90,13 @@ def adamw_compressed_torch_(
     s: AdamScalars, format_version: int = 2,
 ) -> None:
     """The oracle of the range contract (module docstring), in pure PyTorch. ``s`` are the
-    kernel scalars: for int8 version 3, ``fold_bias_correction``'s (as every kernel)."""
+    kernel scalars: for bf16 moments and int8 version 3, ``fold_bias_correction``'s (as every
+    kernel)."""
     n = param.numel()
     fmt = moments_format(exp_avg)
     v3 = format_version == 3
-    if v3 and fmt == "int8" and s.bc2_sqrt != 1.0:
-        raise ValueError("format_version=3 takes the folded scalars "
+    if folds_bias_correction(fmt, format_version) and s.bc2_sqrt != 1.0:
+        raise ValueError("bf16 moments and format_version=3 take the folded scalars "
                          "(kernel_contract.fold_bias_correction: bc2_sqrt == 1)")
     if fmt == "int8":
         assert exp_avg_absmax is not None and exp_avg_sq_absmax is not None
@@ -139,8 +146,8 @@ def _run(backend: str, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
         # Also for direct callers of the custom op: never step version 3 with version 2's code.
         raise ValueError(f"format_version=3 (int8) runs on the backends "
                          f"{', '.join(V3_BACKENDS)} only, not {backend!r}")
-    if format_version == 3 and exp_avg.dtype == torch.uint8:
-        s = fold_bias_correction(s)  # version 3's update (the kernels may skip a division)
+    if folds_bias_correction(moments_format(exp_avg), format_version):
+        s = fold_bias_correction(s)  # the folded update (the kernels may skip a division)
     args = (param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax, param_lp,
             sr_index, seed, step)
     if backend == "torch":
@@ -295,7 +302,7 @@ def fused_adamw_compressed_(
         format_version: the int8 encoding, 2 (``zerokern.quant.blockwise``, the default) or
             3 (``zerokern.quant.fmt_v3``, computed maps, and the update with ``v``'s bias
             correction folded into the step size and eps; every backend); the other moment
-            formats ignore it.
+            formats ignore it (bf16 moments always take the folded update).
 
     Raises:
         TypeError, ValueError: naming the first bad argument, with nothing modified.

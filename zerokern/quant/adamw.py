@@ -9,15 +9,15 @@ elements' step in the whole parameter (the tests check it).
 **The update** is always the fused kernels' fp32 AdamW (the rounding contract of
 csrc/kernels.h, spelled exactly in ``zerokern.quant.contract``) with the scalars of
 ``zerokern.kernel_contract.adam_scalars``, so ``moments="fp32", master="fp32"`` is today's
-``cpu`` kernel bit for bit. int8 format version 3 takes the same formula with
-``kernel_contract.fold_bias_correction``'s scalars (``v``'s bias correction folded into
+``cpu`` kernel bit for bit. bf16 moments and int8 format version 3 take the same formula
+with ``kernel_contract.fold_bias_correction``'s scalars (``v``'s bias correction folded into
 ``step_size`` and ``eps``: one division less per element, equal to AdamW in exact
 arithmetic). Only what goes in and out of it changes (the range oracle
 ``zerokern.ops.adamw_compressed`` does the work; this function is one parameter's view):
 
 * ``moments="fp32"``: the moments are updated in place, as today.
-* ``moments="bf16"``: both moments are widened to fp32 (exact), updated, and stored back
-  rounded to nearest even (``Tensor.copy_`` into bf16).
+* ``moments="bf16"``: both moments are widened to fp32 (exact), updated (folded scalars),
+  and stored back rounded to nearest even (``Tensor.copy_`` into bf16).
 * ``moments="int8"``: uint8 codes with one fp32 absmax per block of 256 elements
   (``zerokern.quant.maps``), the signed map for ``exp_avg`` and the unsigned one for
   ``exp_avg_sq``. Dequantized to fp32, updated, requantized, in the same call. Blocks are
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernel_contract import AdamScalars, fold_bias_correction
+from ..kernel_contract import AdamScalars, fold_bias_correction, folds_bias_correction
 from .maps import (
     BLOCK,
     SIGNED_MAP_ID,
@@ -303,8 +303,8 @@ def adamw_compressed_step_reference_(
     # block boundary for int8), and element i's index in the parameter is start + i.
     from ..ops.adamw_compressed import adamw_compressed_torch_
 
-    if fmt == "int8" and format_version == 3:
-        scalars = fold_bias_correction(scalars)  # version 3's update (fmt_v3's docstring)
+    if folds_bias_correction(fmt, format_version):
+        scalars = fold_bias_correction(scalars)  # bf16 and version 3 (fold_bias_correction)
     sr_index = None
     if master == "none":
         assert seed is not None and step is not None

@@ -129,8 +129,8 @@ def adamw_update(
     """The fp32 AdamW update of the kernel contract (module docstring), spelled once for
     every Triton kernel (this one and ``adamw_compressed.py``): fp32 ``p`` (the master), ``g``
     (the widened gradient before its scaling), ``m``, ``v`` in; the updated ``(p, m, v)``
-    out. FOLDED: the scalars are ``kernel_contract.fold_bias_correction``'s (int8 format
-    version 3), ``bc2_sqrt == 1``, so the division by it is exact and skipped."""
+    out. FOLDED: the scalars are ``kernel_contract.fold_bias_correction``'s (bf16 moments,
+    int8 format version 3), ``bc2_sqrt == 1``, so the division by it is exact and skipped."""
     if APPLY_SCALE:
         g = g * inv_grad_scale
     p = p * decay

@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zerokern.kernel_contract import AdamScalars
+from zerokern.kernel_contract import AdamScalars, folds_bias_correction
 
 from . import check_interpreter
 from .adamw import _round_lp, adamw_update, kernel_scalars
@@ -81,6 +81,7 @@ COMPILE_OPTIONS = dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
 # Moment formats (the MOMENTS constexpr), by exp_avg's dtype.
 MOMENTS_FP32, MOMENTS_BF16, MOMENTS_INT8 = 0, 1, 2
 _MOMENTS = {torch.float32: MOMENTS_FP32, torch.bfloat16: MOMENTS_BF16, torch.uint8: MOMENTS_INT8}
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.uint8: "int8"}
 
 # zerokern.quant.maps.kernel_tables: four 256-entry parts, at offsets 0 (signed map), 256 (its
 # thresholds), 512 (unsigned map) and 768 (its thresholds); the kernel uses these literals.
@@ -230,9 +231,10 @@ def _tile(
         m = _widen(_load(exp_avg_ptr, offs, mask, MASKED), SOFT_FP)
         v = _widen(_load(exp_avg_sq_ptr, offs, mask, MASKED), SOFT_FP)
 
+    # bf16 moments (MOMENTS == 1) and version 3 take the folded scalars: one division less.
     p, m, v = adamw_update(
         p, g, m, v, decay, w, neg_one_minus_w_bits, beta2, one_minus_beta2, neg_step_size_bits,
-        bc2_sqrt, eps, inv_grad_scale, LERP_LOW, APPLY_SCALE, SOFT_FP, V3)
+        bc2_sqrt, eps, inv_grad_scale, LERP_LOW, APPLY_SCALE, SOFT_FP, V3 or MOMENTS == 1)
 
     if MOMENTS == 2:
         m_rows, m_amax = _block_scale(m, mask, ROWS, MASKED, V3)
@@ -358,8 +360,8 @@ def adamw_compressed_triton_(
         seed: the stochastic rounding seed, an int in [0, 2**64) (bf16 param only).
         step: the 1-based step, an int in [1, 2**32).
         tables: zerokern.quant.maps.kernel_tables(device), 1024 fp32 values.
-        s: zerokern.kernel_contract.adam_scalars(...) of the step (int8 version 3:
-            folded by ``fold_bias_correction``).
+        s: zerokern.kernel_contract.adam_scalars(...) of the step (bf16 moments and int8
+            version 3: folded by ``fold_bias_correction``).
         rows: quantization blocks per program, a power of two (the result does not depend on
             it; the interpreter tests use more to launch fewer programs).
         format_version: the int8 encoding, 2 (``zerokern.quant.blockwise``) or 3
@@ -382,9 +384,9 @@ def adamw_compressed_triton_(
         raise ValueError(f"rows must be a power of two, got {rows!r}")
     if isinstance(format_version, bool) or format_version not in (2, 3):
         raise ValueError(f"format_version must be 2 or 3, got {format_version!r}")
-    if format_version == 3 and exp_avg.dtype == torch.uint8 and s.bc2_sqrt != 1.0:
-        # The V3 kernel skips the division by bc2_sqrt: only exact when it is 1.
-        raise ValueError("format_version=3 takes the folded scalars "
+    if folds_bias_correction(_NAMES[exp_avg.dtype], format_version) and s.bc2_sqrt != 1.0:
+        # The kernel skips the division by bc2_sqrt there: only exact when it is 1.
+        raise ValueError("bf16 moments and format_version=3 take the folded scalars "
                          "(kernel_contract.fold_bias_correction: bc2_sqrt == 1)")
     check_interpreter()
     n = param.numel()
