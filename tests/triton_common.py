@@ -152,14 +152,30 @@ def _start(mode: str, modules: list[str]) -> None:
 def start_scripts(items) -> None:
     """Start, in the background, one subprocess per mode for every module whose selected
     tests ask for its fixture (conftest calls this right after collection)."""
+    for mode, modules in _wanted(items).items():
+        _start(mode, modules)
+
+
+_PLANNED: dict[str, list[str]] = {}  # mode -> every selected module that asks for it
+
+
+def plan_scripts(items) -> None:
+    """Record, without starting anything, which modules each mode's subprocess will serve:
+    under pytest-xdist every worker collects every test, so a start right after collection
+    would run each script once per worker. The first ``results`` call of a mode starts one
+    subprocess for all of them (conftest puts a mode's tests on one worker)."""
+    for mode, modules in _wanted(items).items():
+        _PLANNED[mode] = sorted(set(modules))
+
+
+def _wanted(items) -> dict[str, list[str]]:
     wanted: dict[str, list[str]] = {}
     for item in items:
         mod = getattr(item, "module", None)
         for fixture in getattr(item, "fixturenames", ()):
             if mod is not None and fixture in FIXTURE_MODES:
                 wanted.setdefault(FIXTURE_MODES[fixture], []).append(Path(mod.__file__).stem)
-    for mode, modules in wanted.items():
-        _start(mode, modules)
+    return wanted
 
 
 def results(mode: str, module_file: str) -> dict:
@@ -169,7 +185,7 @@ def results(mode: str, module_file: str) -> dict:
     if mode == "interp":
         pytest.importorskip("numpy")
     name = Path(module_file).stem
-    _start(mode, [name])
+    _start(mode, [name, *_PLANNED.get(mode, ())])
     res = _STARTED[mode, name].result()
     if "skip" in res:
         pytest.skip(res["skip"])
