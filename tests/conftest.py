@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,10 +39,7 @@ def exit_zygote():
     z.close()
 
 
-# First: xdist's worker reads the xdist_group marks in its own hook of this name.
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    _group_for_workers(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -50,34 +48,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _group_for_workers(items) -> None:
-    """Under pytest-xdist (scripts/test.sh runs ``-n 2 --dist loadgroup``), keep on one worker
-    the tests that share something built once per process, so it is built once, not once per
-    worker: a Triton script mode's tests (one subprocess serves them all), the tests of a
-    session-scoped fixture of ours (exit_zygote) and each module with a module- or
-    class-scoped fixture (a compile, a training run). Every other test goes wherever a worker
-    is free. Without xdist the mark is inert."""
-    from triton_common import FIXTURE_MODES
-
-    for item in items:
-        names = getattr(item, "fixturenames", ())
-        group = next((f"triton-{FIXTURE_MODES[n]}" for n in names if n in FIXTURE_MODES), None)
-        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        if group is None:
-            # pytest's own session fixtures (tmp_path_factory, ...) have an empty baseid
-            group = next((f"fixture-{n}" for n, fd in defs.items()
-                          if fd[-1].scope == "session" and fd[-1].baseid), None)
-        if group is None and any(fd[-1].scope in ("module", "class") for fd in defs.values()):
-            group = item.nodeid.split("::", 1)[0]
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
 def pytest_collection_finish(session):
     # The Triton kernel tests run their interpreter and sm_90 compile scripts in
     # subprocesses: start them now, in the background, rather than when their first test
-    # comes up. Not under pytest-xdist: each worker collects every test, and the scripts'
-    # tests run on whichever worker gets their group, which starts them when it gets there.
+    # comes up.
     for item in session.items:
         mod = getattr(item, "module", None)
         if mod is not None and mod.__name__.rpartition(".")[2].startswith("test_triton_"):
@@ -85,10 +59,10 @@ def pytest_collection_finish(session):
                 import triton  # noqa: F401
             except ImportError:
                 return
-            from triton_common import plan_scripts, start_scripts
-
-            if os.environ.get("PYTEST_XDIST_WORKER"):
-                plan_scripts(session.items)
-            else:
-                start_scripts(session.items)
+            # Under pytest-xdist every worker collects every test: the workers share the
+            # scripts through a folder beside their own temporary folders (the run's).
+            shared = None
+            if os.environ.get("PYTEST_XDIST_WORKER") and session.config.option.basetemp:
+                shared = Path(session.config.option.basetemp).parent / "triton-scripts"
+            mod.start_scripts(session.items, shared)
             return
