@@ -15,7 +15,8 @@ A check fills a dict; the script prints one JSON line, ``{"modules": {name: dict
 subprocess per mode serves every module the session selected: conftest starts them right
 after collection (start_scripts), in the background, since they take 30-40 s of one core that
 the rest of the suite leaves partly idle; a fixture whose module none of them covers starts
-its own.
+its own. Under pytest-xdist the workers share them through files (``_Script``): each script
+runs once per run, not once per worker.
 """
 
 from __future__ import annotations
