@@ -16,8 +16,8 @@ if ! python -c "import torch" 2>/dev/null; then
   echo "setup: installing $TORCH_SPEC (local wheel cache, about a minute)"
   python -m pip install -q "$TORCH_SPEC"
 fi
-python -m pip install -q "setuptools>=64" wheel "pybind11>=2.10" ninja pytest ruff numpy hypothesis \
-  safetensors matplotlib transformers accelerate pytorch-lightning
+python -m pip install -q "setuptools>=64" wheel "pybind11>=2.10" ninja pytest "pytest-xdist>=3.8" \
+  ruff numpy hypothesis safetensors matplotlib transformers accelerate pytorch-lightning
 # The documentation tools (pyproject.toml's `docs` extra): scripts/test.sh builds the site.
 python -m pip install -q "mkdocs>=1.6" "mkdocs-material>=9.5" "mkdocstrings-python>=2.0"
 

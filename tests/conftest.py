@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,5 +59,10 @@ def pytest_collection_finish(session):
                 import triton  # noqa: F401
             except ImportError:
                 return
-            mod.start_scripts(session.items)
+            # Under pytest-xdist every worker collects every test: the workers share the
+            # scripts through a folder beside their own temporary folders (the run's).
+            shared = None
+            if os.environ.get("PYTEST_XDIST_WORKER") and session.config.option.basetemp:
+                shared = Path(session.config.option.basetemp).parent / "triton-scripts"
+            mod.start_scripts(session.items, shared)
             return

@@ -15,11 +15,13 @@ A check fills a dict; the script prints one JSON line, ``{"modules": {name: dict
 subprocess per mode serves every module the session selected: conftest starts them right
 after collection (start_scripts), in the background, since they take 30-40 s of one core that
 the rest of the suite leaves partly idle; a fixture whose module none of them covers starts
-its own.
+its own. Under pytest-xdist the workers share them through files (``_Script``): each script
+runs once per run, not once per worker.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -104,54 +106,100 @@ def _run_checks(mode: str, modules: list[str]) -> None:
 
 
 class _Script:
-    """One subprocess running the checks of `modules` in `mode`, and its parsed output."""
+    """One subprocess running the checks of `modules` in `mode`, and its parsed output.
 
-    def __init__(self, mode: str, modules: list[str]):
+    With ``shared`` (a folder all pytest-xdist workers of the run see), the subprocess is
+    shared too: every worker collects every test, so each would start the same script; the
+    first to create its lock file starts it, writing its output and exit status there, and
+    every worker (that one included) reads them from there."""
+
+    def __init__(self, mode: str, modules: list[str], shared: Path | None = None):
         import tempfile
 
         env = dict(os.environ)
         env["TRITON_INTERPRET"] = "1" if mode == "interp" else "0"
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         self.mode = mode
-        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([sys.executable, str(HERE), mode, *modules], cwd=ROOT,
-                                     env=env, stdout=self.out, stderr=self.err, text=True)
         self.t0 = time.monotonic()
         self.parsed: dict | None = None
+        self.proc: subprocess.Popen | None = None
+        cmd = [sys.executable, str(HERE), mode, *modules]
+        if shared is None:
+            self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.out,
+                                         stderr=self.err, text=True)
+            return
+        shared.mkdir(parents=True, exist_ok=True)
+        key = hashlib.sha1(" ".join(modules).encode()).hexdigest()[:16]
+        stem = shared / f"{mode}-{key}"  # the same modules: the same files in every worker
+        self.files = {k: Path(f"{stem}.{k}") for k in ("out", "err", "rc")}
+        try:
+            os.close(os.open(f"{stem}.lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return  # another worker started it
+        # The shell writes the exit status once the script has ended (renamed into place,
+        # so a reader never sees it half written); its own session, so a timeout kills both.
+        env.update(ZK_OUT=str(self.files["out"]), ZK_ERR=str(self.files["err"]),
+                   ZK_RC=str(self.files["rc"]))
+        script = '"$@" >"$ZK_OUT" 2>"$ZK_ERR"; echo $? >"$ZK_RC.part"; mv "$ZK_RC.part" "$ZK_RC"'
+        self.proc = subprocess.Popen(["sh", "-c", script, "sh", *cmd], cwd=ROOT, env=env,
+                                     start_new_session=True)
+
+    def _wait_shared(self) -> tuple[int | None, str, str]:
+        rc_file = self.files["rc"]
+        while not rc_file.exists():
+            if time.monotonic() - self.t0 > TIMEOUT_S:
+                if self.proc is not None:
+                    os.killpg(self.proc.pid, 9)
+                    self.proc.wait()
+                return None, "", f"timed out after {TIMEOUT_S} s"
+            time.sleep(0.2)
+        if self.proc is not None:
+            self.proc.wait()
+        return (int(rc_file.read_text()), self.files["out"].read_text(),
+                self.files["err"].read_text())
 
     def result(self) -> dict:
         if self.parsed is not None:
             return self.parsed
-        try:
-            self.proc.wait(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - self.t0)))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.out.seek(0)
-        self.err.seek(0)
-        stdout, stderr = self.out.read(), self.err.read()
+        if hasattr(self, "files"):
+            rc, stdout, stderr = self._wait_shared()
+        else:
+            assert self.proc is not None
+            try:
+                self.proc.wait(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - self.t0)))
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.out.seek(0)
+            self.err.seek(0)
+            rc, stdout, stderr = self.proc.returncode, self.out.read(), self.err.read()
         lines = stdout.strip().splitlines()
-        if self.proc.returncode != 0 or not lines:
-            pytest.fail(f"`{self.mode}` subprocess failed (rc={self.proc.returncode}):\n"
-                        f"{stderr[-6000:]}")
+        if rc != 0 or not lines:
+            pytest.fail(f"`{self.mode}` subprocess failed (rc={rc}):\n{stderr[-6000:]}")
         self.parsed = json.loads(lines[-1])
         return self.parsed
 
 
 _STARTED: dict[tuple[str, str], _Script] = {}  # (mode, module) -> the script covering it
+_SHARED: list[Path] = []  # the folder shared by this run's xdist workers, once known
 
 
 def _start(mode: str, modules: list[str]) -> None:
     todo = sorted({m for m in modules if (mode, m) not in _STARTED})
     if todo:
-        script = _Script(mode, todo)
+        script = _Script(mode, todo, _SHARED[0] if _SHARED else None)
         for m in todo:
             _STARTED[mode, m] = script
 
 
-def start_scripts(items) -> None:
+def start_scripts(items, shared: Path | None = None) -> None:
     """Start, in the background, one subprocess per mode for every module whose selected
-    tests ask for its fixture (conftest calls this right after collection)."""
+    tests ask for its fixture (conftest calls this right after collection). ``shared``: a
+    folder every pytest-xdist worker of this run sees, through which they share the
+    subprocesses (see _Script)."""
+    if shared is not None:
+        _SHARED[:] = [shared]
     wanted: dict[str, list[str]] = {}
     for item in items:
         mod = getattr(item, "module", None)
