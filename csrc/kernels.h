@@ -21,7 +21,8 @@ enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 // are single fused multiply-adds; every other operation, including sqrt and the two
 // divisions, is rounded on its own (IEEE, no fast math). torch's CPU AdamW also fuses its
 // vector lerp/addcmul, so we agree with it to about one ulp, not bitwise.
-// int8 format version 3 passes fold_bias_correction's scalars (zerokern/kernel_contract.py):
+// bf16 moments and int8 format version 3 pass fold_bias_correction's scalars
+// (zerokern/kernel_contract.py, folds_bias_correction):
 // step_size * bc2_sqrt, eps * bc2_sqrt and bc2_sqrt = 1; its kernels skip that exact division.
 struct AdamScalars {
   float decay;           // 1 - lr * weight_decay

@@ -78,6 +78,7 @@ def test_bf16_kernels_refuse_unfolded_scalars():
         adamw_compressed_torch_(*args, s, 2)
     with pytest.raises(ValueError, match="folded scalars"):
         _native.require("cpu").adamw_compressed(*args, kernel_tables(st["param"].device), 2, *s)
+    pytest.importorskip("triton")  # optional (the `triton` extra)
     from zerokern.kernels.triton.adamw_compressed import adamw_compressed_triton_
 
     with pytest.raises(ValueError, match="folded scalars"):

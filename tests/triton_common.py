@@ -139,16 +139,21 @@ class _Script:
             return  # another worker started it
         # The shell writes the exit status once the script has ended (renamed into place,
         # so a reader never sees it half written); its own session, so a timeout kills both.
+        # `timeout` bounds the script itself: the worker that started it may never wait for
+        # it (--dist loadfile sends the Triton files elsewhere), and the waiting workers do not
+        # own it, so without it a hung script would outlive the run and every reader would
+        # wait out TIMEOUT_S; with it they read rc 124 (or 137) and fail at once.
         env.update(ZK_OUT=str(self.files["out"]), ZK_ERR=str(self.files["err"]),
-                   ZK_RC=str(self.files["rc"]))
-        script = '"$@" >"$ZK_OUT" 2>"$ZK_ERR"; echo $? >"$ZK_RC.part"; mv "$ZK_RC.part" "$ZK_RC"'
+                   ZK_RC=str(self.files["rc"]), ZK_TIMEOUT=str(TIMEOUT_S))
+        script = ('timeout -k 10 "$ZK_TIMEOUT" "$@" >"$ZK_OUT" 2>"$ZK_ERR"; '
+                  'echo $? >"$ZK_RC.part"; mv "$ZK_RC.part" "$ZK_RC"')
         self.proc = subprocess.Popen(["sh", "-c", script, "sh", *cmd], cwd=ROOT, env=env,
                                      start_new_session=True)
 
     def _wait_shared(self) -> tuple[int | None, str, str]:
         rc_file = self.files["rc"]
         while not rc_file.exists():
-            if time.monotonic() - self.t0 > TIMEOUT_S:
+            if time.monotonic() - self.t0 > TIMEOUT_S + 30:  # the script's own limit first
                 if self.proc is not None:
                     os.killpg(self.proc.pid, 9)
                     self.proc.wait()

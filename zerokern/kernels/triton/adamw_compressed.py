@@ -11,7 +11,9 @@ docstring first) and equals its torch oracle, ``adamw_compressed_torch_``, bit f
   from the code's bits, the absmax as scale, the code from the normalised value's bits; no
   table is read);
 * the fp32 update of the kernel contract (three explicit fma, the rest rounded op by op,
-  IEEE sqrt/div), shared with the fp32 kernel in ``adamw.py``;
+  IEEE sqrt/div), shared with the fp32 kernel in ``adamw.py``; bf16 moments and version 3
+  take the folded scalars (``kernel_contract.folds_bias_correction``) and skip the division
+  by ``bc2_sqrt`` (the ``FOLDED`` constexpr of ``adamw_update``);
 * the parameter: an fp32 master (``param_lp`` optionally receives it rounded to nearest even)
   or a bf16 parameter written with ``stochastic_round_bf16`` of ``zerokern.quant.rounding``
   using 16 bits of ``tl.randint4x(seed, (step << 32) | (index // 8))`` with a 64-bit offset
