@@ -229,8 +229,11 @@ class Handle:
 
     # Never traced: torch.compile of a stage-3 model runs the units' gathers inside its
     # hooks, and Dynamo cannot trace time.monotonic (a graph break per wait); a clock has
-    # no place in a graph anyway.
-    @torch.compiler.disable
+    # no place in a graph anyway. torch._disable_dynamo is torch.compiler.disable applied at
+    # the first call (torch's own optimizers use it): the public decorator imports
+    # torch._dynamo when this module is imported, 1.5 s of CPU for every process that
+    # imports zerokern and never compiles (each rank of a launch, each CLI command).
+    @torch._disable_dynamo
     def _wait_for(self, timeout: float) -> None:
         start = time.monotonic()
         deadline = start + timeout
