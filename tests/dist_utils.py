@@ -14,6 +14,7 @@ the pool is discarded (its group may be mid-collective) and the next test forms 
 from __future__ import annotations
 
 import atexit
+import os
 import pickle
 import shutil
 import sys
@@ -35,7 +36,12 @@ CASE_TIMEOUT_S = 300.0
 GRACE_S = 10.0
 
 
-def _serve(rank: int, world: int, backend: str, init_method: str, conn: Connection) -> None:
+def _serve(rank: int, world: int, backend: str, init_method: str, conn: Connection,
+           environ: dict[str, str]) -> None:
+    # The environment of the pool's creation, as a spawned rank would have it (a forked one
+    # has the fork server's, from when the server started).
+    os.environ.clear()
+    os.environ.update(environ)
     import torch
     import torch.distributed as dist
 
@@ -63,17 +69,31 @@ def _serve(rank: int, world: int, backend: str, init_method: str, conn: Connecti
     dist.destroy_process_group()
 
 
+def _context() -> Any:
+    """How ranks start: forked from a server that imported torch once ("forkserver", torch
+    preloaded, as the benches start theirs), instead of each importing it again ("spawn"):
+    seconds of CPU per rank on a 2-core machine, and a session starts tens of ranks (a pool
+    per world size and worker, isolated cases, pools replaced after a failure). The server
+    imports torch only: no CUDA context, no process group, no thread pool yet; each rank then
+    prepares itself as a spawned one would (sys.path, the main module) and imports the rest."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["torch"])
+    return mp.get_context("forkserver")
+
+
 class _Pool:
     def __init__(self, world: int, backend: str) -> None:
         self.world = world
         self.dir = tempfile.mkdtemp(prefix=f"zk-ranks{world}-")
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.conns: list[Connection] = []
         self.procs = []
         init_method = file_init_method(self.dir)
         for r in range(world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(r, world, backend, init_method, child),
+            p = ctx.Process(target=_serve,
+                            args=(r, world, backend, init_method, child, dict(os.environ)),
                             daemon=True)
             p.start()
             child.close()
