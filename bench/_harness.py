@@ -32,14 +32,17 @@ def rank_start_method() -> str:
     (seconds of CPU per rank on a small machine, where the quick runs are mostly start-up);
     or "spawn" (ZEROKERN_BENCH_START=spawn). Either way each rank imports zerokern itself,
     from the tree its launch names (bench_zero --tree), and nothing is timed before its
-    ranks are up. The server imports torch only: no CUDA context, no thread pool yet."""
+    ranks are up. The server imports torch and torch._dynamo (every rank imports the latter
+    when it builds an optimizer: torch.optim.Optimizer.add_param_group is wrapped by
+    torch._disable_dynamo; seconds more per rank) and nothing else: no CUDA context, no
+    thread pool yet, and no zerokern (a --tree rank imports its own)."""
     method = os.environ.get("ZEROKERN_BENCH_START", "forkserver")
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"ZEROKERN_BENCH_START must be 'forkserver' or 'spawn', got {method!r}")
     if method == "forkserver":
         import multiprocessing
 
-        multiprocessing.set_forkserver_preload(["torch"])
+        multiprocessing.set_forkserver_preload(["torch", "torch._dynamo"])
     return method
 
 

@@ -74,11 +74,13 @@ def _context() -> Any:
     preloaded, as the benches start theirs), instead of each importing it again ("spawn"):
     seconds of CPU per rank on a 2-core machine, and a session starts tens of ranks (a pool
     per world size and worker, isolated cases, pools replaced after a failure). The server
-    imports torch only: no CUDA context, no process group, no thread pool yet; each rank then
-    prepares itself as a spawned one would (sys.path, the main module) and imports the rest."""
+    imports torch and torch._dynamo (which every rank imports when it builds an optimizer:
+    torch.optim.Optimizer.add_param_group is wrapped by torch._disable_dynamo) and nothing
+    else: no CUDA context, no process group, no thread pool yet; each rank then prepares
+    itself as a spawned one would (sys.path, the main module) and imports the rest."""
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload(["torch"])
+    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo"])
     return mp.get_context("forkserver")
 
 
