@@ -69,7 +69,7 @@ def _serve(rank: int, world: int, backend: str, init_method: str, conn: Connecti
     dist.destroy_process_group()
 
 
-def _context() -> Any:
+def rank_context() -> Any:
     """How ranks start: forked from a server that imported torch once ("forkserver", torch
     preloaded, as the benches start theirs), instead of each importing it again ("spawn"):
     seconds of CPU per rank on a 2-core machine, and a session starts tens of ranks (a pool
@@ -88,7 +88,7 @@ class _Pool:
     def __init__(self, world: int, backend: str) -> None:
         self.world = world
         self.dir = tempfile.mkdtemp(prefix=f"zk-ranks{world}-")
-        ctx = _context()
+        ctx = rank_context()
         self.conns: list[Connection] = []
         self.procs = []
         init_method = file_init_method(self.dir)

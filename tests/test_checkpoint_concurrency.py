@@ -4,12 +4,12 @@ afterwards the checkpoint loads and is one of the two jobs' last saves."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import traceback
 
 import torch
 import torch.distributed as dist
+from dist_utils import rank_context
 
 import zerokern
 from zerokern.comm.rendezvous import file_init_method
@@ -92,7 +92,7 @@ def test_two_jobs_saving_and_one_loading_never_tear(tmp_path):
     opt = zerokern.ZeroAdamW(model.parameters(), stage=1)
     _mark(model, opt, 9, 0)
     zerokern.save_checkpoint(path, model, opt, extra={"job": 9, "k": 0})
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # fresh processes, forked from a server that imported torch once
     out, stop = ctx.Queue(), ctx.Event()
     savers = [ctx.Process(target=_saver, args=(j, path, file_init_method(str(tmp_path)), out))
               for j in (1, 2)]
