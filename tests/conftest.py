@@ -39,27 +39,7 @@ def exit_zygote():
     z.close()
 
 
-# The slowest files, slowest first, run before all others (the rest keep their order). Under
-# pytest-xdist (--dist loadfile, --no-loadscope-reorder) files are handed out in this order: a
-# long file handed out last keeps one worker busy while the other has nothing left; started
-# first, it overlaps the short files and the workers finish together. Several are mostly waits
-# (subprocesses starting, a rendezvous timing out), which the other worker fills with work.
-SLOW_FIRST = (
-    "test_multinode.py",
-    "test_bench_zero_smoke.py",
-    "test_demo.py",
-    "test_integration_transformers.py",
-    "test_checkpoint.py",
-    "test_bench_ops_smoke.py",
-    "test_told_not_hung.py",
-    "test_integration_lightning.py",
-    "test_compressed_zero.py",
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    first = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(SLOW_FIRST)))  # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
