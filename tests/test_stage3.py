@@ -140,6 +140,9 @@ def test_misuse_errors():
         zerokern.shard_model(model)
     with pytest.raises(ValueError, match="match no submodule"):
         zerokern.shard_model(TinyGPT(), unit_classes=(torch.nn.Conv2d,))
+    # nanoGPT's port written with the class alone: named, with the tuple to write instead
+    with pytest.raises(TypeError, match=r"unit_classes .*got the class Block alone.*\(Block,\)"):
+        zerokern.shard_model(TinyGPT(), unit_classes=Block)
     with pytest.raises(ValueError, match="shard_model"):
         zerokern.ZeroAdamW(TinyGPT().parameters(), stage=3)
     with pytest.raises(ValueError, match="stage=3"):

@@ -244,6 +244,10 @@ def _select_units(
     if unit_classes is None:
         unit_modules = _default_units(model)
     else:
+        if isinstance(unit_classes, type):  # tuple() of a class alone: "not iterable"
+            name = unit_classes.__name__
+            raise TypeError(f"unit_classes must be a tuple of module classes, got the class "
+                            f"{name} alone: write unit_classes=({name},)")
         classes = tuple(unit_classes)
         if not classes or not all(isinstance(c, type) for c in classes):
             raise TypeError(f"unit_classes must be a tuple of module classes, got {unit_classes!r}")
