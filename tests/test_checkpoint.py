@@ -331,6 +331,10 @@ def test_mismatched_model_and_bad_arguments_are_refused(tmp_path):
     assert_states(_params(other), before)
     with pytest.raises(CheckpointError, match="extra must be JSON"):
         save_checkpoint(ck, model, opt, extra=object())
+    # nanoGPT's best_val_loss is a 0-d tensor: the entry is named, with what to pass instead
+    with pytest.raises(CheckpointError,
+                       match=r"extra\['best_val_loss'\] is a Tensor\).*float\(t\)"):
+        save_checkpoint(ck, model, opt, extra={"iter_num": 1, "best_val_loss": torch.tensor(2.0)})
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     with pytest.raises(CheckpointError, match="not a zerokern checkpoint"):

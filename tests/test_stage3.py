@@ -140,8 +140,20 @@ def test_misuse_errors():
         zerokern.shard_model(model)
     with pytest.raises(ValueError, match="match no submodule"):
         zerokern.shard_model(TinyGPT(), unit_classes=(torch.nn.Conv2d,))
+    # nanoGPT's port written with the class alone: named, with the tuple to write instead
+    with pytest.raises(TypeError, match=r"unit_classes .*got the class Block alone.*\(Block,\)"):
+        zerokern.shard_model(TinyGPT(), unit_classes=Block)
     with pytest.raises(ValueError, match="shard_model"):
         zerokern.ZeroAdamW(TinyGPT().parameters(), stage=3)
+    # the other order: a stage-2 optimizer built first trained the placeholders' copies
+    # silently (loss up where AdamW's went down); refused, with the model left as it was
+    plain = TinyGPT()
+    early = zerokern.ZeroAdamW(plain.parameters(), stage=2)
+    with pytest.raises(RuntimeError, match=r"already trained by a ZeroAdamW \(stage 2\) built "
+                                           r"before shard_model.*parallelize"):
+        zerokern.shard_model(plain, unit_classes=(Block,))
+    assert runtime_of_module(plain) is None and not torch.isnan(plain.head.weight).any()
+    del early
     with pytest.raises(ValueError, match="stage=3"):
         zerokern.ZeroAdamW(model.parameters(), stage=2)
     # Released parameters keep their full shape (param groups by p.dim(), parameter counts),

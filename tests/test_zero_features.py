@@ -225,3 +225,19 @@ def test_add_param_group_refuses_a_bad_group_unchanged():
         opt.add_param_group({"params": torch.nn.Linear(4, 2).bfloat16().parameters()})
     assert len(opt.param_groups) == groups_before
     assert len(opt.managed_params) == 2
+
+
+def test_dynamic_scale_follows_grad_scaler_with_its_growth_interval():
+    """docs/numerics.md: the dynamic scale is GradScaler's with growth_interval 1000 instead of
+    2000; set to 2000 it gives torch's scale at every step (an overflow pattern that lets it
+    grow, halve and grow again)."""
+    from zerokern.zero.scaler import LossScaler
+
+    ours = LossScaler.from_arg("dynamic")
+    ours.growth_interval = 2000
+    scale, tracker = torch.tensor([2.0**16]), torch.tensor([0], dtype=torch.int32)
+    for step in range(7000):
+        inf = step in (10, 11, 2500, 6000)
+        torch._amp_update_scale_(scale, tracker, torch.tensor([float(inf)]), 2.0, 0.5, 2000)
+        ours.update(inf)
+        assert ours.scale == scale.item(), step

@@ -174,6 +174,23 @@ class Plan:
     meta: dict[str, Any]
 
 
+def _unwritable(x: Any, path: str) -> tuple[str, Any] | None:
+    """The path (``extra['best_val_loss']``) and value of the first entry of ``x`` that json
+    cannot write, so that the error names it; None if ``x`` is no dict or list holding one."""
+    if isinstance(x, dict):
+        items: Any = x.items()
+    elif isinstance(x, (list, tuple)):
+        items = enumerate(x)
+    else:
+        return None
+    for k, v in items:
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            return _unwritable(v, f"{path}[{k!r}]") or (f"{path}[{k!r}]", v)
+    return None
+
+
 def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
     rank, world = opt.comm.rank, opt.comm.world_size
     rt = stage3_runtime(model, opt)
@@ -185,7 +202,10 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
     try:
         extra_json = json.loads(json.dumps(extra))
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"extra must be JSON-serialisable: {exc}") from None
+        found = _unwritable(extra, "extra")
+        where = f" ({found[0]} is a {type(found[1]).__name__})" if found else ""
+        raise TypeError(f"extra must be JSON-serialisable: {exc}{where}; a 0-d tensor such as "
+                        "nanoGPT's best_val_loss: pass float(t)") from None
     shards = opt.shards()
     ranges = [(names.param[id(sh.param)], r) for sh in shards for r in sh.ranges]
     if opt.stage == 0 and world > 1:  # replicated state: each rank writes 1/N of it

@@ -133,6 +133,13 @@ class TorchFormat:
         if not keep:
             return {}
         out: dict[str, Any] = {"state": state, "param_groups": groups}
+        L = self.access.slot.layout
+        if self.access.slot.rt is None and L is not None:
+            # Stages 0-2 lay the buffers out in the first backward's gradient order, and the
+            # clipping norm is summed over that layout's shards: a resume that laid them out
+            # otherwise (reverse registration) would clip by a norm one rounding away, where
+            # torch's AdamW resumes bit for bit. torch's load_state_dict ignores the key.
+            out["grad_order"] = [torch_index[i] for i in L.ready_order]
         if not fmt.is_default:
             out["state_format"] = {"moments": fmt.moments, "master": fmt.master,
                                    "seed": self.access.slot.seed, "stored_as": stored_as}
@@ -257,7 +264,8 @@ class TorchFormat:
                                  f"[0, 2**63), got {seed!r}")
         else:
             seed = None  # the seed of a master="none" state is this optimizer's concern only
-        with torch.no_grad(), self.access.edit(param_groups) as shards:
+        order = self._saved_order(sd, torch_index)
+        with torch.no_grad(), self.access.edit(param_groups, ready_order=order) as shards:
             # torch's format has no fp32 master: the 16-bit parameters' master is taken from
             # the current parameters (load the model first), as a fresh optimizer's is.
             self.access.slot.engine.init_master()
@@ -293,6 +301,25 @@ class TorchFormat:
             g.update(new)
             if "betas" in g:
                 g["betas"] = tuple(g["betas"])
+
+
+    def _saved_order(self, sd: dict[str, Any], torch_index: dict[int, int]) -> list[int] | None:
+        """The layout order full_state_dict saved (``grad_order``), as this optimizer's
+        indices, for a load that fixes the layout (stages 0-2, before the first step); None
+        where there is none to follow (a torch AdamW state dict, another set of trained
+        parameters: the layout is then planned as for a fresh optimizer)."""
+        saved = sd.get("grad_order")
+        slot = self.access.slot
+        if saved is None or slot.rt is not None or slot.layout is not None:
+            return None
+        if not isinstance(saved, (list, tuple)) or not all(
+                isinstance(k, int) and not isinstance(k, bool) for k in saved):
+            raise ValueError(f"state_dict: grad_order must be a list of parameter indices "
+                             f"(as full_state_dict writes it), got {saved!r:.60}")
+        table_of = {k: i for i, k in torch_index.items()}
+        if sorted(saved) != sorted(table_of):
+            return None
+        return [table_of[k] for k in saved]
 
 
 def _step_of(st: dict[str, Any] | None, probe: Any) -> int:

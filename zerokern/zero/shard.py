@@ -16,7 +16,7 @@ from ..comm.quantized_parts import WireFormat
 from . import gather_timeout as told
 from . import registry
 from .config import check_hpz
-from .interop import check_no_ddp
+from .interop import check_no_ddp, optimizer_of
 from .stage3 import Stage3Runtime, foreign
 from .stage3.build import split_by_dtype
 from .validate import check_quantized_comm
@@ -244,6 +244,10 @@ def _select_units(
     if unit_classes is None:
         unit_modules = _default_units(model)
     else:
+        if isinstance(unit_classes, type):  # tuple() of a class alone: "not iterable"
+            name = unit_classes.__name__
+            raise TypeError(f"unit_classes must be a tuple of module classes, got the class "
+                            f"{name} alone: write unit_classes=({name},)")
         classes = tuple(unit_classes)
         if not classes or not all(isinstance(c, type) for c in classes):
             raise TypeError(f"unit_classes must be a tuple of module classes, got {unit_classes!r}")
@@ -258,6 +262,18 @@ def _select_units(
     if not params:
         raise ValueError("model: it has no parameters to shard")
     check_no_ddp(params, "shard_model")
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in params:
+        trained_by = optimizer_of(p)
+        if trained_by is not None:
+            # Its flat buffers hold the parameters as they are now: partitioned under it, the
+            # model would train silently wrong (the step updates the optimizer's own copy).
+            raise RuntimeError(
+                f"shard_model: parameter {names.get(id(p), '?')!r} is already trained by a "
+                f"{type(trained_by).__name__} (stage {trained_by.stage}) built before "
+                "shard_model. Partition the model first, then build the optimizer with "
+                "stage=3: zerokern.parallelize(model, stage=3, unit_classes=..., ...) does both "
+                "in that order")
     if any(p.is_meta for p in params):
         # Deferred initialisation: there are no values to broadcast and slice yet.
         raise ValueError("model: its parameters are on the meta device and hold no values; "
