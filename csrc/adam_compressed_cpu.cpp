@@ -29,6 +29,11 @@
 // Zen 3, more than the divisions. AVX-512 keeps its gathers (measured on a Xeon; scalar loads
 // there are not measured) and, with VBMI, decodes 64 codes at a time with byte permutes
 // (dequant64).
+// Version 3 computes its maps (no lookups): there sweep 1 waits on the square root and the
+// division (perf samples on Zen 3 pile up on the instructions after vsqrtps / vdivps), and
+// integer work interleaved into it measured slower, not free (Zen 3 issues vector integer
+// operations from the same scheduler as the waiting divisions), so the integer sweeps are
+// made short instead: AVX2 decodes and encodes version 3 in 16-bit lanes.
 // Version 1 divided every element by the absmax in sweep 2 (two more divisions per element)
 // and evaluated Philox once per element. (Taking the signed maximum in a separate pass over
 // the buffered block instead of in sweep 1 measured slower on AVX2.)
