@@ -29,6 +29,11 @@
 // Zen 3, more than the divisions. AVX-512 keeps its gathers (measured on a Xeon; scalar loads
 // there are not measured) and, with VBMI, decodes 64 codes at a time with byte permutes
 // (dequant64).
+// Version 3 computes its maps (no lookups): there sweep 1 waits on the square root and the
+// division (perf samples on Zen 3 pile up on the instructions after vsqrtps / vdivps), and
+// integer work interleaved into it measured slower, not free (Zen 3 issues vector integer
+// operations from the same scheduler as the waiting divisions), so the integer sweeps are
+// made short instead: AVX2 decodes and encodes version 3 in 16-bit lanes.
 // Version 1 divided every element by the absmax in sweep 2 (two more divisions per element)
 // and evaluated Philox once per element. (Taking the signed maximum in a separate pass over
 // the buffered block instead of in sweep 1 measured slower on AVX2.)
@@ -363,13 +368,75 @@ inline typename V::I v3_encode_unsigned(typename V::F n) {
 }
 
 #ifdef ZK_AVX2
-// 32 codes (int32 lanes, each < 256) as 32 bytes in element order: two saturating packs
-// interleave the four vectors' 128-bit halves, one permute puts the 4-byte groups back.
-inline void store_codes32(uint8_t* p, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
-  const __m256i b =
-      _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+// Version 3 in 16-bit lanes, 16 elements per instruction instead of 8 (AVX2; the int8 step
+// is bound by its instruction count there, not by one unit). Both directions need only the
+// top 16 bits of an fp32 pattern: decoding makes (q + bias) << 20, whose low 16 bits are 0;
+// encoding rounds at bit 20, and (a + 2^19) >> 20 == ((a >> 16) + 8) >> 4 because the low 16
+// bits of a (< 2^16) cannot carry past bit 19 once the half is added.
+
+// 32 codes in two 16-bit-lane vectors in packus order (elements [0-3, 8-11 | 4-7, 12-15] and
+// 16 on likewise) as 32 bytes in element order: one more pack, one permute.
+inline void store_codes16x2(uint8_t* p, __m256i a, __m256i b) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+                      _mm256_permutevar8x32_epi32(_mm256_packus_epi16(a, b),
+                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// The top halves of x0's and x1's patterns (elements 0-7 and 8-15) as 16-bit lanes, in the
+// order [0-3, 8-11 | 4-7, 12-15] that packus gives (store_codes16x2 undoes it).
+inline __m256i hi16_pack(__m256 x0, __m256 x1) {
+  return _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(x0), 16),
+                             _mm256_srli_epi32(_mm256_castps_si256(x1), 16));
+}
+
+// v3_encode_signed / v3_encode_unsigned of 16 finite values from their top halves h.
+inline __m256i v3_code16_signed(__m256i h) {
+  const __m256i a = _mm256_and_si256(h, _mm256_set1_epi16(0x7FFF));
+  __m256i q = _mm256_sub_epi16(_mm256_srli_epi16(_mm256_add_epi16(a, _mm256_set1_epi16(8)), 4),
+                               _mm256_set1_epi16(int16_t(kV3SignedBias)));
+  q = _mm256_min_epi16(_mm256_max_epi16(q, _mm256_setzero_si256()), _mm256_set1_epi16(127));
+  // h == 0 only for n = +0 or below 2^-126, where q = 0 already.
+  return _mm256_add_epi16(_mm256_sign_epi16(q, h), _mm256_set1_epi16(128));
+}
+
+inline __m256i v3_code16_unsigned(__m256i h) {
+  const __m256i w = _mm256_max_epi16(h, _mm256_setzero_si256());  // sign set (-0 too): 0
+  const __m256i q = _mm256_sub_epi16(
+      _mm256_srli_epi16(_mm256_add_epi16(w, _mm256_set1_epi16(8)), 4),
+      _mm256_set1_epi16(int16_t(kV3UnsignedBias)));
+  return _mm256_min_epi16(_mm256_max_epi16(q, _mm256_setzero_si256()), _mm256_set1_epi16(255));
+}
+
+// 16 codes at p, widened to 16-bit lanes in the order [0-3, 8-11 | 4-7, 12-15], so that
+// unpacking them below each zero half gives elements 0-7, then 8-15.
+inline __m256i ld_codes16(const uint8_t* p) {
+  return _mm256_permute4x64_epi64(
+      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 0xD8);
+}
+
+// Patterns h << 16 of the 16-bit lanes h (ld_codes16's order): elements 0-7, then 8-15.
+inline void widen_hi16(__m256i h, __m256& lo, __m256& hi) {
+  const __m256i z = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+}
+
+// v3_decode_signed / v3_decode_unsigned of 16 codes at p: the map values, fp32.
+inline void v3_decode16_signed(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m256i k = _mm256_sub_epi16(ld_codes16(p), _mm256_set1_epi16(128));
+  const __m256i a = _mm256_abs_epi16(k);
+  const __m256i mag = _mm256_sign_epi16(
+      _mm256_slli_epi16(_mm256_add_epi16(a, _mm256_set1_epi16(int16_t(kV3SignedBias))), 4), a);
+  widen_hi16(_mm256_or_si256(mag, _mm256_and_si256(k, _mm256_set1_epi16(int16_t(0x8000)))), lo,
+             hi);
+}
+
+inline void v3_decode16_unsigned(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m256i c = ld_codes16(p);
+  widen_hi16(_mm256_sign_epi16(
+                 _mm256_slli_epi16(_mm256_add_epi16(c, _mm256_set1_epi16(int16_t(kV3UnsignedBias))), 4),
+                 c),
+             lo, hi);
 }
 #endif
 
@@ -380,14 +447,16 @@ int64_t v3_code_lanes(const float* mb, const float* vb, float m_r, float v_r, ui
   const auto mr = V::set1(m_r), vr = V::set1(v_r);
 #ifdef ZK_AVX2
   if constexpr (std::is_same_v<V, L8>) {  // one 32-byte store per 32 codes, not four
-    for (; j + 32 <= L; j += 32) {
-      __m256i cm[4], cv[4];
-      for (int q = 0; q < 4; ++q) {
-        cm[q] = v3_encode_signed<V>(V::mul(V::ld(mb + j + 8 * q), mr));
-        cv[q] = v3_encode_unsigned<V>(V::mul(V::ld(vb + j + 8 * q), vr));
+    for (; j + 32 <= L; j += 32) {  // 16-bit lanes: half the integer instructions
+      __m256i cm[2], cv[2];
+      for (int q = 0; q < 2; ++q) {
+        const float* m = mb + j + 16 * q;
+        const float* v = vb + j + 16 * q;
+        cm[q] = v3_code16_signed(hi16_pack(V::mul(V::ld(m), mr), V::mul(V::ld(m + 8), mr)));
+        cv[q] = v3_code16_unsigned(hi16_pack(V::mul(V::ld(v), vr), V::mul(V::ld(v + 8), vr)));
       }
-      store_codes32(mc + j, cm[0], cm[1], cm[2], cm[3]);
-      store_codes32(vc + j, cv[0], cv[1], cv[2], cv[3]);
+      store_codes16x2(mc + j, cm[0], cm[1]);
+      store_codes16x2(vc + j, cv[0], cv[1]);
     }
   }
 #endif
@@ -551,8 +620,20 @@ int64_t sweep_update(const Ctx& c, int64_t i0, int64_t j, int64_t L, float m_sca
 #endif
   for (; j + 2 * V::N <= L; j += 2 * V::N) {
     F m0, v0, m1, v1;
-    load_moments(j, m0, v0);
-    load_moments(j + V::N, m1, v1);
+#ifdef ZK_AVX2
+    if constexpr (MF == MomentFmt::U8V3 && std::is_same_v<V, L8>) {  // 16 codes at a time
+      v3_decode16_signed(static_cast<const uint8_t*>(m) + i0 + j, m0, m1);
+      v3_decode16_unsigned(static_cast<const uint8_t*>(v) + i0 + j, v0, v1);
+      m0 = V::mul(m0, msc);
+      m1 = V::mul(m1, msc);
+      v0 = V::mul(v0, vsc);
+      v1 = V::mul(v1, vsc);
+    } else
+#endif
+    {
+      load_moments(j, m0, v0);
+      load_moments(j + V::N, m1, v1);
+    }
     const F p0 = update(j, m0, v0);
     const F p1 = update(j + V::N, m1, v1);
     put2(j, p0, m0, v0, p1, m1, v1);

@@ -15,6 +15,7 @@
 #include <stdexcept>
 
 #include "cpu_lanes.h"
+#include "cpu_stream.h"
 #include "cpu_vec.h"
 #include "kernels.h"
 
@@ -27,7 +28,7 @@ constexpr int64_t kParallelMin = 1 << 15;
 // Elements [i, end) in chunks of V::N; returns where it stopped.
 template <class V, typename G, typename LP, bool LERP_LOW>
 int64_t adam_lanes(float* p, const G* g, float* m, float* v, LP* lp, int64_t i, int64_t end,
-                   const AdamScalars& s) {
+                   const AdamScalars& s, bool stream) {
   using F = typename V::F;
   const AdamCoeffs<V> k(s);
   // Two chunks per iteration: the 16-bit copy of both goes out in one store (AVX2 packs 16
@@ -44,7 +45,18 @@ int64_t adam_lanes(float* p, const G* g, float* m, float* v, LP* lp, int64_t i, 
     V::st(p + i + V::N, p1);
     V::st(m + i + V::N, m1);
     V::st(v + i + V::N, v1);
-    if constexpr (!std::is_same_v<LP, void>) V::template stt2<LP>(lp + i, p0, p1);
+    if constexpr (!std::is_same_v<LP, void>) {
+      bool streamed = false;
+#ifdef ZK_AVX2
+      if constexpr (std::is_same_v<V, L8> && std::is_same_v<LP, BF16>) {
+        if (stream) {  // i advances by 16 elements (32 bytes): lp + i stays aligned
+          Vec8<BF16>::store2_nt(lp + i, p0, p1);
+          streamed = true;
+        }
+      }
+#endif
+      if (!streamed) V::template stt2<LP>(lp + i, p0, p1);
+    }
   }
   for (; i + V::N <= end; i += V::N) {
     F pi = V::ld(p + i), mi = V::ld(m + i), vi = V::ld(v + i);
@@ -60,15 +72,19 @@ int64_t adam_lanes(float* p, const G* g, float* m, float* v, LP* lp, int64_t i, 
 // LERP_LOW is a template parameter so the inner loops carry no branch on it.
 template <typename G, typename LP, bool LERP_LOW>
 void adam_range(float* p, const G* g, float* m, float* v, LP* lp, int64_t begin, int64_t end,
-                const AdamScalars& s) {
+                const AdamScalars& s, bool stream) {
   int64_t i = begin;
 #ifdef ZK_AVX512
-  i = adam_lanes<L16, G, LP, LERP_LOW>(p, g, m, v, lp, i, end, s);
+  i = adam_lanes<L16, G, LP, LERP_LOW>(p, g, m, v, lp, i, end, s, stream);
 #endif
 #ifdef ZK_AVX2
-  i = adam_lanes<L8, G, LP, LERP_LOW>(p, g, m, v, lp, i, end, s);
+  i = adam_lanes<L8, G, LP, LERP_LOW>(p, g, m, v, lp, i, end, s, stream);
 #endif
-  adam_lanes<L1, G, LP, LERP_LOW>(p, g, m, v, lp, i, end, s);
+  adam_lanes<L1, G, LP, LERP_LOW>(p, g, m, v, lp, i, end, s, stream);
+#ifdef ZK_AVX2
+  // Streamed stores are weakly ordered: visible to every reader before the kernel returns.
+  if (stream) _mm_sfence();
+#endif
 }
 
 template <typename G, typename LP>
@@ -77,8 +93,10 @@ void adam_launch(float* p, const void* g, float* m, float* v, void* lp, int64_t 
   const G* gt = static_cast<const G*>(g);
   LP* lpt = static_cast<LP*>(lp);
   auto range = s.one_minus_beta1 < 0.5f ? &adam_range<G, LP, true> : &adam_range<G, LP, false>;
+  // (The bytes one element moves: fp32 param and moments read and written, grad, copy.)
+  const bool stream = std::is_same_v<LP, BF16> && stream_lp(lp, n, 24 + int64_t(sizeof(G)) + 2);
   if (n < kParallelMin) {
-    range(p, gt, m, v, lpt, 0, n, s);
+    range(p, gt, m, v, lpt, 0, n, s, stream);
     return;
   }
 #pragma omp parallel
@@ -88,7 +106,7 @@ void adam_launch(float* p, const void* g, float* m, float* v, void* lp, int64_t 
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t per = ((n + nt - 1) / nt + 63) / 64 * 64;
     const int64_t b = std::min(n, t * per), e = std::min(n, b + per);
-    range(p, gt, m, v, lpt, b, e, s);
+    range(p, gt, m, v, lpt, b, e, s, stream);
   }
 }
 

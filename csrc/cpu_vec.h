@@ -116,6 +116,12 @@ template <> struct Vec8<BF16> {
   static void store2(BF16* p, __m256 a, __m256 b) {
     store_u16x16(reinterpret_cast<uint16_t*>(p), bf16_bits8(a), bf16_bits8(b));
   }
+  // The same with a non-temporal store (p 32-byte aligned; cpu_stream.h says when).
+  static void store2_nt(BF16* p, __m256 a, __m256 b) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p),
+                        _mm256_permute4x64_epi64(
+                            _mm256_packus_epi32(bf16_bits8(a), bf16_bits8(b)), 0xD8));
+  }
 };
 template <> struct Vec8<F16> {
   static __m256 load(const F16* p) {
