@@ -225,7 +225,7 @@ class Stage3Runtime:
     # which AOTAutograd refuses, or inductor ran it with the zero-stride placeholders where it
     # had traced the gathered parameters (its stride assertion fails). Each unit's own forward
     # still compiles, with its parameters gathered.
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _pre_forward(self, u: Unit) -> None:
         if in_backward_now():  # activation checkpointing's recompute (recompute.py)
             task = torch._C._current_graph_task_id()
@@ -262,7 +262,7 @@ class Stage3Runtime:
                 "ZeroAdamW(stage=3) reduces its gradients itself; remove the DDP(...) wrapper")
         self._ddp_checked.add(id(ddp))
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _inner_forward(self, u: Unit) -> None:
         # A checkpoint region inside the unit's forward recomputes in the backward, possibly
         # after the unit's gradients were all in and it was released: it reads the
@@ -275,7 +275,7 @@ class Stage3Runtime:
         else:
             u.gather(own=True)  # until its reduce, or the end of the backward
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _post_forward(self, u: Unit, out: Any) -> Any:
         grad_mode = torch.is_grad_enabled()
         if in_backward_now():
@@ -302,12 +302,12 @@ class Stage3Runtime:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(lambda g, u=u: self.pre_backward(u, g))
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _after_forward(self) -> None:
         if in_backward_now():
             self._recompute.leave()
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _after_root_forward(self, module: Any, args: Any, out: Any) -> None:
         if in_backward_now() or not (out is None and sys.exc_info()[0] is not None):
             return  # the forward returned: _post_forward has done everything
