@@ -247,6 +247,25 @@ def test_two_live_zero_optimizers_on_one_stage3_model_train_as_one(tmp_path):
 
 
 # -- 17. torch.compile at stage 3 ----------------------------------------------------------------
+def _two_steps(run, model, opt, rank, evaluate: bool) -> list[float]:
+    """Two training steps through ``run`` (the model or its compiled form); with ``evaluate``
+    an eval-mode forward before each, as nanoGPT's estimate_loss does. The losses seen."""
+    losses = []
+    for step in range(2):
+        x, y = batch(step, rank)
+        if evaluate:
+            with torch.no_grad():
+                model.eval()
+                losses.append(run(x).sum().item())
+                model.train()
+        loss = F.cross_entropy(run(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def compile_case(rank, world):
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
@@ -261,14 +280,7 @@ def compile_case(rank, world):
             dynamo.reset()
             counters.clear()
             run = torch.compile(model, backend="eager", fullgraph=False)
-        losses = []
-        for step in range(2):
-            x, y = batch(step, rank)
-            loss = F.cross_entropy(run(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _two_steps(run, model, opt, rank, evaluate=False)
         runs[compiled] = (losses, zerokern.full_state_dict(model, rank0_only=False))
         if compiled:
             clock = [str(k)[:300] for k in counters["graph_break"] if "monotonic" in str(k)]
@@ -319,18 +331,7 @@ def aot_compile_case(rank, world):
         run = torch.compile(model, backend=backend) if compiled else model
         if compiled:
             dynamo.reset()
-        losses = []
-        for step in range(2):
-            x, y = batch(step, rank)
-            with torch.no_grad():  # nanoGPT's estimate_loss: eval forwards too
-                model.eval()
-                losses.append(run(x).sum().item())
-                model.train()
-            loss = F.cross_entropy(run(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _two_steps(run, model, opt, rank, evaluate=True)
         runs[compiled] = (losses, zerokern.full_state_dict(model, rank0_only=False))
     dynamo.reset()  # the pool's ranks are reused by later tests: no compiled code left
     (eager_loss, eager_sd), (comp_loss, comp_sd) = runs[False], runs[True]
