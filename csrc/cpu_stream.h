@@ -6,7 +6,8 @@
 // moves more than the cache holds, so the copy would have been evicted before its next use
 // anyway. (Measured on a 2-core Zen 3 at 2^25 elements: the fp32 step 1.02-1.05x faster at 1
 // and 2 threads; the compressed kernel's bf16 copy gained at 2 threads with bf16 moments,
-// lost 2-3% at 1 thread and with int8 moments, so it keeps ordinary stores.)
+// lost 2-3% at 1 thread and with int8 moments, so it keeps ordinary stores. AVX2 only: an
+// AVX-512 build's 16-lane loop keeps ordinary stores, not measured there.)
 #pragma once
 #include <unistd.h>
 

@@ -332,9 +332,15 @@ def test_mismatched_model_and_bad_arguments_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="extra must be JSON"):
         save_checkpoint(ck, model, opt, extra=object())
     # nanoGPT's best_val_loss is a 0-d tensor: the entry is named, with what to pass instead
-    with pytest.raises(CheckpointError,
-                       match=r"extra\['best_val_loss'\] is a Tensor\).*float\(t\)"):
+    with pytest.raises(CheckpointError, match=r"extra\['best_val_loss'\] is a Tensor\).*"
+                                              r"float\(extra\['best_val_loss'\]\)"):
         save_checkpoint(ck, model, opt, extra={"iter_num": 1, "best_val_loss": torch.tensor(2.0)})
+    with pytest.raises(CheckpointError, match=r"extra\['t'\] is a Tensor\)$"):  # no float() hint
+        save_checkpoint(ck, model, opt, extra={"t": torch.ones(2)})
+    loop: dict = {"iter_num": 1}
+    loop["self"] = loop  # json's own message, not a RecursionError
+    with pytest.raises(CheckpointError, match="Circular reference"):
+        save_checkpoint(ck, model, opt, extra=loop)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     with pytest.raises(CheckpointError, match="not a zerokern checkpoint"):

@@ -174,9 +174,12 @@ class Plan:
     meta: dict[str, Any]
 
 
-def _unwritable(x: Any, path: str) -> tuple[str, Any] | None:
+def _unwritable(x: Any, path: str, seen: frozenset[int] = frozenset()) -> tuple[str, Any] | None:
     """The path (``extra['best_val_loss']``) and value of the first entry of ``x`` that json
-    cannot write, so that the error names it; None if ``x`` is no dict or list holding one."""
+    cannot write, so that the error names it; None if ``x`` is no dict or list holding one,
+    or holds only itself (a circular reference, which json's own message names)."""
+    if id(x) in seen:
+        return None
     if isinstance(x, dict):
         items: Any = x.items()
     elif isinstance(x, (list, tuple)):
@@ -186,8 +189,10 @@ def _unwritable(x: Any, path: str) -> tuple[str, Any] | None:
     for k, v in items:
         try:
             json.dumps(v)
-        except (TypeError, ValueError):
-            return _unwritable(v, f"{path}[{k!r}]") or (f"{path}[{k!r}]", v)
+        except (TypeError, ValueError, RecursionError):
+            if id(v) in seen or v is x:
+                continue
+            return _unwritable(v, f"{path}[{k!r}]", seen | {id(x)}) or (f"{path}[{k!r}]", v)
     return None
 
 
@@ -204,8 +209,9 @@ def plan_save(model: torch.nn.Module, opt: Any, extra: Any) -> Plan:
     except (TypeError, ValueError) as exc:
         found = _unwritable(extra, "extra")
         where = f" ({found[0]} is a {type(found[1]).__name__})" if found else ""
-        raise TypeError(f"extra must be JSON-serialisable: {exc}{where}; a 0-d tensor such as "
-                        "nanoGPT's best_val_loss: pass float(t)") from None
+        if found and isinstance(found[1], torch.Tensor) and found[1].dim() == 0:
+            where += f"; for a 0-d tensor such as nanoGPT's best_val_loss pass float({found[0]})"
+        raise TypeError(f"extra must be JSON-serialisable: {exc}{where}") from None
     shards = opt.shards()
     ranges = [(names.param[id(sh.param)], r) for sh in shards for r in sh.ranges]
     if opt.stage == 0 and world > 1:  # replicated state: each rank writes 1/N of it

@@ -21,6 +21,7 @@ into a ``master="none"`` optimizer.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -302,7 +303,6 @@ class TorchFormat:
             if "betas" in g:
                 g["betas"] = tuple(g["betas"])
 
-
     def _saved_order(self, sd: dict[str, Any], torch_index: dict[int, int]) -> list[int] | None:
         """The layout order full_state_dict saved (``grad_order``), as this optimizer's
         indices, for a load that fixes the layout (stages 0-2, before the first step); None
@@ -312,10 +312,15 @@ class TorchFormat:
         slot = self.access.slot
         if saved is None or slot.rt is not None or slot.layout is not None:
             return None
-        if not isinstance(saved, (list, tuple)) or not all(
-                isinstance(k, int) and not isinstance(k, bool) for k in saved):
+        if isinstance(saved, torch.Tensor) and saved.dim() == 1 and not saved.is_floating_point():
+            saved = saved.tolist()  # a pipeline that turned the list into a tensor
+        try:  # numpy integers too (operator.index), never bools
+            if not isinstance(saved, (list, tuple)) or any(isinstance(k, bool) for k in saved):
+                raise TypeError
+            saved = [operator.index(k) for k in saved]
+        except TypeError:
             raise ValueError(f"state_dict: grad_order must be a list of parameter indices "
-                             f"(as full_state_dict writes it), got {saved!r:.60}")
+                             f"(as full_state_dict writes it), got {saved!r:.60}") from None
         table_of = {k: i for i, k in torch_index.items()}
         if sorted(saved) != sorted(table_of):
             return None

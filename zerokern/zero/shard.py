@@ -3,6 +3,7 @@ package), and full_state_dict: gather the full parameters one unit at a time."""
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 from typing import Any
 
@@ -263,6 +264,10 @@ def _select_units(
         raise ValueError("model: it has no parameters to shard")
     check_no_ddp(params, "shard_model")
     names = {id(p): n for n, p in model.named_parameters()}
+    if any(optimizer_of(p) is not None for p in params):
+        # A deleted optimizer lives on until the collector breaks its reference cycles: only
+        # a live one refuses.
+        gc.collect()
     for p in params:
         trained_by = optimizer_of(p)
         if trained_by is not None:
