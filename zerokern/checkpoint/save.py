@@ -176,23 +176,19 @@ class Plan:
 
 def _unwritable(x: Any, path: str, seen: frozenset[int] = frozenset()) -> tuple[str, Any] | None:
     """The path (``extra['best_val_loss']``) and value of the first entry of ``x`` that json
-    cannot write, so that the error names it; None if ``x`` is no dict or list holding one,
-    or holds only itself (a circular reference, which json's own message names)."""
-    if id(x) in seen:
+    cannot write, so that the error names it; None if ``x`` is no dict or list holding one.
+    An entry that leads back to an enclosing one (a cycle, which json's message names) is
+    passed over."""
+    if not isinstance(x, (dict, list, tuple)):
         return None
-    if isinstance(x, dict):
-        items: Any = x.items()
-    elif isinstance(x, (list, tuple)):
-        items = enumerate(x)
-    else:
-        return None
-    for k, v in items:
+    seen = seen | {id(x)}
+    for k, v in x.items() if isinstance(x, dict) else enumerate(x):
+        if id(v) in seen:
+            continue
         try:
             json.dumps(v)
         except (TypeError, ValueError, RecursionError):
-            if id(v) in seen or v is x:
-                continue
-            return _unwritable(v, f"{path}[{k!r}]", seen | {id(x)}) or (f"{path}[{k!r}]", v)
+            return _unwritable(v, f"{path}[{k!r}]", seen) or (f"{path}[{k!r}]", v)
     return None
 
 
