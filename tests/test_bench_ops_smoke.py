@@ -161,3 +161,23 @@ def test_bench_adam_builds_quick(capsys: pytest.CaptureFixture[str]) -> None:
     rows = {line.split()[0]: line for line in lines[1:]}
     assert set(rows) == set(bench_adam_builds.KERNELS)
     assert all(" a/b " in line for line in rows.values())
+
+
+def test_divider_floor_compiles_and_reports(tmp_path: Path) -> None:
+    """bench/divider_floor.cpp, built with the command docs/benchmarks.md gives: it prints its
+    three loops twice, each with a positive ns/elt and the ms at 2^25 that follows from it."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path / "divider_floor"
+    src = ROOT / "bench" / "divider_floor.cpp"
+    subprocess.run([cxx, "-O2", "-march=native", str(src), "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    rows = [ln for ln in out.splitlines() if ln.startswith(("sqrt(v)", "m / "))]
+    assert [r.rsplit(None, 2)[0] for r in rows] == ["sqrt(v)", "m / v", "m / (sqrt(v) + eps)"] * 2
+    for r in rows:
+        ns, ms = (float(x) for x in r.rsplit(None, 2)[1:])
+        assert ns > 0 and math.isclose(ms, ns * 2**25 * 1e-6, rel_tol=0.01)
