@@ -86,6 +86,8 @@ CASES = [
     (torch.optim.ASGD, dict(lr=0.02, lambd=1e-3, alpha=0.7, t0=1, weight_decay=0.01)),
     (MySGD, dict(lr=0.03)),
     (SignSGD, dict(lr=0.01)),
+    # No momentum: no per-element buffer at all (its shards hold only the values).
+    (torch.optim.SGD, dict(lr=0.05, weight_decay=0.01)),
 ]
 
 
@@ -314,6 +316,38 @@ def test_checkpoint_of_another_class_is_refused(tmp_path):
     other = zerokern.ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=1, lr=0.1)
     with pytest.raises(zerokern.CheckpointError, match="torch.optim.SGD.*torch.optim.Adam"):
         zerokern.load_checkpoint(tmp_path / "ck", model, other)
+
+
+def test_sgd_without_momentum_keeps_no_state_and_checkpoints(tmp_path):
+    # A class that keeps no per-element buffer: shards() of values alone, torch's empty
+    # state dict both ways, a checkpoint saved at stage 2 and loaded at stage 1.
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    hp = dict(lr=0.1, weight_decay=0.01)
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    opt = zerokern.ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=2, **hp)
+    ropt = torch.optim.SGD(ref.parameters(), **hp)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    for m, o in ((model, opt), (ref, ropt)):
+        for _ in range(2):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    assert [r.keys for s in opt.shards() for r in s.ranges] == [("values",)] * 4
+    assert opt.full_state_dict()["state"] == ropt.state_dict()["state"] == {}
+    opt.load_state_dict(ropt.state_dict())
+    zerokern.save_checkpoint(tmp_path / "ck", model, opt)
+    m2 = copy.deepcopy(base)
+    o2 = zerokern.ZeroOptimizer(m2.parameters(), torch.optim.SGD, stage=1, **hp)
+    zerokern.load_checkpoint(tmp_path / "ck", m2, o2)
+    for m in (model, m2):
+        m(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for o in (opt, o2, ropt):
+        o.step()
+    for m in (model, m2):
+        for a, b in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
 
 
 # -- refused --------------------------------------------------------------------------------------
