@@ -350,6 +350,24 @@ def test_sgd_without_momentum_keeps_no_state_and_checkpoints(tmp_path):
             torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
 
 
+def test_checkpoint_of_adamw_with_amsgrad_into_fused_adamw_names_the_flags(tmp_path):
+    # Both sides are torch.optim.AdamW: the message must say what differs (the rule), not
+    # name the same class twice.
+    torch.manual_seed(0)
+    model = IntGradNet()
+    opt = zerokern.ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=0.1,
+                                 amsgrad=True)
+    _train(model, opt, None, None, 1, 0, 0, 1)
+    zerokern.save_checkpoint(tmp_path / "ck", model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    fused = zerokern.ZeroAdamW(model.parameters(), stage=1, lr=0.1)
+    with pytest.raises(zerokern.CheckpointError,
+                       match=r"AdamW by torch's own step \(amsgrad=True.*max_exp_avg_sq.*"
+                             r"AdamW as zerokern's fused AdamW.*checkpoint's flags"):
+        zerokern.load_checkpoint(tmp_path / "ck", model, fused)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 # -- refused --------------------------------------------------------------------------------------
 class Whole(torch.optim.Optimizer):
     """Reads whole tensors (normalises each update): not element-wise, and not declared."""
