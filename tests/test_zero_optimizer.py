@@ -381,7 +381,13 @@ class Whole(torch.optim.Optimizer):
                 p.data.add_(p.grad / p.grad.norm(), alpha=-g["lr"])
 
 
+class ScriptMuon(Whole):
+    """A script's own Muon (modded-nanogpt's): whole matrices, undeclared."""
+
+
 @pytest.mark.parametrize("cls,match", [
+    (ScriptMuon, r"ScriptMuon: ZeroOptimizer cannot tell.*train it with DDP\. For a Muon.*do "
+                 r"not declare it.*use torch\.optim\.Muon"),
     (torch.optim.LBFGS, r"torch.optim.LBFGS is not supported by ZeroOptimizer: it runs a line "
                         r"search"),
     (torch.optim.SparseAdam, "SparseAdam is not supported.*sparse gradients"),
