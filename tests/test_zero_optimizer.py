@@ -86,6 +86,8 @@ CASES = [
     (torch.optim.ASGD, dict(lr=0.02, lambd=1e-3, alpha=0.7, t0=1, weight_decay=0.01)),
     (MySGD, dict(lr=0.03)),
     (SignSGD, dict(lr=0.01)),
+    # No momentum: no per-element buffer at all (its shards hold only the values).
+    (torch.optim.SGD, dict(lr=0.05, weight_decay=0.01)),
 ]
 
 
@@ -316,6 +318,56 @@ def test_checkpoint_of_another_class_is_refused(tmp_path):
         zerokern.load_checkpoint(tmp_path / "ck", model, other)
 
 
+def test_sgd_without_momentum_keeps_no_state_and_checkpoints(tmp_path):
+    # A class that keeps no per-element buffer: shards() of values alone, torch's empty
+    # state dict both ways, a checkpoint saved at stage 2 and loaded at stage 1.
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    hp = dict(lr=0.1, weight_decay=0.01)
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    opt = zerokern.ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=2, **hp)
+    ropt = torch.optim.SGD(ref.parameters(), **hp)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    for m, o in ((model, opt), (ref, ropt)):
+        for _ in range(2):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    assert [r.keys for s in opt.shards() for r in s.ranges] == [("values",)] * 4
+    assert opt.full_state_dict()["state"] == ropt.state_dict()["state"] == {}
+    opt.load_state_dict(ropt.state_dict())
+    zerokern.save_checkpoint(tmp_path / "ck", model, opt)
+    m2 = copy.deepcopy(base)
+    o2 = zerokern.ZeroOptimizer(m2.parameters(), torch.optim.SGD, stage=1, **hp)
+    zerokern.load_checkpoint(tmp_path / "ck", m2, o2)
+    for m in (model, m2):
+        m(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for o in (opt, o2, ropt):
+        o.step()
+    for m in (model, m2):
+        for a, b in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
+
+
+def test_checkpoint_of_adamw_with_amsgrad_into_fused_adamw_names_the_flags(tmp_path):
+    # Both sides are torch.optim.AdamW: the message must say what differs (the rule), not
+    # name the same class twice.
+    torch.manual_seed(0)
+    model = IntGradNet()
+    opt = zerokern.ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=0.1,
+                                 amsgrad=True)
+    _train(model, opt, None, None, 1, 0, 0, 1)
+    zerokern.save_checkpoint(tmp_path / "ck", model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    fused = zerokern.ZeroAdamW(model.parameters(), stage=1, lr=0.1)
+    with pytest.raises(zerokern.CheckpointError,
+                       match=r"AdamW by torch's own step \(amsgrad=True.*max_exp_avg_sq.*"
+                             r"AdamW as zerokern's fused AdamW.*checkpoint's flags"):
+        zerokern.load_checkpoint(tmp_path / "ck", model, fused)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 # -- refused --------------------------------------------------------------------------------------
 class Whole(torch.optim.Optimizer):
     """Reads whole tensors (normalises each update): not element-wise, and not declared."""
@@ -329,7 +381,13 @@ class Whole(torch.optim.Optimizer):
                 p.data.add_(p.grad / p.grad.norm(), alpha=-g["lr"])
 
 
+class ScriptMuon(Whole):
+    """A script's own Muon (modded-nanogpt's): whole matrices, undeclared."""
+
+
 @pytest.mark.parametrize("cls,match", [
+    (ScriptMuon, r"ScriptMuon: ZeroOptimizer cannot tell.*train it with DDP\. For a Muon.*do "
+                 r"not declare it.*use torch\.optim\.Muon"),
     (torch.optim.LBFGS, r"torch.optim.LBFGS is not supported by ZeroOptimizer: it runs a line "
                         r"search"),
     (torch.optim.SparseAdam, "SparseAdam is not supported.*sparse gradients"),

@@ -104,6 +104,11 @@ def match_rule(ck_dir: str, meta: dict[str, Any], opt: Any,
     if saved != opt.rule.name:
         cls = meta[OPTIMIZER]["class"] if OPTIMIZER in meta else "torch.optim.AdamW"
         mine = class_name(opt.rule.torch_class)
+        if cls == mine:  # one class, two rules (AdamW: fused, or torch's step for amsgrad)
+            raise CheckpointError(
+                f"{ck_dir}: the checkpoint holds the state of {_how(cls, saved, meta)}, this "
+                f"optimizer steps {_how(mine, opt.rule.name, None)}: build it with the "
+                "checkpoint's flags")
         raise CheckpointError(f"{ck_dir}: the checkpoint holds the state of {cls}, this "
                               f"optimizer steps {mine}: load it into the same optimizer class")
     if not isinstance(opt.rule, TorchClassRule):
@@ -118,6 +123,14 @@ def match_rule(ck_dir: str, meta: dict[str, Any], opt: Any,
             opt.rule.check_hparams(merged, f" (saved param group {src})")
         except (ValueError, TypeError) as exc:
             raise CheckpointError(f"{ck_dir}: {exc}") from None
+
+
+def _how(cls: str, rule: str, meta: dict[str, Any] | None) -> str:
+    """``cls`` with the rule that steps it, where one class has two (torch.optim.AdamW)."""
+    if rule == ADAMW.name:
+        return f"{cls} as zerokern's fused AdamW (amsgrad=False, maximize=False)"
+    buffers = f", buffers {meta[OPTIMIZER]['buffers']}" if meta is not None else ""
+    return f"{cls} by torch's own step (amsgrad=True or maximize=True{buffers})"
 
 
 def apply_scalars(meta: dict[str, Any], opt: Any, names: dict[int, str]) -> None:

@@ -130,7 +130,8 @@ class TorchFormat:
                     entry = self._scalars(sh.index, sh.step, probe)
                     for key, t in full.items():
                         entry[key] = t.cpu() if cpu_offload else t
-                    state[torch_index[sh.index]] = entry
+                    if entry:  # torch keeps no entry where the class keeps nothing (SGD
+                        state[torch_index[sh.index]] = entry  # without momentum)
         if not keep:
             return {}
         out: dict[str, Any] = {"state": state, "param_groups": groups}

@@ -126,7 +126,9 @@ class ShardRange:
         given: dict[str, torch.Tensor | None]
         if stored is not None:  # the fp32 parts are their own views
             given = {k: stored.raw(k) if stored.is_fp32(k) else None for k in stored.keys}
-        elif tensors is None or "values" not in tensors or len(tensors) < 2:
+        elif tensors is None or "values" not in tensors:
+            # Only the values is a whole range: an update rule may keep no per-element
+            # buffer at all (SGD without momentum).
             raise TypeError("ShardRange needs the values and the buffers' tensors, or stored")
         else:
             given = dict(tensors)

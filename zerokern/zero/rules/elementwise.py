@@ -90,7 +90,19 @@ def check_elementwise(cls: Any, elementwise: bool) -> None:
         "value, gradient and state, the group's hyperparameters and per-parameter scalars "
         "such as a step count), which sharding a parameter at any element needs. If it is, "
         f"declare it: set the class attribute {ATTRIBUTE} = True, or pass "
-        "ZeroOptimizer(..., elementwise=True); if not, train it with DDP")
+        f"ZeroOptimizer(..., elementwise=True); if not, train it with DDP{_muon_hint(cls)}")
+
+
+def _muon_hint(cls: type) -> str:
+    """A script's own Muon (modded-nanogpt's, the Muon package's) orthogonalizes whole
+    matrices, so declaring it element-wise would train silently wrong; torch's Muon is the
+    same update (Newton-Schulz in bfloat16, Nesterov momentum) and is sharded."""
+    if "muon" not in cls.__name__.lower():
+        return ""
+    return (". For a Muon (Newton-Schulz on whole matrices: not element-wise, do not declare "
+            "it), use torch.optim.Muon, which ZeroOptimizer shards with whole-matrix owners "
+            "(its defaults differ from most scripts' Muon: weight_decay=0.1, lr=1e-3; see "
+            "docs/other-optimizers.md)")
 
 
 def rule_for(cls: type[torch.optim.Optimizer], given: Mapping[str, Any],
