@@ -190,6 +190,15 @@ def options_and_refusals(rank: int, world: int, tmp: str) -> None:
                     optimizers=(zerokern.ZeroAdamW(model.parameters(), stage=1), None))
     with pytest.raises(ValueError, match="optim='adafactor'"):
         ZeroTrainer(model=model, args=_args(os.path.join(tmp, "x"), optim="adafactor", **kw))
+    # bf16/fp16_full_eval cast the whole model for the final evaluate: refused at stage 3
+    # when the trainer is built, not after the training (the model left unpartitioned).
+    from zerokern.zero.registry import runtime_of_module
+
+    for full_eval in ("bf16_full_eval", "fp16_full_eval"):
+        with pytest.raises(ValueError, match=rf"{full_eval}=True\) at stage 3"):
+            ZeroTrainer(model=model, args=_args(os.path.join(tmp, "x"), **{full_eval: True}, **kw),
+                        zero_stage=3)
+        assert runtime_of_module(model) is None
     with pytest.raises(ValueError, match=r"optimizer_class=torch\.optim\.LBFGS is not"):
         ZeroTrainer(model=model, args=a, optimizer_cls_and_kwargs=(torch.optim.LBFGS, {}))
     with pytest.raises(ValueError, match="not a module of the model"):

@@ -149,11 +149,11 @@ class ZeroTrainer(_tf.Trainer):
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
         have_optimizer = given_opt is not None or cls_kw is not None
         if targs is not None:
-            self._check_args(targs, have_optimizer)
+            self._check_args(targs, have_optimizer, cfg.stage)
         self.zero_config = cfg
         self.zero_stage = cfg.stage
         super().__init__(*args, **kwargs)
-        self._check_args(self.args, have_optimizer)
+        self._check_args(self.args, have_optimizer, cfg.stage)
         self.zero_mesh = build_mesh(mesh, self.args.device.type, "ZeroTrainer")
         if given_opt is not None:
             if cfg.stage == 3 and runtime_of_module(self.model) is None:
@@ -216,7 +216,7 @@ class ZeroTrainer(_tf.Trainer):
         return opt.config
 
     @staticmethod
-    def _check_args(targs: Any, have_optimizer: bool) -> None:
+    def _check_args(targs: Any, have_optimizer: bool, stage: int) -> None:
         if getattr(targs, "n_gpu", 1) > 1:
             raise ValueError("ZeroTrainer: this process sees several GPUs, so the Trainer would "
                              "use torch.nn.DataParallel; launch one process per GPU with "
@@ -225,6 +225,16 @@ class ZeroTrainer(_tf.Trainer):
             raise ValueError("ZeroTrainer: TrainingArguments(fp16=True) uses Accelerate's "
                              "GradScaler, which reads p.grad (ZeroAdamW keeps flat shards); "
                              "use bf16=True")
+        for full_eval in ("bf16_full_eval", "fp16_full_eval"):
+            # The Trainer casts the whole model with model.to(dtype) for an evaluation outside
+            # train() (the final evaluate, an eval-only run): a partitioned model's flat shards
+            # keep their dtype, so that evaluate would fail after all of the training.
+            if stage == 3 and getattr(targs, full_eval, False):
+                raise ValueError(
+                    f"ZeroTrainer: TrainingArguments({full_eval}=True) at stage 3: the Trainer "
+                    "evaluates by casting the whole model (model.to(dtype)), which a "
+                    "partitioned model cannot be; evaluate under autocast with bf16=True, "
+                    "train a 16-bit model, or use stage 0-2")
         optim = ZeroTrainer._optim_name(targs)
         if not have_optimizer and optim not in _ADAMW_OPTIMS + _TORCH_OPTIMS:
             raise ValueError(f"ZeroTrainer: TrainingArguments(optim={optim!r}); "
