@@ -33,6 +33,7 @@ from .adopt import adopt
 from .build import ModelLayout, local_pieces, shard_initial
 from .context import UnitContext
 from .order import ForwardOrder
+from .reach import Reached
 from .recompute import Recompute, in_backward_now, keeps_gathered, slots
 from .saved import SavedTensorHooks
 from .secondary import Secondary
@@ -95,6 +96,7 @@ class Stage3Runtime:
         self._saved_hooks = SavedTensorHooks(self)
         self._callback_task = -1  # the backward whose end-of-backward callback is queued
         self._recompute = Recompute()  # activation checkpointing's forwards in the backward
+        self._reached = Reached()  # parameters this rank's forwards used (reach.py)
         self._param_unit: dict[int, tuple[Unit, int]] = {
             id(p): (u, j) for u in self.units for j, p in enumerate(u.params)}
         for u in self.units:
@@ -288,6 +290,8 @@ class Stage3Runtime:
             self._hook_outputs(u, out)
         if u.is_root and not u.in_backward:
             self._saved_hooks.exit()
+            if grad_mode:
+                self._reached.add(out)
             for other in self.units:  # prefetched but never run this time
                 if other.gathered and not other.in_backward and other is not u:
                     other.release()
@@ -326,6 +330,7 @@ class Stage3Runtime:
             self._queue_end_of_backward(task)
         if not u.in_backward:
             u.begin_backward(self._reduces)
+            u.waiting -= self._reached.unused(u.params, u.waiting)
             u.gather()
             for i in self.order.backward_prefetch(u.index, self.prefetch):
                 nxt = self.units[i]
@@ -362,6 +367,7 @@ class Stage3Runtime:
         """Units whose gradients did not all arrive (unused parameters) are reduced with zeros
         in a fixed order, the same on every rank; everything still gathered is released."""
         self._recompute.reset()
+        self._reached.reset()
         pending = [u for u in self.units if u.in_backward]
         for u in sorted(pending, key=lambda x: -self.order.last_pos(x.index)):
             if self.sync:
