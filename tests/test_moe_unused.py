@@ -3,7 +3,10 @@ gloo ranks: an expert that gets tokens on one rank and none on the other in a st
 that gets none on any rank, at every stage. At stage 3 the units then complete their
 gradients at different points on different ranks; their reduce-scatters must still be issued
 in one order everywhere (a rank-dependent order aborted gloo, or, with units of one size,
-swapped the gradients of two layers without a word)."""
+swapped the gradients of two layers without a word). Also with each block's forward in a
+reentrant activation checkpoint (as HF's ``gradient_checkpointing_enable()`` places it: inside
+the unit's ``__call__``), which hides the experts from the forward's graph until the
+recompute."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import zerokern
 
@@ -23,21 +27,27 @@ class MoE(nn.Module):
     given per call (the mask stands in for a top-k router, so each rank can be made to skip
     chosen experts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool) -> None:
         super().__init__()
+        self.reentrant = reentrant
         self.inp = nn.Linear(6, 6)
         self.experts = nn.ModuleList(nn.Linear(6, 6) for _ in range(E))
 
     def forward(self, h: torch.Tensor, used: tuple[int, ...]) -> torch.Tensor:
+        if self.reentrant:
+            return checkpoint(self._forward, h, used, use_reentrant=True)
+        return self._forward(h, used)
+
+    def _forward(self, h: torch.Tensor, used: tuple[int, ...]) -> torch.Tensor:
         h = self.inp(h)
         return h + sum(self.experts[e](torch.tanh(h)) for e in used)
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool = False) -> None:
         super().__init__()
         self.emb = nn.Linear(4, 6)
-        self.blocks = nn.ModuleList(MoE() for _ in range(2))
+        self.blocks = nn.ModuleList(MoE(reentrant) for _ in range(2))
         self.head = nn.Linear(6, 3)
 
     def forward(self, x: torch.Tensor, route: list[tuple[int, ...]]) -> torch.Tensor:
@@ -56,9 +66,10 @@ ROUTES = [
 ]
 
 
-def _train(rank: int, world: int, stage: int | None) -> tuple[list[float], dict]:
+def _train(rank: int, world: int, stage: int | None,
+           reentrant: bool = False) -> tuple[list[float], dict]:
     torch.manual_seed(0)
-    model = Net()
+    model = Net(reentrant)
     if stage is None:
         net = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
@@ -82,12 +93,12 @@ def _train(rank: int, world: int, stage: int | None) -> tuple[list[float], dict]
 
 def _case(rank: int, world: int, stages: list[int]) -> None:
     ref_losses, ref = _train(rank, world, None)
-    for stage in stages:
-        losses, got = _train(rank, world, stage)
+    for stage, reentrant in [(s, False) for s in stages] + [(3, True)]:
+        losses, got = _train(rank, world, stage, reentrant)
         for (la, na), (lb, nb) in zip(losses, ref_losses):
-            assert abs(la - lb) < 1e-5 and abs(na - nb) < 1e-5, (stage, losses, ref_losses)
+            assert abs(la - lb) < 1e-5 and abs(na - nb) < 1e-5, (stage, reentrant, losses, ref_losses)
         for k, v in ref.items():
-            assert torch.allclose(got[k], v, rtol=0, atol=1e-5), (stage, k)
+            assert torch.allclose(got[k], v, rtol=0, atol=1e-5), (stage, reentrant, k)
 
 
 @pytest.mark.parametrize("stages", [[0, 1, 2, 3]])

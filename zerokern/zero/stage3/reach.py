@@ -9,13 +9,17 @@ between units of one size, swaps their gradients without a word. DDP's
 ``find_unused_parameters=True`` finds such parameters by walking the autograd graph after the
 forward; so does this, from the root unit's outputs, and the unit no longer waits for them.
 
-A reentrant activation checkpoint (``CheckpointFunctionBackward``) hides its region's
-parameters from the graph until its recompute: a forward that has one reaches "everything"
-(the units wait for all their gradients, as before).
+A reentrant activation checkpoint (``CheckpointFunctionBackward``, HF's default) hides its
+region's parameters from that graph until its recompute, which runs inside that node's
+backward. So each such node found gets a hook that runs when it has finished: every gradient
+of its region has arrived by then, and the units the recompute ran in (``touched``) stop
+waiting for the parameters that still have none and that the outer graph does not reach. The
+node is part of every rank's graph, so every rank decides at the same point.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,44 +29,56 @@ _OPAQUE = "CheckpointFunctionBackward"
 
 
 class Reached:
-    """The ids of the parameters the forwards since the last backward reached (``None``:
-    every parameter counts as reached)."""
+    """The ids of the parameters the forwards since the last backward reached, and the units
+    a reentrant checkpoint's recompute ran in since its region's last end."""
 
-    def __init__(self) -> None:
-        self.ids: set[int] | None = set()
+    def __init__(self, on_region_end: Callable[[], None]) -> None:
+        self.ids: set[int] = set()
         self.seen_forward = False
+        self.opaque = False  # a reentrant checkpoint region hides parameters from the walk
+        self.touched: set[int] = set()
+        self._on_region_end = on_region_end
 
     def add(self, out: Any) -> None:
         """A root forward returned ``out``: walk its graph to the leaves."""
         self.seen_forward = True
-        if self.ids is None:
-            return
-        stack = [t.grad_fn for t in tree_flatten(out)[0]
-                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        seen: set[int] = set()
-        while stack:
-            fn = stack.pop()
-            if id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            var = getattr(fn, "variable", None)
-            if var is not None:  # AccumulateGrad: a leaf that requires grad
-                self.ids.add(id(var))
-                continue
-            if fn.name().endswith(_OPAQUE):
-                self.ids = None
-                return
-            stack.extend(f for f, _ in fn.next_functions if f is not None)
+        for node in _walk(out, self.ids):
+            self.opaque = True
+            node.register_hook(lambda grad_in, grad_out: self._on_region_end())
 
-    def unused(self, params: list[torch.nn.Parameter], waiting: set[int]) -> set[int]:
+    def unused(self, params: list[torch.nn.Parameter], waiting: set[int], *,
+               region_ended: bool = False) -> set[int]:
         """Of ``waiting`` (indices into ``params``), those no forward reached; none when no
-        forward was seen (a backward of a graph built otherwise) or all of them would go (the
-        unit's gradients then arrive some other way, or not at all: it waits as before)."""
-        if self.ids is None or not self.seen_forward:
+        forward was seen (a backward of a graph built otherwise), or before the end of a
+        reentrant checkpoint region when the forward had one (any of them may be hidden in
+        it), or when all of them would go (their gradients may come some other way)."""
+        if not self.seen_forward or (self.opaque and not region_ended):
             return set()
         out = {j for j in waiting if id(params[j]) not in self.ids}
-        return set() if out == waiting else out
+        return out if region_ended or out != waiting else set()
 
     def reset(self) -> None:
         """A backward ended: the next forwards start a new set."""
-        self.ids, self.seen_forward = set(), False
+        self.ids, self.seen_forward, self.opaque, self.touched = set(), False, False, set()
+
+
+def _walk(out: Any, ids: set[int]) -> list[Any]:
+    """Add to ``ids`` the parameters ``out``'s graph reaches; return the reentrant checkpoint
+    nodes it passed (their regions' parameters are out of its sight)."""
+    stack = [t.grad_fn for t in tree_flatten(out)[0]
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[int] = set()
+    regions = []
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)
+        if var is not None:  # AccumulateGrad: a leaf that requires grad
+            ids.add(id(var))
+            continue
+        if fn.name().endswith(_OPAQUE):
+            regions.append(fn)
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return regions

@@ -96,7 +96,7 @@ class Stage3Runtime:
         self._saved_hooks = SavedTensorHooks(self)
         self._callback_task = -1  # the backward whose end-of-backward callback is queued
         self._recompute = Recompute()  # activation checkpointing's forwards in the backward
-        self._reached = Reached()  # parameters this rank's forwards used (reach.py)
+        self._reached = Reached(self._region_ended)  # what this rank's forwards used
         self._param_unit: dict[int, tuple[Unit, int]] = {
             id(p): (u, j) for u in self.units for j, p in enumerate(u.params)}
         for u in self.units:
@@ -230,6 +230,7 @@ class Stage3Runtime:
     @torch._disable_dynamo
     def _pre_forward(self, u: Unit) -> None:
         if in_backward_now():  # activation checkpointing's recompute (recompute.py)
+            self._reached.touched.add(u.index)
             task = torch._C._current_graph_task_id()
             if not self._recompute.nested(task, self._callback_task):
                 self._queue_end_of_backward(task)
@@ -271,6 +272,7 @@ class Stage3Runtime:
         # parameters now (recompute.py).
         if not in_backward_now():
             return
+        self._reached.touched.add(u.index)
         if u.block is not None:  # gathered in the arena, and maybe viewed by this recompute
             u.gather()
             u.leave_arena(retire=True)
@@ -362,6 +364,18 @@ class Stage3Runtime:
             self.pre_backward(u, None)
         if u.grad_arrived(j):
             u.reduce(self._left_on, keep=keeps_gathered(u, self._reduces))
+
+    def _region_ended(self) -> None:
+        # A reentrant checkpoint region's backward is done (reach.py): the units it ran in
+        # stop waiting for gradients that did not come, and reduce now if none is due.
+        touched, self._reached.touched = self._reached.touched, set()
+        for i in sorted(touched):
+            u = self.units[i]
+            if not u.in_backward or not u.waiting:
+                continue
+            u.waiting -= self._reached.unused(u.params, u.waiting, region_ended=True)
+            if not u.waiting and self.sync:
+                u.reduce(self._left_on, keep=keeps_gathered(u, self._reduces))
 
     def _end_of_backward(self) -> None:
         """Units whose gradients did not all arrive (unused parameters) are reduced with zeros
