@@ -96,7 +96,8 @@ def _case(rank: int, world: int, stages: list[int]) -> None:
     for stage, reentrant in [(s, False) for s in stages] + [(3, True)]:
         losses, got = _train(rank, world, stage, reentrant)
         for (la, na), (lb, nb) in zip(losses, ref_losses):
-            assert abs(la - lb) < 1e-5 and abs(na - nb) < 1e-5, (stage, reentrant, losses, ref_losses)
+            assert abs(la - lb) < 1e-5 and abs(na - nb) < 1e-5, (stage, reentrant, losses,
+                                                                 ref_losses)
         for k, v in ref.items():
             assert torch.allclose(got[k], v, rtol=0, atol=1e-5), (stage, reentrant, k)
 

@@ -12,9 +12,13 @@ forward; so does this, from the root unit's outputs, and the unit no longer wait
 A reentrant activation checkpoint (``CheckpointFunctionBackward``, HF's default) hides its
 region's parameters from that graph until its recompute, which runs inside that node's
 backward. So each such node found gets a hook that runs when it has finished: every gradient
-of its region has arrived by then, and the units the recompute ran in (``touched``) stop
-waiting for the parameters that still have none and that the outer graph does not reach. The
-node is part of every rank's graph, so every rank decides at the same point.
+of its region has arrived by then. A unit whose whole forward that region held (the unit
+ran in its recompute, or the region's function is the unit's forward, as HF's
+``gradient_checkpointing_enable()`` wraps each decoder layer's) then stops waiting for the
+parameters that still have none and that the outer graph does not reach. The node is part of
+every rank's graph, so every rank decides at the same point. A unit with regions inside its
+forward that are not the whole of it (any of them may still hold a gradient to come) waits
+for all its gradients as before.
 """
 
 from __future__ import annotations
@@ -30,13 +34,13 @@ _OPAQUE = "CheckpointFunctionBackward"
 
 class Reached:
     """The ids of the parameters the forwards since the last backward reached, and the units
-    a reentrant checkpoint's recompute ran in since its region's last end."""
+    whose forward a reentrant checkpoint's recompute ran since its region's last end."""
 
-    def __init__(self, on_region_end: Callable[[], None]) -> None:
+    def __init__(self, on_region_end: Callable[[Any], None]) -> None:
         self.ids: set[int] = set()
         self.seen_forward = False
         self.opaque = False  # a reentrant checkpoint region hides parameters from the walk
-        self.touched: set[int] = set()
+        self.touched: set[int] = set()  # units whose forward ran in a recompute
         self._on_region_end = on_region_end
 
     def add(self, out: Any) -> None:
@@ -44,7 +48,8 @@ class Reached:
         self.seen_forward = True
         for node in _walk(out, self.ids):
             self.opaque = True
-            node.register_hook(lambda grad_in, grad_out: self._on_region_end())
+            fn = getattr(node, "run_function", None)  # the region's function (its ctx)
+            node.register_hook(lambda grad_in, grad_out, fn=fn: self._on_region_end(fn))
 
     def unused(self, params: list[torch.nn.Parameter], waiting: set[int], *,
                region_ended: bool = False) -> set[int]:
@@ -82,3 +87,12 @@ def _walk(out: Any, ids: set[int]) -> list[Any]:
             regions.append(fn)
         stack.extend(f for f, _ in fn.next_functions if f is not None)
     return regions
+
+
+def region_owners(fn: Any) -> set[int]:
+    """The ids of the objects a checkpointed function is the whole forward of: itself (a
+    module), the object of a bound method (``self._forward``), the first argument of a
+    ``functools.partial`` (HF's ``partial(forward, layer, **kwargs)``)."""
+    args = getattr(fn, "args", None)
+    first = args[0] if isinstance(args, tuple) and args else None
+    return {id(o) for o in (fn, getattr(fn, "__self__", None), first) if o is not None}

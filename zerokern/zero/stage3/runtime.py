@@ -33,7 +33,7 @@ from .adopt import adopt
 from .build import ModelLayout, local_pieces, shard_initial
 from .context import UnitContext
 from .order import ForwardOrder
-from .reach import Reached
+from .reach import Reached, region_owners
 from .recompute import Recompute, in_backward_now, keeps_gathered, slots
 from .saved import SavedTensorHooks
 from .secondary import Secondary
@@ -272,7 +272,6 @@ class Stage3Runtime:
         # parameters now (recompute.py).
         if not in_backward_now():
             return
-        self._reached.touched.add(u.index)
         if u.block is not None:  # gathered in the arena, and maybe viewed by this recompute
             u.gather()
             u.leave_arena(retire=True)
@@ -365,11 +364,15 @@ class Stage3Runtime:
         if u.grad_arrived(j):
             u.reduce(self._left_on, keep=keeps_gathered(u, self._reduces))
 
-    def _region_ended(self) -> None:
-        # A reentrant checkpoint region's backward is done (reach.py): the units it ran in
-        # stop waiting for gradients that did not come, and reduce now if none is due.
-        touched, self._reached.touched = self._reached.touched, set()
-        for i in sorted(touched):
+    def _region_ended(self, fn: Any) -> None:
+        # A reentrant checkpoint region's backward is done (reach.py): the units whose whole
+        # forward it held stop waiting for gradients that did not come, and reduce now if
+        # none is due. HF checkpoints partial(forward, layer, ...) inside the layer's call;
+        # a bound method of the unit (self._forward) is its whole forward too.
+        whole, self._reached.touched = self._reached.touched, set()
+        owners = region_owners(fn)
+        whole |= {u.index for u in self.units if id(u.module) in owners}
+        for i in sorted(whole):
             u = self.units[i]
             if not u.in_backward or not u.waiting:
                 continue
