@@ -72,20 +72,22 @@ def _walk(out: Any, ids: set[int]) -> list[Any]:
     nodes it passed (their regions' parameters are out of its sight)."""
     stack = [t.grad_fn for t in tree_flatten(out)[0]
              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[int] = set()
+    # Keyed by id, holding the node: a C++ node's Python object is made on demand and
+    # cached only while alive, so a dropped one's id could come back for another node.
+    seen: dict[int, Any] = {id(fn): fn for fn in stack}
     regions = []
     while stack:
         fn = stack.pop()
-        if id(fn) in seen:
+        kind = type(fn).__name__
+        if kind == "AccumulateGrad":  # a leaf that requires grad
+            ids.add(id(fn.variable))
             continue
-        seen.add(id(fn))
-        var = getattr(fn, "variable", None)
-        if var is not None:  # AccumulateGrad: a leaf that requires grad
-            ids.add(id(var))
-            continue
-        if fn.name().endswith(_OPAQUE):
+        if kind == _OPAQUE:
             regions.append(fn)
-        stack.extend(f for f, _ in fn.next_functions if f is not None)
+        for nxt, _ in fn.next_functions:
+            if nxt is not None and id(nxt) not in seen:
+                seen[id(nxt)] = nxt
+                stack.append(nxt)
     return regions
 
 
