@@ -33,6 +33,7 @@ from .adopt import adopt
 from .build import ModelLayout, local_pieces, shard_initial
 from .context import UnitContext
 from .order import ForwardOrder
+from .reach import Reached, region_owners
 from .recompute import Recompute, in_backward_now, keeps_gathered, slots
 from .saved import SavedTensorHooks
 from .secondary import Secondary
@@ -95,6 +96,7 @@ class Stage3Runtime:
         self._saved_hooks = SavedTensorHooks(self)
         self._callback_task = -1  # the backward whose end-of-backward callback is queued
         self._recompute = Recompute()  # activation checkpointing's forwards in the backward
+        self._reached = Reached(self._region_ended)  # what this rank's forwards used
         self._param_unit: dict[int, tuple[Unit, int]] = {
             id(p): (u, j) for u in self.units for j, p in enumerate(u.params)}
         for u in self.units:
@@ -228,6 +230,7 @@ class Stage3Runtime:
     @torch._disable_dynamo
     def _pre_forward(self, u: Unit) -> None:
         if in_backward_now():  # activation checkpointing's recompute (recompute.py)
+            self._reached.touched.add(u.index)
             task = torch._C._current_graph_task_id()
             if not self._recompute.nested(task, self._callback_task):
                 self._queue_end_of_backward(task)
@@ -288,6 +291,8 @@ class Stage3Runtime:
             self._hook_outputs(u, out)
         if u.is_root and not u.in_backward:
             self._saved_hooks.exit()
+            if grad_mode:
+                self._reached.add(out)
             for other in self.units:  # prefetched but never run this time
                 if other.gathered and not other.in_backward and other is not u:
                     other.release()
@@ -326,6 +331,7 @@ class Stage3Runtime:
             self._queue_end_of_backward(task)
         if not u.in_backward:
             u.begin_backward(self._reduces)
+            u.waiting -= self._reached.unused(u.params, u.waiting)
             u.gather()
             for i in self.order.backward_prefetch(u.index, self.prefetch):
                 nxt = self.units[i]
@@ -358,10 +364,27 @@ class Stage3Runtime:
         if u.grad_arrived(j):
             u.reduce(self._left_on, keep=keeps_gathered(u, self._reduces))
 
+    def _region_ended(self, fn: Any) -> None:
+        # A reentrant checkpoint region's backward is done (reach.py): the units whose whole
+        # forward it held stop waiting for gradients that did not come, and reduce now if
+        # none is due. HF checkpoints partial(forward, layer, ...) inside the layer's call;
+        # a bound method of the unit (self._forward) is its whole forward too.
+        whole, self._reached.touched = self._reached.touched, set()
+        owners = region_owners(fn)
+        whole |= {u.index for u in self.units if id(u.module) in owners}
+        for i in sorted(whole):
+            u = self.units[i]
+            if not u.in_backward or not u.waiting:
+                continue
+            u.waiting -= self._reached.unused(u.params, u.waiting, region_ended=True)
+            if not u.waiting and self.sync:
+                u.reduce(self._left_on, keep=keeps_gathered(u, self._reduces))
+
     def _end_of_backward(self) -> None:
         """Units whose gradients did not all arrive (unused parameters) are reduced with zeros
         in a fixed order, the same on every rank; everything still gathered is released."""
         self._recompute.reset()
+        self._reached.reset()
         pending = [u for u in self.units if u.in_backward]
         for u in sorted(pending, key=lambda x: -self.order.last_pos(x.index)):
             if self.sync:
