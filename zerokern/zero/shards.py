@@ -126,7 +126,8 @@ class ShardRange:
         given: dict[str, torch.Tensor | None]
         if stored is not None:  # the fp32 parts are their own views
             given = {k: stored.raw(k) if stored.is_fp32(k) else None for k in stored.keys}
-        elif tensors is None or "values" not in tensors or len(tensors) < 2:
+        elif tensors is None or "values" not in tensors:
+            # A rule may keep no buffer at all (SGD without momentum): "values" alone.
             raise TypeError("ShardRange needs the values and the buffers' tensors, or stored")
         else:
             given = dict(tensors)
