@@ -419,6 +419,26 @@ def _val_losses(params: dict[str, torch.Tensor], rank: int, batches: int) -> lis
                 for x, y in (make_batch(rank, b, salt=1) for b in range(batches))]
 
 
+def eval_after_fit(rank: int, world: int, *, tmp: str) -> None:
+    """validate(ckpt_path=...) on the Trainer that has just fit (the autoencoder example's
+    test(ckpt_path="best")): the fit's ZeroAdamW still trains the weights, so they load through
+    it; the losses are those of the checkpoint's weights read into a plain model."""
+    base = Path(tmp) / "after_fit"
+    model = _ValNet(3)
+    tr = _trainer(rank, world, ZeroStrategy(stage=3, unit_classes=(Block,)), base,
+                  max_steps=4, ckpt_every=2, limit_val_batches=VAL_BATCHES)
+    tr.fit(model, _loader(world))
+    ck2 = _ckpt(base, 2)
+    plain = Net(None)
+    zerokern.load_checkpoint(str(ck2), plain, None)  # this process alone: a plain model
+    tr.validate(model, _loader(world), ckpt_path=str(ck2))
+    _close_list([model.seen[b] for b in range(VAL_BATCHES)],
+                _val_losses(plain.state_dict(), rank, VAL_BATCHES),
+                "validate(ckpt_path=step 2) after fit")
+    _close(tr.strategy.full_state_dict(rank0_only=False), plain.state_dict(),
+           "the weights after validate(ckpt_path=step 2)")
+
+
 def constructor(rank: int, world: int, *, tmp: str) -> None:
     """Arguments refused when the strategy is built, before any Trainer exists."""
     from pytorch_lightning.plugins.precision import MixedPrecision
@@ -448,6 +468,7 @@ CASES = {
     "stage2": lambda rank, world, tmp: parity_and_resume(rank, world, stage=2, tmp=tmp),
     "stage3": lambda rank, world, tmp: parity_and_resume(rank, world, stage=3, tmp=tmp),
     "habits": habits,
+    "eval_after_fit": eval_after_fit,
 }
 
 
