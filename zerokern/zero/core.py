@@ -327,6 +327,8 @@ class ZeroCore(torch.optim.Optimizer):
         if not getattr(self, "_constructed", False):
             super().add_param_group(param_group)  # the constructor's groups
             return
+        if owners.is_superseded(self):  # its parameters are the newer optimizer's
+            raise owners.superseded_error(self, "add_param_group")
         if self._slot.has_pending_grads():
             raise RuntimeError("add_param_group between backward() and step(): the pending "
                                "gradients would be lost; call it after step()")

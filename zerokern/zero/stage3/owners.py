@@ -93,12 +93,12 @@ def is_superseded(opt: Any) -> bool:
     return ref is not None and ref() is not None
 
 
-def superseded_error(opt: Any) -> RuntimeError:
+def superseded_error(opt: Any, call: str = "step") -> RuntimeError:
     name = type(opt).__name__
     model = ("a model sharded by zerokern.shard_model (ZeRO stage 3)"
              if getattr(opt, "_rt", None) is not None else "the model")
     return RuntimeError(
-        f"{name}.step(): a newer zerokern optimizer was built over all of this {name}'s "
+        f"{name}.{call}(): a newer zerokern optimizer was built over all of this {name}'s "
         f"parameters of {model}: it trains them "
         "now (a parameter belongs to at most one optimizer). Step the new one, and drop (del) "
         "this one. Nothing was updated.")
