@@ -439,6 +439,24 @@ def eval_after_fit(rank: int, world: int, *, tmp: str) -> None:
            "the weights after validate(ckpt_path=step 2)")
 
 
+def refit(rank: int, world: int, *, tmp: str) -> None:
+    """A second fit of the same LightningModule in a new Trainer (the first one still alive,
+    as in a notebook): its configure_optimizers builds a new ZeroAdamW over the parameters
+    the first fit's still trains, which takes them over. Stage 2 against DDPStrategy doing
+    the same (a fresh torch AdamW)."""
+    runs = {}
+    for stage in (None, 2):
+        model = Net(stage)
+        trainers = []
+        for _ in range(2):
+            strategy = _ddp() if stage is None else ZeroStrategy(stage=stage)
+            trainers.append(_trainer(rank, world, strategy, None, max_steps=3))
+            trainers[-1].fit(model, _loader(world))
+        runs[stage] = (model.losses, _params(trainers[-1], model))
+    _close_list(runs[2][0], runs[None][0], "second fit: losses")
+    _close(runs[2][1], runs[None][1], "second fit: parameters")
+
+
 def constructor(rank: int, world: int, *, tmp: str) -> None:
     """Arguments refused when the strategy is built, before any Trainer exists."""
     from pytorch_lightning.plugins.precision import MixedPrecision
@@ -469,6 +487,7 @@ CASES = {
     "stage3": lambda rank, world, tmp: parity_and_resume(rank, world, stage=3, tmp=tmp),
     "habits": habits,
     "eval_after_fit": eval_after_fit,
+    "refit": refit,
 }
 
 
