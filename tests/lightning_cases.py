@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import zerokern
-from zerokern.integrations.lightning import ZeroStrategy
+from zerokern.integrations.lightning import ZeroStrategy, to_lightning_checkpoint
 
 DIM, HIDDEN, OUT = 8, 16, 4
 BATCH, ACCUM, STEPS = 4, 2, 20
@@ -437,6 +437,13 @@ def eval_after_fit(rank: int, world: int, *, tmp: str) -> None:
                 "validate(ckpt_path=step 2) after fit")
     _close(tr.strategy.full_state_dict(rank0_only=False), plain.state_dict(),
            "the weights after validate(ckpt_path=step 2)")
+    # LightningModule.load_from_checkpoint reads one file: the directory converted to one.
+    one = base / f"step2.rank{rank}.ckpt"
+    to_lightning_checkpoint(ck2, one)
+    loaded = Net.load_from_checkpoint(one, zero_stage=None)
+    assert loaded.state_dict().keys() == plain.state_dict().keys()
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in loaded.state_dict().items())
+    assert torch.load(one, weights_only=False)["global_step"] == 2
 
 
 def refit(rank: int, world: int, *, tmp: str) -> None:

@@ -68,7 +68,7 @@ from ..zero.interop import optimizer_of  # noqa: E402
 from ..zero.registry import runtime_of_param  # noqa: E402
 from ._options import build_mesh, check_mesh_arg, check_optimizer, config_of  # noqa: E402
 
-__all__ = ["ZeroStrategy"]
+__all__ = ["ZeroStrategy", "to_lightning_checkpoint"]
 
 # The key of ZeroStrategy's entry in a zerokern checkpoint's ``extra``.
 EXTRA_KEY = "lightning"
@@ -666,3 +666,7 @@ def _existing_root(lm: pl.LightningModule) -> _Stage3Root | None:
                 return root
             return None
     return None
+
+
+# After ZeroStrategy: the converter reads this module's checkpoint entry (lazily, in its body).
+from .lightning_checkpoint import to_lightning_checkpoint  # noqa: E402
