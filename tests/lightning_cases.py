@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import zerokern
-from zerokern.integrations.lightning import ZeroStrategy
+from zerokern.integrations.lightning import ZeroStrategy, to_lightning_checkpoint
 
 DIM, HIDDEN, OUT = 8, 16, 4
 BATCH, ACCUM, STEPS = 4, 2, 20
@@ -419,6 +419,51 @@ def _val_losses(params: dict[str, torch.Tensor], rank: int, batches: int) -> lis
                 for x, y in (make_batch(rank, b, salt=1) for b in range(batches))]
 
 
+def eval_after_fit(rank: int, world: int, *, tmp: str) -> None:
+    """validate(ckpt_path=...) on the Trainer that has just fit (the autoencoder example's
+    test(ckpt_path="best")): the fit's ZeroAdamW still trains the weights, so they load through
+    it; the losses are those of the checkpoint's weights read into a plain model."""
+    base = Path(tmp) / "after_fit"
+    model = _ValNet(3)
+    tr = _trainer(rank, world, ZeroStrategy(stage=3, unit_classes=(Block,)), base,
+                  max_steps=4, ckpt_every=2, limit_val_batches=VAL_BATCHES)
+    tr.fit(model, _loader(world))
+    ck2 = _ckpt(base, 2)
+    plain = Net(None)
+    zerokern.load_checkpoint(str(ck2), plain, None)  # this process alone: a plain model
+    tr.validate(model, _loader(world), ckpt_path=str(ck2))
+    _close_list([model.seen[b] for b in range(VAL_BATCHES)],
+                _val_losses(plain.state_dict(), rank, VAL_BATCHES),
+                "validate(ckpt_path=step 2) after fit")
+    _close(tr.strategy.full_state_dict(rank0_only=False), plain.state_dict(),
+           "the weights after validate(ckpt_path=step 2)")
+    # LightningModule.load_from_checkpoint reads one file: the directory converted to one.
+    one = base / f"step2.rank{rank}.ckpt"
+    to_lightning_checkpoint(ck2, one)
+    loaded = Net.load_from_checkpoint(one, zero_stage=None)
+    assert loaded.state_dict().keys() == plain.state_dict().keys()
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in loaded.state_dict().items())
+    assert torch.load(one, weights_only=False)["global_step"] == 2
+
+
+def refit(rank: int, world: int, *, tmp: str) -> None:
+    """A second fit of the same LightningModule in a new Trainer (the first one still alive,
+    as in a notebook): its configure_optimizers builds a new ZeroAdamW over the parameters
+    the first fit's still trains, which takes them over. Stage 2 against DDPStrategy doing
+    the same (a fresh torch AdamW)."""
+    runs = {}
+    for stage in (None, 2):
+        model = Net(stage)
+        trainers = []
+        for _ in range(2):
+            strategy = _ddp() if stage is None else ZeroStrategy(stage=stage)
+            trainers.append(_trainer(rank, world, strategy, None, max_steps=3))
+            trainers[-1].fit(model, _loader(world))
+        runs[stage] = (model.losses, _params(trainers[-1], model))
+    _close_list(runs[2][0], runs[None][0], "second fit: losses")
+    _close(runs[2][1], runs[None][1], "second fit: parameters")
+
+
 def constructor(rank: int, world: int, *, tmp: str) -> None:
     """Arguments refused when the strategy is built, before any Trainer exists."""
     from pytorch_lightning.plugins.precision import MixedPrecision
@@ -448,6 +493,8 @@ CASES = {
     "stage2": lambda rank, world, tmp: parity_and_resume(rank, world, stage=2, tmp=tmp),
     "stage3": lambda rank, world, tmp: parity_and_resume(rank, world, stage=3, tmp=tmp),
     "habits": habits,
+    "eval_after_fit": eval_after_fit,
+    "refit": refit,
 }
 
 

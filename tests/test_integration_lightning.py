@@ -77,6 +77,18 @@ def test_habits_and_refusals(cases):
 
 
 @needs_lightning
+def test_evaluation_from_a_checkpoint_after_fit(cases):
+    """validate(ckpt_path=...) on the Trainer that has just fit at stage 3."""
+    _check(cases, "eval_after_fit")
+
+
+@needs_lightning
+def test_a_second_fit_of_the_same_module(cases):
+    """A new Trainer fits the same LightningModule again (stage 2 vs DDPStrategy)."""
+    _check(cases, "refit")
+
+
+@needs_lightning
 def test_constructor_refusals(cases):
     _check(cases, "constructor")
 

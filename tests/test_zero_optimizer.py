@@ -480,3 +480,41 @@ def test_scalars_advance_once_per_parameter_split_over_buckets():
     got = opt.full_state_dict()["state"][0]["mu_product"]
     assert math.isclose(float(got), float(want), rel_tol=0, abs_tol=0)
     torch.testing.assert_close(model.weight, ref.weight, rtol=TOL, atol=TOL)
+
+
+def test_a_rule_without_buffers_checkpoints_and_resumes(tmp_path):
+    """torch SGD without momentum keeps no state at all (Lightning's transformer example trains
+    with it): its checkpoint holds the parameters only, loads at another stage, resumes as
+    torch SGD goes on, and consolidates to the plain weights."""
+    from safetensors.torch import load_file
+
+    from zerokern.cli.consolidate import consolidate
+
+    torch.manual_seed(0)
+    base = IntGradNet()
+    hp = dict(lr=0.05)
+    model, opt = _build(base, torch.optim.SGD, hp, 2)
+    ref = copy.deepcopy(base)
+    ropt = torch.optim.SGD(ref.parameters(), **hp)
+    _train(model, opt, None, None, 1, 0, 0, STEPS)
+    _train_alone(ref, ropt, 0, STEPS)
+    zerokern.save_checkpoint(tmp_path / "ck", model, opt)
+    consolidate(str(tmp_path / "ck"), str(tmp_path / "full.safetensors"))
+    full = load_file(tmp_path / "full.safetensors")
+    for name, p in ref.named_parameters():
+        assert torch.equal(full[name], p.detach()), name
+    for stage in (1, 3):
+        m2, o2 = _build(base, torch.optim.SGD, hp, stage)
+        zerokern.load_checkpoint(tmp_path / "ck", m2, o2)
+        _train(m2, o2, None, None, 1, 0, STEPS, STEPS)
+        if stage == 1:
+            _train_alone(ref, ropt, STEPS, STEPS)
+        _compare(m2, ref, f"SGD without momentum, resumed at stage {stage}")
+
+
+def _train_alone(ref, ropt, start, steps):
+    # One process (no group): torch's optimizer on the gradients as they are.
+    for step in range(start, start + steps):
+        _loss(ref, step, 0).backward()
+        ropt.step()
+        ropt.zero_grad()

@@ -64,10 +64,11 @@ from ..checkpoint.locks import publishing  # noqa: E402
 from ..compose import prepare_model  # noqa: E402
 from ..zero import ZeroAdamW, ZeroOptimizer, full_state_dict  # noqa: E402
 from ..zero.config import ZeroConfig  # noqa: E402
+from ..zero.interop import optimizer_of  # noqa: E402
 from ..zero.registry import runtime_of_param  # noqa: E402
 from ._options import build_mesh, check_mesh_arg, check_optimizer, config_of  # noqa: E402
 
-__all__ = ["ZeroStrategy"]
+__all__ = ["ZeroStrategy", "to_lightning_checkpoint"]
 
 # The key of ZeroStrategy's entry in a zerokern checkpoint's ``extra``.
 EXTRA_KEY = "lightning"
@@ -562,8 +563,11 @@ class ZeroStrategy(DDPStrategy):
         if os.path.isfile(path):
             return self._load_file(path, weights_only, fitting)
         model = self._checkpoint_model()
-        # Outside a fit (validate/test/predict) there is no optimizer: the weights only.
-        opt = self._optimizer("load") if fitting else None
+        # Outside a fit (validate/test/predict) the weights only, unless an earlier fit's
+        # ZeroAdamW still trains them (test(ckpt_path="best") after fit): its fp32 master
+        # would undo a load of the weights alone, so they load through it, and its state
+        # becomes the checkpoint's, as the weights do.
+        opt = self._optimizer("load") if fitting else _trainer_of(model)
         extra = load_checkpoint(path, model, opt)
         entry = extra.get(EXTRA_KEY) if isinstance(extra, Mapping) else None
         if not isinstance(entry, Mapping) or "state" not in entry:
@@ -642,6 +646,15 @@ class ZeroStrategy(DDPStrategy):
         pass
 
 
+def _trainer_of(model: nn.Module) -> ZeroOptimizer | None:
+    """The zerokern optimizer that trains ``model``'s parameters (an earlier fit's), if any."""
+    for p in model.parameters():
+        opt = optimizer_of(p)
+        if opt is not None:
+            return opt
+    return None
+
+
 def _existing_root(lm: pl.LightningModule) -> _Stage3Root | None:
     """The _Stage3Root that partitioned ``lm`` before (found through the runtime that owns its
     parameters, which keeps the root alive), if any."""
@@ -653,3 +666,7 @@ def _existing_root(lm: pl.LightningModule) -> _Stage3Root | None:
                 return root
             return None
     return None
+
+
+# After ZeroStrategy: the converter reads this module's checkpoint entry (lazily, in its body).
+from .lightning_checkpoint import to_lightning_checkpoint  # noqa: E402

@@ -110,9 +110,10 @@ class ZeroCore(torch.optim.Optimizer):
             parts = plan_parts(self.param_groups, cfg, rt)
             if parts is None:
                 table = ParamTable(managed, frozen, rt)
-                # Stage 3: a parameter another live optimizer trains is refused (several
-                # optimizers take disjoint parameters), unless this one replaces it whole.
-                replaced = [] if rt is None else owners.check_disjoint(table.params, rt, where)
+                # A parameter another live optimizer trains is refused (several optimizers
+                # take disjoint parameters), unless this one replaces it whole (a second
+                # fit, a resume, a re-run cell while the old object still lives).
+                replaced = owners.check_disjoint(table.params, rt, where)
                 if rt is not None:
                     owners.check_offload_alone(rt, cfg.offload, replaced)
                 dtype, device = common_dtype_device(table.params)  # meta parameters refused
@@ -171,6 +172,9 @@ class ZeroCore(torch.optim.Optimizer):
         self._interchange = TorchFormat(table, self._access, self.comm, cfg.stage,
                                         self._rule_state)
         self._grad_hooks: list[Any] = []
+        for old in replaced:
+            if old._rt is None:  # stage 3: the runtime's callbacks skip a superseded one
+                old._retire()
         interop.register_params(params, self)
         owners.supersede(replaced, self)
         self._watch_grads(params, 0)
@@ -270,6 +274,15 @@ class ZeroCore(torch.optim.Optimizer):
             self._grad_hooks += [p.register_post_accumulate_grad_hook(
                 functools.partial(_delivered, me, first + k)) for k, p in enumerate(params)]
 
+    def _retire(self) -> None:
+        """Stages 0-2, superseded by a newer optimizer over all of its parameters: as if it
+        had been dropped, its hooks come off (the gradients are the new one's to reduce) and so
+        do its guards (a gradient one stood for is gone, as a dropped optimizer's)."""
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
+        self._guards.retire()
+
     def _on_grad(self, index: int) -> None:
         self._reduction.count_event()
         if self._slot.sync:
@@ -314,6 +327,8 @@ class ZeroCore(torch.optim.Optimizer):
         if not getattr(self, "_constructed", False):
             super().add_param_group(param_group)  # the constructor's groups
             return
+        if owners.is_superseded(self):  # its parameters are the newer optimizer's
+            raise owners.superseded_error(self, "add_param_group")
         if self._slot.has_pending_grads():
             raise RuntimeError("add_param_group between backward() and step(): the pending "
                                "gradients would be lost; call it after step()")

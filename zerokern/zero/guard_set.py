@@ -156,6 +156,17 @@ class GuardSet:
                 self.stale_on = True
         return edits
 
+    def retire(self) -> None:
+        """Their optimizer was superseded: the hooks come off, and every guard still on a
+        parameter leaves it None, as when the optimizer is dropped (``_before_accumulate``)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for p, g in zip(self._params, self._guards):
+            if g is not None and p.grad is g:
+                p.grad = None
+        self.on = self.stale_on = False
+
     def settle_stale(self) -> None:
         """A backward starts (or ends) after a step of stages 1-3: the stale guards come off.
         One still on ``p.grad`` carried a gradient over (no zero_grad() since the step: what

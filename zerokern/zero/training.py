@@ -14,7 +14,7 @@ import torch
 
 from .param_groups import check_groups
 from .reduction import Reduced, grad_scale
-from .stage3.owners import is_superseded
+from .stage3.owners import is_superseded, superseded_error
 from .validate import finite_ge0
 
 
@@ -57,7 +57,7 @@ class TrainingLoop:
         gradient on every parameter that has one (under DDP: that the last step updated, or
         that got one since), so the next steps update those (decay, moments) with or without
         a new gradient, as torch's AdamW does. Call it after every ``step()``."""
-        if self._rt is not None and is_superseded(self):
+        if is_superseded(self):
             return  # a newer optimizer trains all of its parameters: their gradients are its
         found = self._guards.discard()
         red = self._reduction.current
@@ -86,6 +86,8 @@ class TrainingLoop:
         norm-and-flags
         all-reduce (clipping, the fp16 overflow skip), updates, and returns ``closure()``'s
         loss as torch's does. A collective: call it on every rank."""
+        if is_superseded(self):  # stage 3: refused by the step pre-hook already
+            raise superseded_error(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():

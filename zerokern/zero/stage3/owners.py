@@ -40,12 +40,12 @@ from .states import GradPhase
 _SLOTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def check_disjoint(params: list[torch.nn.Parameter], rt: Any, where: str, *,
+def check_disjoint(params: list[torch.nn.Parameter], rt: Any | None, where: str, *,
                    replace: bool = True, me: Any = None) -> list[Any]:
     """Before a stage-3 optimizer over ``params`` is built (or ``me`` adds them in a param
     group, ``replace=False``): refuse a parameter that another live zerokern optimizer trains,
     unless ``params`` take all of that optimizer's (``replace``: it is replaced). Returns the
-    optimizers replaced."""
+    optimizers replaced. ``rt`` None: the parameters of a plain model (stages 0-2)."""
     given = {id(p) for p in params}
     replaced: dict[int, Any] = {}
     for p in params:
@@ -53,10 +53,14 @@ def check_disjoint(params: list[torch.nn.Parameter], rt: Any, where: str, *,
         if other is None or other is me or id(other) in replaced or is_superseded(other):
             continue
         if not replace or any(id(q) not in given for q in other.managed_params):
-            name = rt.param_names.get(id(p), f"<parameter of shape {tuple(rt.shape_of(p))}>")
+            if rt is None:  # stages 0-2: a plain model
+                name, on = f"<parameter of shape {tuple(p.shape)}>", "this model"
+            else:
+                name = rt.param_names.get(id(p), f"<parameter of shape {tuple(rt.shape_of(p))}>")
+                on = "this sharded model"
             raise ValueError(
                 f"params: parameter {name} is already trained by a live "
-                f"{type(other).__name__} on this sharded model; every parameter belongs to "
+                f"{type(other).__name__} on {on}; every parameter belongs to "
                 f"at most one optimizer (several optimizers must take disjoint parameters). "
                 f"Leave it out of this {where}, or drop (del) the other optimizer first")
         replaced[id(other)] = other
@@ -89,11 +93,13 @@ def is_superseded(opt: Any) -> bool:
     return ref is not None and ref() is not None
 
 
-def superseded_error(opt: Any) -> RuntimeError:
+def superseded_error(opt: Any, call: str = "step") -> RuntimeError:
     name = type(opt).__name__
+    model = ("a model sharded by zerokern.shard_model (ZeRO stage 3)"
+             if getattr(opt, "_rt", None) is not None else "the model")
     return RuntimeError(
-        f"{name}.step(): a newer zerokern optimizer was built over all of this {name}'s "
-        "parameters of a model sharded by zerokern.shard_model (ZeRO stage 3): it trains them "
+        f"{name}.{call}(): a newer zerokern optimizer was built over all of this {name}'s "
+        f"parameters of {model}: it trains them "
         "now (a parameter belongs to at most one optimizer). Step the new one, and drop (del) "
         "this one. Nothing was updated.")
 
