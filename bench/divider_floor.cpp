@@ -24,24 +24,22 @@ double now() {
 
 enum class Op { Sqrt, Div, Update };
 
+#if defined(__AVX512F__) || defined(__AVX__)
 #if defined(__AVX512F__)
+#define ZK_VEC(op) _mm512_##op
 constexpr int kLanes = 16;
 using F = __m512;
-F ld(const float* p) { return _mm512_loadu_ps(p); }
-void st(float* p, F x) { _mm512_storeu_ps(p, x); }
-F set1(float x) { return _mm512_set1_ps(x); }
-F vsqrt(F x) { return _mm512_sqrt_ps(x); }
-F vdiv(F a, F b) { return _mm512_div_ps(a, b); }
-F vadd(F a, F b) { return _mm512_add_ps(a, b); }
-#elif defined(__AVX__)
+#else
+#define ZK_VEC(op) _mm256_##op
 constexpr int kLanes = 8;
 using F = __m256;
-F ld(const float* p) { return _mm256_loadu_ps(p); }
-void st(float* p, F x) { _mm256_storeu_ps(p, x); }
-F set1(float x) { return _mm256_set1_ps(x); }
-F vsqrt(F x) { return _mm256_sqrt_ps(x); }
-F vdiv(F a, F b) { return _mm256_div_ps(a, b); }
-F vadd(F a, F b) { return _mm256_add_ps(a, b); }
+#endif
+F ld(const float* p) { return ZK_VEC(loadu_ps)(p); }
+void st(float* p, F x) { ZK_VEC(storeu_ps)(p, x); }
+F set1(float x) { return ZK_VEC(set1_ps)(x); }
+F vsqrt(F x) { return ZK_VEC(sqrt_ps)(x); }
+F vdiv(F a, F b) { return ZK_VEC(div_ps)(a, b); }
+F vadd(F a, F b) { return ZK_VEC(add_ps)(a, b); }
 #else
 constexpr int kLanes = 1;
 using F = float;
