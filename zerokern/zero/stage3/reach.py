@@ -23,6 +23,7 @@ for all its gradients as before.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,48 +34,85 @@ _OPAQUE = "CheckpointFunctionBackward"
 
 
 class Reached:
-    """The ids of the parameters the forwards since the last backward reached, and the units
-    whose forward a reentrant checkpoint's recompute ran since its region's last end."""
+    """The parameters reached by the forwards whose graphs a backward may run through, and the
+    units whose forward a reentrant checkpoint's recompute ran since its region's last end.
+
+    Each root forward in grad mode is one entry, alive while its graph is (a token held by a
+    hook on its outputs' nodes): a forward whose output was dropped without a backward (a
+    metric's extra forward, a skipped batch) reached parameters that no backward will bring,
+    and counting them would hold a unit back on this rank alone. A backward marks the entries
+    done; the next forward drops those (gradient accumulation: the last backward's forward is
+    not this one's), while a second backward through a retained graph still has them."""
 
     def __init__(self, on_region_end: Callable[[Any], None]) -> None:
-        self.ids: set[int] = set()
-        self.seen_forward = False
-        self.opaque = False  # a reentrant checkpoint region hides parameters from the walk
+        self._entries: list[_Entry] = []
         self.touched: set[int] = set()  # units whose forward ran in a recompute
         self._on_region_end = on_region_end
 
     def add(self, out: Any) -> None:
         """A root forward returned ``out``: walk its graph to the leaves."""
-        self.seen_forward = True
-        for node in _walk(out, self.ids):
-            self.opaque = True
+        self._entries = [e for e in self._entries if not e.done and e.alive()]
+        token = _Token()
+        entry = _Entry(token)
+        roots, regions = _walk(out, entry.ids)
+        for node in regions:
+            entry.opaque = True
             fn = getattr(node, "run_function", None)  # the region's function (its ctx)
             node.register_hook(lambda grad_in, grad_out, fn=fn: self._on_region_end(fn))
+        for node in roots:  # the graph holds the token: dropped with it
+            node.register_prehook(token)
+        self._entries.append(entry)
 
     def unused(self, params: list[torch.nn.Parameter], waiting: set[int], *,
                region_ended: bool = False) -> set[int]:
         """Of ``waiting`` (indices into ``params``), those no forward reached; none when no
-        forward was seen (a backward of a graph built otherwise), or before the end of a
-        reentrant checkpoint region when the forward had one (any of them may be hidden in
+        forward's graph lives (a backward of a graph built otherwise), or before the end of a
+        reentrant checkpoint region when a forward had one (any of them may be hidden in
         it), or when all of them would go (their gradients may come some other way)."""
-        if not self.seen_forward or (self.opaque and not region_ended):
+        live = [e for e in self._entries if e.alive()]
+        if not live or (any(e.opaque for e in live) and not region_ended):
             return set()
-        out = {j for j in waiting if id(params[j]) not in self.ids}
+        out = {j for j in waiting if all(id(params[j]) not in e.ids for e in live)}
         return out if region_ended or out != waiting else set()
 
     def reset(self) -> None:
-        """A backward ended: the next forwards start a new set."""
-        self.ids, self.seen_forward, self.opaque, self.touched = set(), False, False, set()
+        """A backward ended: the next forward starts a new set."""
+        for e in self._entries:
+            e.done = True
+        self.touched = set()
 
 
-def _walk(out: Any, ids: set[int]) -> list[Any]:
-    """Add to ``ids`` the parameters ``out``'s graph reaches; return the reentrant checkpoint
-    nodes it passed (their regions' parameters are out of its sight)."""
+class _Token:
+    """A no-op pre-hook on a forward's output nodes, so that it lives as long as its graph."""
+
+    def __call__(self, grad_outputs: Any) -> None:
+        return None
+
+
+class _Entry:
+    """One root forward: the ids of the parameters it reached, whether a reentrant
+    checkpoint region hid some, whether a backward ran since, and whether its graph lives
+    (a weak reference to the token only that graph's hooks hold)."""
+
+    def __init__(self, token: _Token) -> None:
+        self.ids: set[int] = set()
+        self.opaque = False
+        self.done = False
+        self._ref = weakref.ref(token)
+
+    def alive(self) -> bool:
+        return self._ref() is not None
+
+
+def _walk(out: Any, ids: set[int]) -> tuple[list[Any], list[Any]]:
+    """Add to ``ids`` the parameters ``out``'s graph reaches; return its root nodes and the
+    reentrant checkpoint nodes it passed (their regions' parameters are out of its sight)."""
     stack = [t.grad_fn for t in tree_flatten(out)[0]
              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     # Keyed by id, holding the node: a C++ node's Python object is made on demand and
     # cached only while alive, so a dropped one's id could come back for another node.
     seen: dict[int, Any] = {id(fn): fn for fn in stack}
+    roots = list(seen.values())
     regions = []
     while stack:
         fn = stack.pop()
@@ -88,7 +126,7 @@ def _walk(out: Any, ids: set[int]) -> list[Any]:
             if nxt is not None and id(nxt) not in seen:
                 seen[id(nxt)] = nxt
                 stack.append(nxt)
-    return regions
+    return roots, regions
 
 
 def region_owners(fn: Any) -> set[int]:
