@@ -1,10 +1,11 @@
 """Stage 3 with experts idle on some ranks only (tests/test_moe_unused.py), in the training
 loops where what "this backward's forwards" are is not simply the forwards since the last
 backward: a forward in grad mode whose output is dropped without a backward (a metric's extra
-forward, a skipped batch), and a second backward through a retained graph. Each rank must
-still decide from the graph it backwards, or the ranks reduce their units in different
-orders: between units of one size, each other's gradients, without an error. Against
-torch AdamW on the same model with the gradients averaged over the ranks."""
+forward, a skipped batch), and a second backward through a retained graph; and a model where
+only some blocks are in a reentrant activation checkpoint (the others decide as without one).
+Each rank must still decide from the graph it backwards, or the ranks reduce their units in
+different orders: between units of one size, each other's gradients, without an error.
+Against torch AdamW on the same model with the gradients averaged over the ranks."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _run(rank: int, world: int, how: str, sharded: bool) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = Net(reentrant=False)
+    model.blocks[0].reentrant = how == "mixed"  # block 1, with the idle experts, is not
     if sharded:
         opt = zerokern.parallelize(model, stage=3, unit_classes=(MoE,), bucket_numel=40, **HP)
     else:
@@ -53,12 +55,12 @@ def _run(rank: int, world: int, how: str, sharded: bool) -> dict[str, torch.Tens
 
 
 def _case(rank: int, world: int) -> None:
-    for how in ("dropped", "retained"):
+    for how in ("dropped", "retained", "mixed"):
         ref, got = _run(rank, world, how, False), _run(rank, world, how, True)
         for k, v in ref.items():
             torch.testing.assert_close(got[k], v, rtol=0, atol=1e-5,
                                        msg=lambda m, k=k, h=how: f"{h}: {k}: {m}")
 
 
-def test_dropped_forward_and_retained_graph_match_torch(tmp_path):
+def test_dropped_forward_retained_graph_some_blocks_checkpointed_match_torch(tmp_path):
     run_ranks(2, _case, tmp_path=tmp_path)
