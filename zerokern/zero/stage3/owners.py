@@ -98,7 +98,12 @@ def supersede(old: list[Any], new: Any) -> None:
 
 
 def is_superseded(opt: Any) -> bool:
-    """Whether a newer optimizer took over all of ``opt``'s parameters (and still lives)."""
+    """Whether a newer optimizer took over all of ``opt``'s parameters (and still lives; at
+    stages 0-2 for good: the old one's hooks came off, and its parameters name the newer one,
+    so stepping it again after the newer one was dropped would clip by this rank's gradients
+    alone, without an error)."""
+    if getattr(opt, "_retired", False):
+        return True
     ref = getattr(opt, "_superseded_by", None)
     return ref is not None and ref() is not None
 
