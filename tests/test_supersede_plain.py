@@ -8,6 +8,7 @@ died on the old one's guard."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -56,6 +57,21 @@ def superseded_case(rank, world):
         with pytest.raises(ValueError, match=r"parameter <parameter of shape \(8, 6\)> is "
                                              r"already trained by a live ZeroAdamW on this model"):
             zerokern.ZeroAdamW([model[0].weight], stage=stage)
+        # The newer one dropped, the old one stays retired (its hooks are gone, and its
+        # parameters named the newer one, so a clip would have used this rank's gradients).
+        del new
+        gc.collect()
+        with pytest.raises(RuntimeError, match="a newer zerokern optimizer was built over all"):
+            old.step()
+        # Once dropped (del: an optimizer lives on in reference cycles until collected, on
+        # each rank at its own time), part of its parameters may go to a new one.
+        full = zerokern.ZeroAdamW(model.parameters(), stage=stage, bucket_numel=37, **HP)
+        del old, full
+        sub = zerokern.ZeroAdamW(model[2].parameters(), stage=stage, bucket_numel=37, **HP)
+        rsub = torch.optim.AdamW(ref[2].parameters(), foreach=False, **HP)
+        _steps(model, sub, ref, rsub, rank, world, 5, 1)
+        torch.testing.assert_close(model[2].weight.detach(), ref[2].weight.detach(),
+                                   rtol=TRAIN_FP32[0], atol=TRAIN_FP32[1])
 
 
 def test_a_new_optimizer_over_a_live_ones_parameters_takes_them_over(tmp_path):

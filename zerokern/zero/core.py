@@ -282,6 +282,7 @@ class ZeroCore(torch.optim.Optimizer):
             h.remove()
         self._grad_hooks = []
         self._guards.retire()
+        self._retired = True  # for good (owners.is_superseded)
 
     def _on_grad(self, index: int) -> None:
         self._reduction.count_event()

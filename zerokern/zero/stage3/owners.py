@@ -27,6 +27,7 @@ marks of the optimizers that were up to date over such a write.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Any
 
@@ -52,6 +53,15 @@ def check_disjoint(params: list[torch.nn.Parameter], rt: Any | None, where: str,
         other = optimizer_of(p)
         if other is None or other is me or id(other) in replaced or is_superseded(other):
             continue
+        if not replace or any(id(q) not in given for q in other.managed_params):
+            # An optimizer is in reference cycles (its hooks, its engine): one the script
+            # dropped (del) lives on until the cycle collector runs, which each rank does at
+            # its own time. Collect now, so that the answer is the script's on every rank.
+            del other
+            gc.collect()
+            other = optimizer_of(p)
+            if other is None or is_superseded(other):
+                continue
         if not replace or any(id(q) not in given for q in other.managed_params):
             if rt is None:  # stages 0-2: a plain model
                 name, on = f"<parameter of shape {tuple(p.shape)}>", "this model"
@@ -88,7 +98,12 @@ def supersede(old: list[Any], new: Any) -> None:
 
 
 def is_superseded(opt: Any) -> bool:
-    """Whether a newer optimizer took over all of ``opt``'s parameters (and still lives)."""
+    """Whether a newer optimizer took over all of ``opt``'s parameters (and still lives; at
+    stages 0-2 for good: the old one's hooks came off, and its parameters name the newer one,
+    so stepping it again after the newer one was dropped would clip by this rank's gradients
+    alone, without an error)."""
+    if getattr(opt, "_retired", False):
+        return True
     ref = getattr(opt, "_superseded_by", None)
     return ref is not None and ref() is not None
 

@@ -242,6 +242,7 @@ class Stage3Runtime:
             self._recompute.reset()  # a backward that raised ended without its callback
             self.ctx.free_retired()
         if u.is_root and not u.in_backward:
+            self._reached.begin_forward()
             self.order.start()
             if self.ctx.secondary is not None:  # hpZ: this forward gathers across nodes anew
                 self.ctx.secondary.drop()
@@ -249,6 +250,7 @@ class Stage3Runtime:
                 self._saved_hooks.enter()
         u.gather()
         if not u.in_backward:
+            self._reached.ran(u.index)
             self.order.ran(u.index)
             for i in self.order.forward_prefetch(self.prefetch):
                 nxt = self.units[i]
@@ -292,7 +294,7 @@ class Stage3Runtime:
         if u.is_root and not u.in_backward:
             self._saved_hooks.exit()
             if grad_mode:
-                self._reached.add(out)
+                self._reached.add(out, self._units_of)
             for other in self.units:  # prefetched but never run this time
                 if other.gathered and not other.in_backward and other is not u:
                     other.release()
@@ -331,7 +333,7 @@ class Stage3Runtime:
             self._queue_end_of_backward(task)
         if not u.in_backward:
             u.begin_backward(self._reduces)
-            u.waiting -= self._reached.unused(u.params, u.waiting)
+            u.waiting -= self._reached.unused(u.params, u.waiting, u.index)
             u.gather()
             for i in self.order.backward_prefetch(u.index, self.prefetch):
                 nxt = self.units[i]
@@ -370,15 +372,19 @@ class Stage3Runtime:
         # none is due. HF checkpoints partial(forward, layer, ...) inside the layer's call;
         # a bound method of the unit (self._forward) is its whole forward too.
         whole, self._reached.touched = self._reached.touched, set()
-        owners = region_owners(fn)
-        whole |= {u.index for u in self.units if id(u.module) in owners}
+        whole |= self._units_of(fn)
         for i in sorted(whole):
             u = self.units[i]
             if not u.in_backward or not u.waiting:
                 continue
-            u.waiting -= self._reached.unused(u.params, u.waiting, region_ended=True)
+            u.waiting -= self._reached.unused(u.params, u.waiting, i, region_ended=True)
             if not u.waiting and self.sync:
                 u.reduce(self._left_on, keep=keeps_gathered(u, self._reduces))
+
+    def _units_of(self, fn: Any) -> set[int]:
+        """The units a reentrant checkpoint region's function is the whole forward of."""
+        owners = region_owners(fn)
+        return {u.index for u in self.units if id(u.module) in owners}
 
     def _end_of_backward(self) -> None:
         """Units whose gradients did not all arrive (unused parameters) are reduced with zeros
