@@ -3,12 +3,14 @@
 //
 //   c++ -O2 -march=native bench/divider_floor.cpp -o /tmp/divider_floor && /tmp/divider_floor
 //
-// Each loop streams 4096-element arrays that stay in L1 (no memory traffic), with independent
-// iterations (throughput, not latency), and reports the best of its repeats in ns per element
-// and in ms for 2^25 elements, the size bench_adam.py's goals are stated at. Compared there
-// with torch's fused AdamW at 2^25 (the same machine, the same clock), it says which ratios a
-// kernel could reach if everything but the divider were free.
+// Each loop streams 4096-element arrays that stay in L1 or L2 (no memory traffic), with
+// independent iterations (throughput, not latency), and reports the best of its repeats in ns
+// per element and in ms for 2^25 elements, the size bench_adam.py's goals are stated at.
+// Compared there with torch's fused AdamW at 2^25 (the same machine, the same clock), it
+// says which ratios a kernel could reach if everything but the divider were free.
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
 #include <immintrin.h>
+#endif
 
 #include <chrono>
 #include <cmath>

@@ -233,8 +233,9 @@ class ZeroTrainer(_tf.Trainer):
                 raise ValueError(
                     f"ZeroTrainer: TrainingArguments({full_eval}=True) at stage 3: the Trainer "
                     "evaluates by casting the whole model (model.to(dtype)), which a "
-                    "partitioned model cannot be; evaluate under autocast with bf16=True, "
-                    "train a 16-bit model, or use stage 0-2")
+                    f"partitioned model cannot be (even a no-op cast); drop {full_eval} and "
+                    "evaluate under autocast with bf16=True, train a 16-bit model, or use "
+                    "stage 0-2")
         optim = ZeroTrainer._optim_name(targs)
         if not have_optimizer and optim not in _ADAMW_OPTIMS + _TORCH_OPTIMS:
             raise ValueError(f"ZeroTrainer: TrainingArguments(optim={optim!r}); "
