@@ -86,7 +86,7 @@ class TrainingLoop:
         norm-and-flags
         all-reduce (clipping, the fp16 overflow skip), updates, and returns ``closure()``'s
         loss as torch's does. A collective: call it on every rank."""
-        if is_superseded(self):  # stage 3: refused by the step pre-hook already
+        if is_superseded(self):  # stages 0-2 (at stage 3 the step pre-hook refuses first)
             raise superseded_error(self)
         loss = None
         if closure is not None:

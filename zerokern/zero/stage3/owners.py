@@ -43,17 +43,21 @@ _SLOTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def check_disjoint(params: list[torch.nn.Parameter], rt: Any | None, where: str, *,
                    replace: bool = True, me: Any = None) -> list[Any]:
-    """Before a stage-3 optimizer over ``params`` is built (or ``me`` adds them in a param
-    group, ``replace=False``): refuse a parameter that another live zerokern optimizer trains,
+    """Before an optimizer over ``params`` is built (or ``me`` adds them in a param group,
+    ``replace=False``): refuse a parameter that another live zerokern optimizer trains,
     unless ``params`` take all of that optimizer's (``replace``: it is replaced). Returns the
-    optimizers replaced. ``rt`` None: the parameters of a plain model (stages 0-2)."""
+    optimizers replaced. ``rt``: the stage-3 runtime, None for a plain model (stages 0-2)."""
     given = {id(p) for p in params}
     replaced: dict[int, Any] = {}
+
+    def conflicts(other: Any) -> bool:
+        return not replace or any(id(q) not in given for q in other.managed_params)
+
     for p in params:
         other = optimizer_of(p)
         if other is None or other is me or id(other) in replaced or is_superseded(other):
             continue
-        if not replace or any(id(q) not in given for q in other.managed_params):
+        if conflicts(other):
             # An optimizer is in reference cycles (its hooks, its engine): one the script
             # dropped (del) lives on until the cycle collector runs, which each rank does at
             # its own time. Collect now, so that the answer is the script's on every rank.
@@ -62,7 +66,7 @@ def check_disjoint(params: list[torch.nn.Parameter], rt: Any | None, where: str,
             other = optimizer_of(p)
             if other is None or is_superseded(other):
                 continue
-        if not replace or any(id(q) not in given for q in other.managed_params):
+        if conflicts(other):
             if rt is None:  # stages 0-2: a plain model
                 name, on = f"<parameter of shape {tuple(p.shape)}>", "this model"
             else:
